@@ -1,0 +1,1 @@
+"""progress-service: progress heartbeats into Redis, flushed to the shared Postgres."""

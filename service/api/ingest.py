@@ -1,0 +1,131 @@
+"""The four progress POSTs, served as plain ASGI in front of FastAPI.
+
+This is the hot path: ~12 requests per minute per active listener. FastAPI's per-request
+dependency and serialisation machinery costs more than the work itself, so these routes are
+answered here, with the same models, the same errors and the same OpenAPI description
+(`service/api/openapi.py`), and everything else falls through to the FastAPI app.
+"""
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from service import metrics
+from service.auth import Authenticator, AuthError
+from service.progress.buffer import PositionWriter, now_ms
+from service.progress.content import KIND_BY_PATH, ContentKind
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger(__name__)
+
+CREATED_BODY = b'{"data":true}'
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _error_body(detail: object) -> bytes:
+    return json.dumps({"detail": detail}, separators=(",", ":")).encode()
+
+
+def _validation_detail(exc: ValidationError) -> list[dict[str, object]]:
+    return [
+        {"loc": ["body", *err["loc"]], "msg": err["msg"], "type": err["type"]}
+        for err in exc.errors(include_url=False, include_context=False, include_input=False)
+    ]
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionResetError("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+class ProgressIngest:
+    """ASGI middleware: POSTs to the four progress routes end here; anything else goes to `app`."""
+
+    def __init__(self, app: ASGIApp, *, authenticator: Authenticator, max_body_bytes: int) -> None:
+        self.app = app
+        self.authenticator = authenticator
+        self.max_body_bytes = max_body_bytes
+        self.writer: PositionWriter | None = None  # set by the lifespan once Redis is connected
+        self._requests = {
+            (kind.path, status): metrics.HTTP_REQUESTS.labels(kind.path, str(status))
+            for kind in KIND_BY_PATH.values()
+            for status in (201, 400, 401, 405, 413, 422, 503)
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = KIND_BY_PATH.get(scope["path"]) if scope["type"] == "http" else None
+        if kind is None:
+            await self.app(scope, receive, send)
+            return
+        status, body = await self._handle(kind, scope, receive)
+        headers = _JSON_HEADERS if status != 405 else [*_JSON_HEADERS, (b"allow", b"POST")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        self._requests[(kind.path, status)].inc()
+
+    async def _handle(self, kind: ContentKind, scope: Scope, receive: Receive) -> tuple[int, bytes]:
+        if scope["method"] != "POST":
+            return 405, _error_body("method not allowed: use POST")
+        authorization = gateway_value = None
+        declared_length = 0
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value
+            elif name == b"content-length":
+                declared_length = int(value) if value.isdigit() else 0
+            elif name == self.authenticator.gateway_header:
+                gateway_value = value
+        try:
+            user_id = self.authenticator.user_id(authorization, gateway_value)
+        except AuthError as exc:
+            return 401, _error_body(str(exc))
+        if declared_length > self.max_body_bytes:
+            return 413, _error_body(f"body larger than {self.max_body_bytes} bytes")
+        try:
+            raw = await _read_body(receive, self.max_body_bytes)
+        except _BodyTooLarge:
+            return 413, _error_body(f"body larger than {self.max_body_bytes} bytes")
+        try:
+            heartbeat = kind.body.model_validate_json(raw)
+        except ValidationError as exc:
+            detail = _validation_detail(exc)
+            # unparseable JSON is a malformed request; a parsed body with wrong fields is unprocessable
+            status = 400 if any(err["type"] == "json_invalid" for err in detail) else 422
+            return status, _error_body(detail)
+        if self.writer is None:
+            return 503, _error_body("progress buffer not connected yet")
+        try:
+            await self.writer.write(
+                content_type=kind.name, content_id=getattr(heartbeat, kind.id_column), user_id=user_id,
+                position=heartbeat.position, received_ms=now_ms(),
+            )  # fmt: skip
+        except (RedisError, OSError) as exc:
+            metrics.REDIS_WRITE_ERRORS.labels(kind.name).inc()
+            log.warning("heartbeat not stored: Redis write failed (%s: %s)", type(exc).__name__, exc,
+                        extra={"content_type": kind.name})  # fmt: skip
+            return 503, _error_body("progress buffer unavailable, retry later")
+        return 201, CREATED_BODY

@@ -1,0 +1,121 @@
+"""`progress-service` / `python -m service`: serve, dev, and the one-off commands."""
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+
+from service.config import ConfigError, Settings, load_settings
+from service.logs import configure_logging
+
+DEV_JWT_SECRET = "dev-only-secret-not-for-production"
+
+
+def _uvicorn_options(host: str, port: int) -> dict[str, object]:
+    return {
+        "host": host,
+        "port": port,
+        "loop": "uvloop",
+        "http": "httptools",
+        "lifespan": "on",
+        "log_config": None,
+        "access_log": False,
+        "proxy_headers": True,
+        "server_header": False,
+        "timeout_graceful_shutdown": 30,
+    }
+
+
+def _serve(args: argparse.Namespace) -> int:
+    settings = load_settings()
+    configure_logging(settings.log_level)
+    settings.check_can_serve()  # in the parent too: a bad config fails once, with its message
+    uvicorn.run("service.app:app_from_environment", factory=True, workers=args.workers,
+                **_uvicorn_options(args.host, args.port))  # type: ignore[arg-type]  # fmt: skip
+    return 0
+
+
+def _dev(args: argparse.Namespace) -> int:
+    from service import embedded
+    from service.app import create_app
+    from service.auth import make_token
+
+    data_dir = Path(os.environ.get("DEV_DATA_DIR", ".progress-service")).resolve()
+    os.environ.setdefault("JWT_SECRET", DEV_JWT_SECRET)
+    servers: list[embedded.EmbeddedRedis | embedded.EmbeddedPostgres] = []
+    try:
+        if "REDIS_URL" not in os.environ:
+            redis_server = embedded.EmbeddedRedis(data_dir / "valkey", args.redis_port)
+            _progress(f"starting embedded Valkey on 127.0.0.1:{redis_server.port} (data in {redis_server.data_dir})")
+            redis_server.start()
+            servers.append(redis_server)
+            os.environ["REDIS_URL"] = redis_server.url
+        if "DATABASE_URL" not in os.environ:
+            pg = embedded.EmbeddedPostgres(data_dir / "postgres", args.postgres_port)
+            _progress(f"starting embedded Postgres on 127.0.0.1:{pg.port} (data in {pg.data_dir})")
+            pg.start()
+            servers.append(pg)
+            pg.create_database("progress")
+            os.environ["DATABASE_URL"] = pg.url("progress")
+        _progress("applying migrations_ref/*.sql and dev seed data")
+        applied = asyncio.run(embedded.prepare_database(os.environ["DATABASE_URL"], seed=True))
+        _progress(f"applied {', '.join(applied)}")
+        settings = load_settings()
+        configure_logging(settings.log_level)
+        app = create_app(settings)
+        token = make_token(settings, 1)
+        print(
+            f"\nprogress-service dev is ready on http://{args.host}:{args.port}\n"
+            f"REDIS_URL={settings.redis_url}\nDATABASE_URL={settings.database_url}\n\n"
+            "Try it (user 1, lesson 1):\n"
+            f"  curl -i -X POST http://{args.host}:{args.port}/engagements/progress/lesson \\\n"
+            f"    -H 'Authorization: Bearer {token}' \\\n"
+            "    -H 'Content-Type: application/json' -d '{\"lesson_id\": 1, \"position\": 42.5}'\n\n"
+            "Ctrl-C stops the service and the embedded servers.\n",
+            flush=True,
+        )
+        uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args.host, args.port))).run()  # type: ignore[arg-type]
+    finally:
+        for server in reversed(servers):
+            _progress(f"stopping embedded {server.name}")
+            server.stop()
+    return 0
+
+
+def _progress(message: str) -> None:
+    print(f"[progress-service] {message}", file=sys.stderr, flush=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="progress-service", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the HTTP service (config from the environment)")
+    serve.add_argument("--host", default=os.environ.get("HOST", "0.0.0.0"))
+    serve.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    serve.add_argument("--workers", type=int, default=int(os.environ.get("WORKERS", "1")))
+    serve.set_defaults(run=_serve)
+
+    dev = commands.add_parser("dev", help="run with embedded Valkey and Postgres in ./.progress-service")
+    dev.add_argument("--host", default="127.0.0.1")
+    dev.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+    dev.add_argument("--redis-port", type=int, default=56379)
+    dev.add_argument("--postgres-port", type=int, default=55432)
+    dev.set_defaults(run=_dev)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return run(args)
+    except ConfigError as exc:
+        print(f"progress-service: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,31 @@
+"""The two connections every process of the service holds: Redis and the shared Postgres."""
+
+import asyncpg
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from service.config import Settings
+
+
+def connect_redis(settings: Settings) -> Redis:
+    # One quick retry covers a pooled connection that went stale (Redis restarted); more would
+    # hold every request of an outage for seconds instead of answering it.
+    return Redis.from_url(
+        settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        socket_timeout=settings.redis_socket_timeout_seconds,
+        socket_connect_timeout=settings.redis_socket_timeout_seconds,
+        retry=Retry(NoBackoff(), 1),
+        health_check_interval=30,
+    )
+
+
+async def create_db_pool(settings: Settings) -> asyncpg.Pool:
+    return await asyncpg.create_pool(
+        settings.database_url,
+        min_size=settings.database_pool_min_size,
+        max_size=settings.database_pool_max_size,
+        command_timeout=settings.database_command_timeout_seconds,
+        statement_cache_size=settings.database_statement_cache_size,
+    )

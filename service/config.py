@@ -1,0 +1,94 @@
+"""All configuration, read once from the environment and validated at start-up."""
+
+import socket
+from typing import Literal
+
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ConfigError(Exception):
+    """The environment does not describe a service that can start; the message says what to set."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_file=None, extra="ignore", case_sensitive=False)
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_max_connections: int = Field(64, ge=1)
+    redis_socket_timeout_seconds: float = Field(2.0, gt=0)
+    database_url: str = ""
+    database_pool_min_size: int = Field(1, ge=0)
+    database_pool_max_size: int = Field(10, ge=1)
+    database_command_timeout_seconds: float = Field(30.0, gt=0)
+    # PgBouncer in transaction mode cannot keep prepared statements across transactions.
+    database_statement_cache_size: int = Field(100, ge=0)
+
+    auth_mode: Literal["jwt", "gateway"] = "jwt"
+    auth_gateway_header: str = "X-User-Id"
+    jwt_secret: str = ""
+    jwt_public_key: str = ""
+    jwt_algorithms: str = "HS256"
+    jwt_user_id_claim: str = "user_id"
+    jwt_audience: str = ""
+    jwt_issuer: str = ""
+
+    max_body_bytes: int = Field(4096, ge=256, le=1_048_576)
+    progress_position_ttl_seconds: int = Field(3600, ge=60)
+    progress_flusher_enabled: bool = True
+    progress_flush_interval_seconds: float = Field(60.0, gt=0)
+    progress_flush_batch_size: int = Field(500, ge=1, le=10_000)
+    progress_flush_lease_seconds: float = Field(120.0, gt=0)
+    progress_flush_concurrency: int = Field(4, ge=1)
+    progress_completion_margin_seconds: float = Field(10.0, ge=0)
+    progress_shutdown_timeout_seconds: float = Field(20.0, gt=0)
+
+    journey_batch_size: int = Field(200, ge=1, le=10_000)
+    reservation_block_size: int = Field(200, ge=1, le=16_000)
+    send_email: bool = True
+    email_queue_stream: str = "emails:trial_journey"
+    trial_journey_interval_seconds: float = Field(3600.0, ge=0)
+
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    pod_name: str = Field(default_factory=socket.gethostname)
+
+    @model_validator(mode="after")
+    def _pool_sizes_agree(self) -> "Settings":
+        if self.database_pool_max_size < self.database_pool_min_size:
+            raise ValueError("DATABASE_POOL_MAX_SIZE must be >= DATABASE_POOL_MIN_SIZE")
+        return self
+
+    @property
+    def jwt_algorithm_list(self) -> list[str]:
+        return [name.strip() for name in self.jwt_algorithms.split(",") if name.strip()]
+
+    @property
+    def jwt_key(self) -> str:
+        return self.jwt_public_key or self.jwt_secret
+
+    def check_can_serve(self) -> None:
+        """Refuse a configuration that would start but answer every heartbeat wrongly."""
+        if self.auth_mode == "jwt":
+            if not self.jwt_key:
+                raise ConfigError(
+                    "AUTH_MODE=jwt needs a key: set JWT_SECRET (HS256, shared with the monolith) "
+                    "or JWT_PUBLIC_KEY with JWT_ALGORITHMS=RS256/ES256; "
+                    "or set AUTH_MODE=gateway behind a gateway that authenticates"
+                )
+            asymmetric = [a for a in self.jwt_algorithm_list if not a.startswith("HS")]
+            if asymmetric and not self.jwt_public_key:
+                raise ConfigError(f"JWT_ALGORITHMS={self.jwt_algorithms} needs JWT_PUBLIC_KEY (PEM)")
+            if self.jwt_public_key and not asymmetric:
+                raise ConfigError("JWT_PUBLIC_KEY is set: set JWT_ALGORITHMS to RS256 or ES256")
+            if self.jwt_secret and not self.jwt_public_key and len(self.jwt_secret) < 32:
+                raise ConfigError("JWT_SECRET is too short to be a real secret (at least 32 characters)")
+
+
+def load_settings() -> Settings:
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']).upper() or 'settings'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from None

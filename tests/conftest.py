@@ -1,0 +1,139 @@
+"""Real Redis (Valkey) and Postgres for the whole session: embedded servers unless URLs are given.
+
+TEST_REDIS_URL / TEST_DATABASE_URL point the suite at servers you run yourself; otherwise it
+starts its own in a temporary folder and stops them at the end. Every test starts from an empty
+Redis database and empty tables.
+"""
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from service import embedded
+from service.api.ingest import ProgressIngest
+from service.app import create_app
+from service.auth import make_token
+from service.config import Settings
+
+TEST_JWT_SECRET = "test-secret-0123456789abcdef-0123456789"
+
+# every table the tests write; TRUNCATE ... CASCADE keeps the order irrelevant
+_TABLES = (
+    "users_user", "courses_lesson", "audios_audio", "audios_meditation", "lives_live",
+    "engagements_lessonprogress", "audios_audioprogress", "audios_meditationprogress", "lives_liveprogress",
+    "progress_completion_event",
+)  # fmt: skip
+
+
+@dataclass
+class Servers:
+    redis_url: str
+    database_url: str
+    redis: embedded.EmbeddedRedis | None
+    postgres: embedded.EmbeddedPostgres | None
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    base = Path(tmp_path_factory.mktemp("servers"))
+    redis_server = pg = None
+    redis_url = os.environ.get("TEST_REDIS_URL")
+    database_url = os.environ.get("TEST_DATABASE_URL")
+    try:
+        if not redis_url:
+            redis_server = embedded.EmbeddedRedis(base / "valkey", None)
+            redis_server.start()
+            redis_url = redis_server.url.replace("/0", "/1")
+        if not database_url:
+            pg = embedded.EmbeddedPostgres(base / "postgres", None, durable=False)
+            pg.start()
+            pg.create_database("progress_test")
+            database_url = pg.url("progress_test")
+        yield Servers(redis_url, database_url, redis_server, pg)
+    finally:
+        if pg is not None:
+            pg.stop()
+        if redis_server is not None:
+            redis_server.stop()
+
+
+@pytest.fixture(scope="session")
+async def migrated(servers: Servers) -> str:
+    await embedded.prepare_database(servers.database_url, seed=False)
+    return servers.database_url
+
+
+@pytest.fixture
+def settings(servers: Servers, migrated: str) -> Settings:
+    return Settings(
+        redis_url=servers.redis_url,
+        database_url=migrated,
+        jwt_secret=TEST_JWT_SECRET,
+        progress_flush_interval_seconds=0.2,
+        progress_flush_lease_seconds=5,
+    )
+
+
+@pytest.fixture
+async def redis(servers: Servers) -> AsyncIterator[Redis]:
+    client = Redis.from_url(servers.redis_url, decode_responses=True)
+    await client.flushdb()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+async def db(migrated: str) -> AsyncIterator[asyncpg.Pool]:
+    pool = await asyncpg.create_pool(migrated, min_size=1, max_size=4)
+    assert pool is not None
+    await pool.execute(f"TRUNCATE {', '.join(_TABLES)} RESTART IDENTITY CASCADE")
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+@pytest.fixture
+def token(settings: Settings) -> str:
+    return make_token(settings, 7)
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+async def app(settings: Settings, redis: Redis) -> AsyncIterator[ProgressIngest]:
+    """The app with its lifespan running, as uvicorn would run it."""
+    app = create_app(settings)
+    async with app.app.router.lifespan_context(app.app):
+        yield app
+
+
+@pytest.fixture
+async def client(app: ProgressIngest) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        yield client
+
+
+async def seed(
+    db: asyncpg.Pool, *, users: int = 3, contents: int = 3, duration_s: int = 600
+) -> None:
+    """Users 1..users and content 1..contents of every kind, each `duration_s` long."""
+    await db.execute(
+        "INSERT INTO users_user (id, email) SELECT i, 'user' || i || '@example.com' FROM generate_series(1, $1) i",
+        users,
+    )
+    for table in ("courses_lesson", "audios_audio", "audios_meditation", "lives_live"):
+        await db.execute(
+            f"INSERT INTO {table} (id, title, duration) SELECT i, 'content ' || i, $2 FROM generate_series(1, $1) i",
+            contents, duration_s,
+        )  # fmt: skip
