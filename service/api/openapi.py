@@ -7,18 +7,19 @@ from fastapi.openapi.utils import get_openapi
 
 from service.progress.content import CONTENT_KINDS
 
-_ERROR = {"$ref": "#/components/schemas/Error"}
-
 
 def _error_response(description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": _ERROR}}}
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
 
 
 def _progress_operation(name: str, body_schema: str) -> dict[str, Any]:
     return {
         "post": {
             "operationId": f"post_{name}_progress",
-            "summary": f"Record a {name} progress heartbeat",
+            "summary": f"Record a progress heartbeat ({name})",
             "security": [{"bearerAuth": []}],
             "requestBody": {
                 "required": True,

