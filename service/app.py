@@ -1,9 +1,11 @@
 """The ASGI application: FastAPI for probes and metrics, the ingest fast path in front of it."""
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
+from typing import Any
 
 from fastapi import FastAPI
 from redis.exceptions import RedisError
@@ -12,35 +14,78 @@ from service.api import health
 from service.api.ingest import ProgressIngest
 from service.api.openapi import build_openapi
 from service.auth import Authenticator
-from service.clients import connect_redis
+from service.clients import connect_redis, create_db_pool
 from service.config import Settings, load_settings
 from service.logs import configure_logging
 from service.progress.buffer import WRITE_SCRIPT, PositionWriter
+from service.progress.flusher import Flusher
 
 log = logging.getLogger(__name__)
+
+
+class BackgroundTasks:
+    """The pod's loops: each handle kept, its failure logged, all stopped and awaited on shutdown."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self, name: str, loop: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(loop, name=name)
+        task.add_done_callback(self._report)
+        self._tasks.append(task)
+
+    def _report(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task %s died", task.get_name(), exc_info=task.exception())
+
+    def running(self) -> dict[str, bool]:
+        return {task.get_name(): not task.done() for task in self._tasks}
+
+    async def aclose(self, timeout_s: float) -> None:
+        self.stop.set()
+        if not self._tasks:
+            return
+        _, late = await asyncio.wait(self._tasks, timeout=timeout_s)
+        for task in late:
+            log.warning("background task %s did not stop in %.0fs; cancelling it", task.get_name(), timeout_s)
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 @asynccontextmanager
 async def lifespan(api: FastAPI) -> AsyncIterator[None]:
     settings: Settings = api.state.settings
     ingest: ProgressIngest = api.state.ingest
-    redis = connect_redis(settings)
-    try:
-        await redis.script_load(WRITE_SCRIPT)
-    except (RedisError, OSError) as exc:
-        # not fatal: readiness reports it, and the writer loads the script once Redis is back
-        log.warning("Redis not reachable at start-up (%s); /health/ready will say so", exc)
-    writer = PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds)
-    api.state.redis = redis
-    ingest.writer = writer
-    log.info("progress-service started", extra={"pod": settings.pod_name})
-    try:
-        yield
-    finally:
-        ingest.writer = None
-        await writer.aclose()
-        await redis.aclose()
-        log.info("progress-service stopped", extra={"pod": settings.pod_name})
+    async with AsyncExitStack() as resources:  # closed in reverse order of opening
+        redis = connect_redis(settings)
+        resources.push_async_callback(redis.aclose)
+        try:
+            await redis.script_load(WRITE_SCRIPT)
+        except (RedisError, OSError) as exc:
+            # not fatal: readiness reports it, and the writer loads the script once Redis is back
+            log.warning("Redis not reachable at start-up (%s); /health/ready will say so", exc)
+        api.state.redis = redis
+        background = BackgroundTasks()
+        api.state.background = background
+        if settings.database_url:
+            pool = await create_db_pool(settings)
+            resources.push_async_callback(pool.close)
+            api.state.db_pool = pool
+            if settings.progress_flusher_enabled:
+                flusher = Flusher(redis=redis, pool=pool, settings=settings)
+                background.start("progress-flusher", flusher.run(background.stop))
+        # the final flush must see every write acknowledged before shutdown: stop the loops after the writer
+        resources.push_async_callback(background.aclose, settings.progress_shutdown_timeout_seconds + 5)
+        writer = PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds)
+        resources.push_async_callback(writer.aclose)
+        ingest.writer = writer
+        log.info("progress-service started", extra={"pod": settings.pod_name})
+        try:
+            yield
+        finally:
+            ingest.writer = None
+            log.info("progress-service stopping", extra={"pod": settings.pod_name})
 
 
 def create_app(settings: Settings | None = None) -> ProgressIngest:

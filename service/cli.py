@@ -89,6 +89,42 @@ def _dev(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flush(args: argparse.Namespace) -> int:
+    settings = load_settings()
+    configure_logging(settings.log_level)
+    if not settings.database_url:
+        raise ConfigError("flush needs DATABASE_URL (postgresql://...)")
+    return asyncio.run(_run_flusher(settings, once=args.once))
+
+
+async def _run_flusher(settings: Settings, *, once: bool) -> int:
+    import json
+    import signal
+    from dataclasses import asdict
+
+    from service.clients import connect_redis, create_db_pool
+    from service.progress.flusher import Flusher
+
+    redis = connect_redis(settings)
+    pool = await create_db_pool(settings)
+    try:
+        flusher = Flusher(redis=redis, pool=pool, settings=settings)
+        if once:
+            result = await flusher.flush_cycle()
+            print(json.dumps(asdict(result)), flush=True)
+            return 1 if result.failed_batches else 0
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        _progress(f"flushing every {settings.progress_flush_interval_seconds:g}s; SIGTERM or Ctrl-C stops")
+        await flusher.run(stop)
+        return 0
+    finally:
+        await pool.close()
+        await redis.aclose()
+
+
 def _openapi(args: argparse.Namespace) -> int:
     """Print the OpenAPI document the app serves, as YAML: `progress-service openapi > openapi.yaml`."""
     import yaml  # a dev tool; not a runtime dependency
@@ -122,6 +158,10 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("--redis-port", type=int, default=56379)
     dev.add_argument("--postgres-port", type=int, default=55432)
     dev.set_defaults(run=_dev)
+
+    flush = commands.add_parser("flush", help="run the flusher alone (no HTTP), e.g. in a flusher-only pod")
+    flush.add_argument("--once", action="store_true", help="drain everything pending, print a summary, exit")
+    flush.set_defaults(run=_flush)
 
     openapi = commands.add_parser("openapi", help="print the OpenAPI document (YAML) the app serves")
     openapi.set_defaults(run=_openapi)

@@ -18,7 +18,8 @@ class Settings(BaseSettings):
     redis_max_connections: int = Field(64, ge=1)
     redis_socket_timeout_seconds: float = Field(2.0, gt=0)
     database_url: str = ""
-    database_pool_min_size: int = Field(1, ge=0)
+    # 0: a pod starts (and serves heartbeats) while Postgres is still down
+    database_pool_min_size: int = Field(0, ge=0)
     database_pool_max_size: int = Field(10, ge=1)
     database_command_timeout_seconds: float = Field(30.0, gt=0)
     # PgBouncer in transaction mode cannot keep prepared statements across transactions.
@@ -68,6 +69,10 @@ class Settings(BaseSettings):
 
     def check_can_serve(self) -> None:
         """Refuse a configuration that would start but answer every heartbeat wrongly."""
+        if self.progress_flusher_enabled and not self.database_url:
+            raise ConfigError(
+                "the flusher needs DATABASE_URL (postgresql://...); for an API-only pod set PROGRESS_FLUSHER_ENABLED=false"
+            )
         if self.auth_mode == "jwt":
             if not self.jwt_key:
                 raise ConfigError(

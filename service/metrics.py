@@ -33,6 +33,40 @@ REDIS_WRITE_ERRORS = Counter(
     "progress_redis_write_errors_total", "Heartbeats whose Redis write failed.", ["content_type"]
 )
 
+# flusher
+PENDING_ENTRIES = Gauge("progress_pending_entries", "Members waiting in a pending set.", ["content_type"],
+                        multiprocess_mode="max")  # fmt: skip
+IN_FLIGHT_ENTRIES = Gauge("progress_in_flight_entries", "Members claimed by a flusher, not yet acked.",
+                          ["content_type"], multiprocess_mode="max")  # fmt: skip
+FLUSH_ROWS = Counter("progress_flush_rows_total", "Progress rows inserted or moved forward.", ["content_type"])
+FLUSH_COMPLETIONS = Counter("progress_flush_completions_total", "Completion events created.", ["content_type"])
+FLUSH_DROPPED = Counter(
+    "progress_flush_dropped_total", "Heartbeats dropped: unknown user or content.", ["content_type"]
+)
+FLUSH_EXPIRED = Counter(
+    "progress_flush_expired_total", "Pending entries whose value expired before a flush (lost positions).",
+    ["content_type"],
+)
+FLUSH_REQUEUED = Counter(
+    "progress_flush_requeued_total", "Entries put back in a pending set (database outage or expired lease)."
+)
+FLUSH_FAILURES = Counter(
+    "progress_flush_failed_batches_total", "Batches not persisted because the database was unavailable.",
+    ["content_type"],
+)
+FLUSH_BATCH_SECONDS = Histogram(
+    "progress_flush_batch_seconds", "Time to persist one batch.", ["content_type"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+FLUSH_LAG_SECONDS = Histogram(
+    "progress_flush_lag_seconds", "Flush time minus heartbeat receive time.",
+    buckets=(1, 5, 15, 30, 60, 90, 120, 180, 300, 600, 1800, 3600),
+)
+FLUSH_LAST_SUCCESS = Gauge(
+    "progress_flush_last_success_timestamp_seconds", "When a flush cycle last finished with no failed batch.",
+    multiprocess_mode="max",
+)
+
 
 def render_latest() -> tuple[bytes, str]:
     """With several worker processes, PROMETHEUS_MULTIPROC_DIR makes every scrape see all of them."""
@@ -45,4 +79,20 @@ def render_latest() -> tuple[bytes, str]:
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
 
 
-__all__ = ["Gauge"]
+TRIAL_EMAILS_RESERVED = Counter(
+    "progress_trial_email_reservations_total",
+    "Trial-journey emails reserved by this process (its INSERT won the unique constraint).",
+)
+TRIAL_EMAILS_ENQUEUED = Counter(
+    "progress_trial_email_enqueued_total", "Trial-journey emails published to the email queue."
+)
+TRIAL_EMAIL_ORPHANS = Counter(
+    "progress_trial_email_orphans_total",
+    "Trial-journey emails reserved but not known to be published: never sent unless re-enqueued "
+    "by hand (the log names each pair).",
+)
+TRIAL_JOURNEY_SWEEPS = Counter(
+    "progress_trial_journey_sweeps_total",
+    "Periodic trial-journey sweeps, by outcome (done, failed, locked: another pod was sweeping).",
+    ["outcome"],
+)

@@ -1,0 +1,195 @@
+"""The background loop of every pod: pending Redis entries into Postgres, acked only after commit."""
+
+import asyncio
+import logging
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+import asyncpg
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from service import metrics
+from service.config import Settings
+from service.progress.buffer import decode_value, now_ms
+from service.progress.content import CONTENT_KINDS, ContentKind
+from service.progress.keys import in_flight_key, parse_member, pending_flush_key
+from service.progress.leases import Claim, Leases
+from service.progress.store import BatchResult, Heartbeat, persist_batch
+
+log = logging.getLogger(__name__)
+
+# Errors that say "the database is not there right now", not "this batch is wrong": the batch
+# goes back to the pending set and the loop backs off.
+DB_UNAVAILABLE = (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.CannotConnectNowError,
+                  asyncpg.AdminShutdownError, OSError, TimeoutError)  # fmt: skip
+_MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class CycleResult:
+    written: int = 0
+    completions: int = 0
+    dropped: int = 0
+    expired: int = 0
+    requeued: int = 0
+    batches: int = 0
+    failed_batches: int = 0
+    by_type: dict[str, int] = field(default_factory=dict)
+
+    def add(self, other: "CycleResult") -> None:
+        for name in ("written", "completions", "dropped", "expired", "requeued", "batches", "failed_batches"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for content_type, written in other.by_type.items():
+            self.by_type[content_type] = self.by_type.get(content_type, 0) + written
+
+
+class Flusher:
+    def __init__(self, *, redis: Redis, pool: asyncpg.Pool, settings: Settings) -> None:
+        self._redis = redis
+        self._pool = pool
+        self._leases = Leases(redis)
+        self._batch_size = settings.progress_flush_batch_size
+        self._lease_ms = int(settings.progress_flush_lease_seconds * 1000)
+        self._margin_s = settings.progress_completion_margin_seconds
+        self._interval_s = settings.progress_flush_interval_seconds
+        self._concurrency = settings.progress_flush_concurrency
+        self._shutdown_timeout_s = settings.progress_shutdown_timeout_seconds
+        # Test-only failpoint: the process SIGKILLs itself at a named point of a batch, so the
+        # crash tests hit the exact moments they claim to (after_claim, after_commit).
+        self._failpoint = os.environ.get("PROGRESS_FLUSH_FAILPOINT", "")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Flush every interval until `stop`; then one last cycle within the shutdown timeout."""
+        failures = 0
+        while not stop.is_set():
+            try:
+                result = await self.flush_cycle(stop=stop)
+                failures = failures + 1 if result.failed_batches else 0
+            except (RedisError, OSError) as exc:
+                failures += 1
+                log.warning("flush cycle failed: Redis unavailable (%s); retrying", exc)
+            except asyncpg.PostgresError:
+                # not an outage (permissions, a missing table): loud, retried, batches already released
+                failures += 1
+                log.exception("flush cycle failed on a database error; retrying")
+            # jitter spreads the pods' cycles; failures retry sooner, with exponential backoff
+            delay = self._interval_s * random.uniform(0.9, 1.1)
+            if failures:
+                delay = min(delay, _MAX_BACKOFF_S, 2 ** (failures - 1))
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+            except TimeoutError:
+                pass
+        try:
+            async with asyncio.timeout(self._shutdown_timeout_s):
+                result = await self.flush_cycle()
+            log.info("final flush on shutdown: %d rows", result.written, extra={"count": result.written})
+        except TimeoutError:
+            log.warning("final flush did not finish in %.0fs; unfinished batches were released to the pending "
+                        "set for another pod", self._shutdown_timeout_s)  # fmt: skip
+        except (RedisError, OSError) as exc:
+            log.warning("final flush failed: Redis unavailable (%s); the pending set keeps everything", exc)
+
+    async def flush_cycle(self, stop: asyncio.Event | None = None) -> CycleResult:
+        """Drain every content type's pending set once. With `stop`, no new batch starts once it is set."""
+        total = CycleResult()
+        for kind in CONTENT_KINDS:
+            total.requeued += await self._leases.requeue_expired(kind.name, now_ms=now_ms())
+            results = await asyncio.gather(*(self._drain(kind, stop) for _ in range(self._concurrency)))
+            for result in results:
+                total.add(result)
+        if total.requeued:
+            metrics.FLUSH_REQUEUED.inc(total.requeued)
+            log.warning("requeued %d entries whose lease expired (a flusher died or stalled)", total.requeued,
+                        extra={"count": total.requeued})  # fmt: skip
+        await self._record_backlog()
+        if total.failed_batches == 0:
+            metrics.FLUSH_LAST_SUCCESS.set_to_current_time()
+        return total
+
+    async def _drain(self, kind: ContentKind, stop: asyncio.Event | None) -> CycleResult:
+        result = CycleResult()
+        while stop is None or not stop.is_set():
+            claim = await self._leases.claim_batch(kind.name, count=self._batch_size, now_ms=now_ms(),
+                                                   lease_ms=self._lease_ms)  # fmt: skip
+            if not claim.entries:
+                break
+            self._fail_at("after_claim")
+            batch = await self._persist(claim, kind)
+            result.add(batch)
+            if batch.failed_batches:
+                break  # the database is down: leave the rest pending, the loop backs off
+        return result
+
+    async def _persist(self, claim: Claim, kind: ContentKind) -> CycleResult:
+        result = CycleResult(batches=1)
+        heartbeats = []
+        for member, raw in claim.entries:
+            if raw is None:
+                # the TTL passed before any flush: this position is lost, and that must show
+                result.expired += 1
+                log.error("value expired before it was flushed: position lost", extra={
+                    "content_type": kind.name, "key": member})  # fmt: skip
+                continue
+            content_id, user_id = parse_member(member)
+            stored = decode_value(raw)
+            heartbeats.append(Heartbeat(content_id, user_id, stored.position, stored.received_ms))
+        if not heartbeats:
+            await self._leases.ack(claim)
+            metrics.FLUSH_EXPIRED.labels(kind.name).inc(result.expired)
+            return result
+        started = time.perf_counter()
+        try:
+            batch = await self._persist_with_retry(kind, heartbeats)
+        except DB_UNAVAILABLE as exc:
+            await asyncio.shield(self._leases.release(claim))
+            metrics.FLUSH_REQUEUED.inc(len(claim.entries))
+            metrics.FLUSH_FAILURES.labels(kind.name).inc()
+            log.warning("batch of %d requeued: database unavailable (%s: %s)", len(claim.entries),
+                        type(exc).__name__, exc, extra={"content_type": kind.name,
+                                                        "batch_size": len(claim.entries)})  # fmt: skip
+            return CycleResult(requeued=len(claim.entries), failed_batches=1)
+        except BaseException:
+            # cancelled (shutdown timeout) or a bug: hand the batch back now rather than after the lease
+            await asyncio.shield(self._leases.release(claim))
+            raise
+        self._fail_at("after_commit")
+        await self._leases.ack(claim)
+        flushed_at_ms = now_ms()
+        for hb in heartbeats:
+            metrics.FLUSH_LAG_SECONDS.observe((flushed_at_ms - hb.received_ms) / 1000)
+        metrics.FLUSH_BATCH_SECONDS.labels(kind.name).observe(time.perf_counter() - started)
+        metrics.FLUSH_ROWS.labels(kind.name).inc(batch.written)
+        metrics.FLUSH_COMPLETIONS.labels(kind.name).inc(batch.completions)
+        metrics.FLUSH_DROPPED.labels(kind.name).inc(len(batch.dropped))
+        metrics.FLUSH_EXPIRED.labels(kind.name).inc(result.expired)
+        for key in batch.dropped:
+            log.warning("heartbeat dropped: unknown user or content", extra={"content_type": kind.name, "key": key})
+        result.written, result.completions, result.dropped = batch.written, batch.completions, len(batch.dropped)
+        result.by_type = {kind.name: batch.written}
+        return result
+
+    async def _persist_with_retry(self, kind: ContentKind, heartbeats: list[Heartbeat]) -> BatchResult:
+        try:
+            return await persist_batch(self._pool, kind, heartbeats, margin_s=self._margin_s)
+        except asyncpg.ForeignKeyViolationError:
+            # a user or content was deleted between our check and the commit: the retry drops it
+            return await persist_batch(self._pool, kind, heartbeats, margin_s=self._margin_s)
+
+    def _fail_at(self, point: str) -> None:
+        if self._failpoint == point:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    async def _record_backlog(self) -> None:
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for kind in CONTENT_KINDS:
+                pipe.scard(pending_flush_key(kind.name))
+                pipe.zcard(in_flight_key(kind.name))
+            sizes = await pipe.execute()
+        for i, kind in enumerate(CONTENT_KINDS):
+            metrics.PENDING_ENTRIES.labels(kind.name).set(sizes[2 * i])
+            metrics.IN_FLIGHT_ENTRIES.labels(kind.name).set(sizes[2 * i + 1])

@@ -1,0 +1,113 @@
+"""Claiming pending members with a lease, so a flusher that dies mid-batch loses nothing.
+
+A claimed member moves from the pending set to the in-flight sorted set, scored by its lease
+deadline, in the same script that reads its value. It leaves the in-flight set only when it is
+acked (after the Postgres commit) or released/requeued back to the pending set. A flusher killed
+at any point leaves its members in flight; once their lease is past, any flusher requeues them.
+"""
+
+import secrets
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+
+from service.progress.keys import LATEST_POSITION_PREFIX, in_flight_key, pending_flush_key
+
+# KEYS: pending set, in-flight zset. ARGV: count, lease score, latest-position key prefix with type.
+# Returns member1, value1, member2, value2, ... (value false when its TTL expired).
+_CLAIM = """
+local members = redis.call('SPOP', KEYS[1], ARGV[1])
+local out = {}
+for i, member in ipairs(members) do
+  redis.call('ZADD', KEYS[2], ARGV[2], member)
+  out[2 * i - 1] = member
+  out[2 * i] = redis.call('GET', ARGV[3] .. member)
+end
+return out
+"""
+
+# KEYS: in-flight zset, pending set. ARGV: lease score, 1 to put back in pending / 0 to drop, members...
+# Only a lease that is still ours is touched: if it expired and another flusher claimed the member
+# again, that flusher's lease must survive our late ack.
+_SETTLE = """
+local settled = 0
+for i = 3, #ARGV do
+  local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
+  if score and tonumber(score) == tonumber(ARGV[1]) then
+    redis.call('ZREM', KEYS[1], ARGV[i])
+    if ARGV[2] == '1' then redis.call('SADD', KEYS[2], ARGV[i]) end
+    settled = settled + 1
+  end
+end
+return settled
+"""
+
+# KEYS: in-flight zset, pending set. ARGV: now (ms), max members. Returns how many were requeued.
+_REQUEUE_EXPIRED = """
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+for _, member in ipairs(expired) do
+  redis.call('ZREM', KEYS[1], member)
+  redis.call('SADD', KEYS[2], member)
+end
+return #expired
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    content_type: str
+    lease_score: str  # deadline in ms plus a random fraction: identifies this claim
+    entries: list[tuple[str, bytes | None]]  # (member, raw value or None if expired)
+
+    @property
+    def members(self) -> list[str]:
+        return [member for member, _ in self.entries]
+
+
+class Leases:
+    def __init__(self, redis: Redis) -> None:
+        self._claim: AsyncScript = redis.register_script(_CLAIM)
+        self._settle: AsyncScript = redis.register_script(_SETTLE)
+        self._requeue: AsyncScript = redis.register_script(_REQUEUE_EXPIRED)
+
+    async def claim_batch(self, content_type: str, *, count: int, now_ms: int, lease_ms: int) -> Claim:
+        # the random fraction makes two claims of the same member in the same millisecond distinct
+        lease_score = f"{now_ms + lease_ms}.{secrets.randbelow(1000):03d}"
+        flat = await self._claim(
+            keys=[pending_flush_key(content_type), in_flight_key(content_type)],
+            args=[count, lease_score, f"{LATEST_POSITION_PREFIX}{content_type}:"],
+        )
+        entries = []
+        for i in range(0, len(flat), 2):
+            member = flat[i].decode() if isinstance(flat[i], bytes) else flat[i]
+            entries.append((member, flat[i + 1] or None))
+        return Claim(content_type, lease_score, entries)
+
+    async def ack(self, claim: Claim) -> int:
+        """The batch is committed: forget it."""
+        return await self._settle_claim(claim, requeue=False)
+
+    async def release(self, claim: Claim) -> int:
+        """The batch was not committed: put it back in the pending set now, not after the lease."""
+        return await self._settle_claim(claim, requeue=True)
+
+    async def _settle_claim(self, claim: Claim, *, requeue: bool) -> int:
+        if not claim.entries:
+            return 0
+        settled: int = await self._settle(
+            keys=[in_flight_key(claim.content_type), pending_flush_key(claim.content_type)],
+            args=[claim.lease_score, "1" if requeue else "0", *claim.members],
+        )
+        return settled
+
+    async def requeue_expired(self, content_type: str, *, now_ms: int, limit: int = 10_000) -> int:
+        """Leases of flushers that died: their members go back to the pending set."""
+        total = 0
+        while True:
+            moved: int = await self._requeue(
+                keys=[in_flight_key(content_type), pending_flush_key(content_type)], args=[now_ms, limit]
+            )
+            total += moved
+            if moved < limit:
+                return total

@@ -1,0 +1,94 @@
+"""Persisting a batch of latest positions into the monolith's progress tables: one statement per batch."""
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import asyncpg
+
+from service.progress.content import ContentKind
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    content_id: int
+    user_id: int
+    position: float
+    received_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    written: int  # rows inserted or moved forward
+    completions: int  # completion events created by this batch
+    dropped: list[str]  # "content_id:user_id" of heartbeats for a user or content that does not exist
+
+
+# One statement, so the upsert and its completion events commit together or not at all.
+# - `known` drops heartbeats whose user or content does not exist, instead of failing the batch
+#   (the monolith's foreign keys are deferred: a bad row would only fail at COMMIT, for everyone).
+# - position/updated_at only move forward; completed_at is set by any heartbeat at the margin,
+#   even a late one, and never cleared.
+# - the event insert relies on the UNIQUE key: one event per (type, content, user), ever, whatever
+#   retries, redeliveries or concurrent pods do.
+_UPSERT_SQL = """
+WITH incoming AS (
+    SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::float8[], $4::timestamptz[])
+        AS h(content_id, user_id, position, received_at)
+), known AS (
+    SELECT h.*, CASE WHEN h.position >= c.duration - $5::float8 THEN h.received_at END AS completed_at
+    FROM incoming h
+    JOIN {content_table} c ON c.id = h.content_id
+    JOIN users_user u ON u.id = h.user_id
+), upserted AS (
+    INSERT INTO {progress_table} AS p (user_id, {id_column}, position, completed_at, created_at, updated_at)
+    SELECT user_id, content_id, position, completed_at, received_at, received_at FROM known
+    ON CONFLICT (user_id, {id_column}) DO UPDATE SET
+        position = CASE WHEN p.updated_at < EXCLUDED.updated_at THEN EXCLUDED.position ELSE p.position END,
+        updated_at = GREATEST(p.updated_at, EXCLUDED.updated_at),
+        completed_at = COALESCE(p.completed_at, EXCLUDED.completed_at)
+    WHERE p.updated_at < EXCLUDED.updated_at
+       OR (p.completed_at IS NULL AND EXCLUDED.completed_at IS NOT NULL)
+    RETURNING p.{id_column} AS content_id, p.user_id, p.completed_at
+), events AS (
+    INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at, created_at)
+    SELECT $6::text, content_id, user_id, completed_at, now() FROM upserted WHERE completed_at IS NOT NULL
+    ON CONFLICT (content_type, content_id, user_id) DO NOTHING
+    RETURNING 1
+)
+SELECT
+    (SELECT count(*) FROM upserted) AS written,
+    (SELECT count(*) FROM events) AS completions,
+    ARRAY(
+        SELECT h.content_id || ':' || h.user_id FROM incoming h
+        WHERE NOT EXISTS (SELECT 1 FROM known k WHERE k.content_id = h.content_id AND k.user_id = h.user_id)
+    ) AS dropped
+"""
+
+
+def upsert_sql(kind: ContentKind) -> str:
+    return _UPSERT_SQL.format(
+        content_table=kind.content_table, progress_table=kind.progress_table, id_column=kind.id_column
+    )
+
+
+def _utc(ms: int) -> datetime:
+    return datetime.fromtimestamp(ms / 1000, UTC)
+
+
+async def persist_batch(
+    conn: asyncpg.Connection | asyncpg.Pool, kind: ContentKind, heartbeats: list[Heartbeat], *, margin_s: float
+) -> BatchResult:
+    # a key may appear twice when a requeue races a claim: keep its newest heartbeat
+    latest: dict[tuple[int, int], Heartbeat] = {}
+    for hb in heartbeats:
+        key = (hb.content_id, hb.user_id)
+        if key not in latest or latest[key].received_ms < hb.received_ms:
+            latest[key] = hb
+    rows = list(latest.values())
+    record = await conn.fetchrow(
+        upsert_sql(kind),
+        [hb.content_id for hb in rows], [hb.user_id for hb in rows], [hb.position for hb in rows],
+        [_utc(hb.received_ms) for hb in rows], margin_s, kind.name,
+    )  # fmt: skip
+    assert record is not None
+    return BatchResult(written=record["written"], completions=record["completions"], dropped=list(record["dropped"]))

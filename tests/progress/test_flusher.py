@@ -1,0 +1,252 @@
+"""The flush path against real Redis and Postgres: rows, events and keys, never mocks."""
+
+import asyncio
+import logging
+import time
+
+import asyncpg
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from service.app import create_app
+from service.config import Settings
+from service.progress.buffer import WRITE_SCRIPT, write_args
+from service.progress.flusher import Flusher
+from service.progress.leases import Leases
+from tests.conftest import Servers, auth, seed
+
+
+async def write(redis: Redis, content_type: str, content_id: int, user_id: int, position: float,
+                received_ms: int | None = None, ttl_s: int = 3600) -> int:  # fmt: skip
+    """What the request path writes, through the same script."""
+    received_ms = received_ms if received_ms is not None else time.time_ns() // 1_000_000
+    await redis.script_load(WRITE_SCRIPT)
+    await redis.execute_command(*write_args(content_type, content_id, user_id, position, received_ms, ttl_s))
+    return received_ms
+
+
+async def lesson_rows(db: asyncpg.Pool) -> dict[tuple[int, int], asyncpg.Record]:
+    rows = await db.fetch("SELECT * FROM engagements_lessonprogress")
+    return {(row["lesson_id"], row["user_id"]): row for row in rows}
+
+
+async def events(db: asyncpg.Pool) -> list[tuple[str, int, int]]:
+    rows = await db.fetch("SELECT content_type, content_id, user_id FROM progress_completion_event ORDER BY id")
+    return [tuple(row) for row in rows]  # type: ignore[misc]
+
+
+@pytest.fixture
+async def flusher(settings: Settings, redis: Redis, db: asyncpg.Pool) -> Flusher:
+    return Flusher(redis=redis, pool=db, settings=settings)
+
+
+async def test_heartbeats_through_http_land_in_every_table(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, client: httpx.AsyncClient, token: str, flusher: Flusher
+) -> None:
+    await seed(db, users=7)
+    for path, field in [("/engagements/progress/lesson", "lesson_id"), ("/audios/progress", "audio_id"),
+                        ("/meditations/progress", "meditation_id"), ("/lives/progress", "live_id")]:  # fmt: skip
+        response = await client.post(path, json={field: 2, "position": 33.5}, headers=auth(token))
+        assert response.status_code == 201
+    result = await flusher.flush_cycle()
+    assert (result.written, result.dropped, result.expired) == (4, 0, 0)
+    for table, column in [("engagements_lessonprogress", "lesson_id"), ("audios_audioprogress", "audio_id"),
+                          ("audios_meditationprogress", "meditation_id"), ("lives_liveprogress", "live_id")]:  # fmt: skip
+        rows = await db.fetch(f"SELECT user_id, {column} AS content_id, position, completed_at FROM {table}")
+        assert [tuple(r) for r in rows] == [(7, 2, 33.5, None)]
+    assert await redis.keys("progress:pending_flush:*") == []
+    assert await redis.keys("progress:in_flight:*") == []
+
+
+async def test_the_pods_own_loop_persists_within_two_intervals(settings: Settings, redis: Redis,
+                                                               db: asyncpg.Pool, token: str) -> None:  # fmt: skip
+    await seed(db, users=7)
+    app = create_app(settings.model_copy(update={"progress_flusher_enabled": True,
+                                                 "progress_flush_interval_seconds": 0.5}))  # fmt: skip
+    async with app.app.router.lifespan_context(app.app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            response = await client.post("/audios/progress", json={"audio_id": 3, "position": 12}, headers=auth(token))
+            assert response.status_code == 201
+            deadline = time.monotonic() + 2 * 0.5 * 1.1 + 0.5
+            while time.monotonic() < deadline and not await db.fetchval("SELECT count(*) FROM audios_audioprogress"):
+                await asyncio.sleep(0.05)
+            assert await db.fetchval("SELECT position FROM audios_audioprogress WHERE user_id = 7") == 12
+
+
+async def test_shutdown_flushes_what_was_acknowledged(settings: Settings, redis: Redis, db: asyncpg.Pool,
+                                                      token: str) -> None:  # fmt: skip
+    await seed(db, users=7)
+    app = create_app(settings.model_copy(update={"progress_flusher_enabled": True,
+                                                 "progress_flush_interval_seconds": 3600}))  # fmt: skip
+    async with app.app.router.lifespan_context(app.app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            response = await client.post("/lives/progress", json={"live_id": 1, "position": 99}, headers=auth(token))
+            assert response.status_code == 201
+        await asyncio.sleep(0.1)  # the loop's first cycle ran at start, before this heartbeat
+    assert await db.fetchval("SELECT position FROM lives_liveprogress WHERE user_id = 7 AND live_id = 1") == 99
+    assert await redis.scard("progress:pending_flush:live") == 0
+
+
+async def test_last_heartbeat_wins(redis: Redis, db: asyncpg.Pool, flusher: Flusher) -> None:
+    await seed(db)
+    for position in (10, 20, 30, 25):
+        await write(redis, "lesson", 1, 2, position)
+    await flusher.flush_cycle()
+    rows = await lesson_rows(db)
+    assert rows[(1, 2)]["position"] == 25
+
+
+async def test_an_older_heartbeat_arriving_late_does_not_overwrite(
+    redis: Redis, db: asyncpg.Pool, flusher: Flusher
+) -> None:
+    await seed(db)
+    newer_ms = await write(redis, "lesson", 1, 2, 300)
+    await flusher.flush_cycle()
+    # the key expired and a delayed, older heartbeat (another pod, a retry) is the only value left
+    await redis.delete("progress:latest_position:lesson:1:2")
+    await write(redis, "lesson", 1, 2, 100, received_ms=newer_ms - 5000)
+    result = await flusher.flush_cycle()
+    row = (await lesson_rows(db))[(1, 2)]
+    assert row["position"] == 300
+    assert row["updated_at"].timestamp() * 1000 == pytest.approx(newer_ms, abs=1)
+    assert result.written == 0
+
+
+async def test_completion_at_the_margin_and_not_before(redis: Redis, db: asyncpg.Pool, flusher: Flusher) -> None:
+    await seed(db, users=3, duration_s=600)  # margin 10 s: complete from 590 s
+    await write(redis, "lesson", 1, 1, 589.9)
+    await write(redis, "lesson", 1, 2, 590.0)
+    await write(redis, "lesson", 1, 3, 600.0)
+    result = await flusher.flush_cycle()
+    rows = await lesson_rows(db)
+    assert rows[(1, 1)]["completed_at"] is None
+    assert rows[(1, 2)]["completed_at"] is not None
+    assert rows[(1, 3)]["completed_at"] is not None
+    assert result.completions == 2
+    assert sorted(await events(db)) == [("lesson", 1, 2), ("lesson", 1, 3)]
+
+
+async def test_one_event_per_key_after_rewinds_and_repeated_near_end(
+    redis: Redis, db: asyncpg.Pool, flusher: Flusher
+) -> None:
+    await seed(db, users=1, duration_s=600)
+    await write(redis, "audio", 1, 1, 595)
+    await flusher.flush_cycle()
+    first_completed_at = await db.fetchval("SELECT completed_at FROM audios_audioprogress")
+    for position in (0, 598, 120, 600, 599):  # rewind, near end again, rewind, end, near end
+        await write(redis, "audio", 1, 1, position)
+        await flusher.flush_cycle()
+    row = await db.fetchrow("SELECT position, completed_at FROM audios_audioprogress")
+    assert row is not None
+    assert row["position"] == 599
+    assert row["completed_at"] == first_completed_at  # never cleared, never moved
+    assert await events(db) == [("audio", 1, 1)]
+
+
+async def test_a_late_heartbeat_at_the_end_still_completes(redis: Redis, db: asyncpg.Pool, flusher: Flusher) -> None:
+    await seed(db, users=1, duration_s=600)
+    newer_ms = await write(redis, "lesson", 1, 1, 10)  # the user rewound...
+    await flusher.flush_cycle()
+    await redis.delete("progress:latest_position:lesson:1:1")
+    await write(redis, "lesson", 1, 1, 600, received_ms=newer_ms - 1000)  # ...after reaching the end
+    await flusher.flush_cycle()
+    row = (await lesson_rows(db))[(1, 1)]
+    assert row["position"] == 10
+    assert row["completed_at"] is not None
+    assert await events(db) == [("lesson", 1, 1)]
+
+
+async def test_one_unknown_content_does_not_block_its_batch(
+    redis: Redis, db: asyncpg.Pool, flusher: Flusher, caplog: pytest.LogCaptureFixture
+) -> None:
+    await seed(db, users=500, contents=1)
+    for user_id in range(1, 501):
+        await write(redis, "lesson", 1, user_id, 42)
+    await write(redis, "lesson", 999_999, 1, 42)  # no such lesson
+    with caplog.at_level(logging.WARNING, logger="service.progress.flusher"):
+        result = await flusher.flush_cycle()
+    assert (result.written, result.dropped) == (500, 1)
+    assert len(await lesson_rows(db)) == 500
+    assert any(getattr(r, "key", None) == "999999:1" for r in caplog.records)
+    assert await redis.scard("progress:pending_flush:lesson") == 0
+    assert await redis.zcard("progress:in_flight:lesson") == 0
+
+
+async def test_unknown_user_is_dropped_and_counted(redis: Redis, db: asyncpg.Pool, flusher: Flusher) -> None:
+    await seed(db, users=1)
+    await write(redis, "live", 1, 1, 5)
+    await write(redis, "live", 1, 404, 5)
+    result = await flusher.flush_cycle()
+    assert (result.written, result.dropped) == (1, 1)
+    assert await db.fetchval("SELECT count(*) FROM lives_liveprogress") == 1
+
+
+async def test_an_expired_value_is_counted_and_logged(
+    redis: Redis, db: asyncpg.Pool, flusher: Flusher, caplog: pytest.LogCaptureFixture
+) -> None:
+    await seed(db)
+    await write(redis, "meditation", 1, 1, 5)
+    await redis.sadd("progress:pending_flush:meditation", "2:1")  # its value's TTL already passed
+    with caplog.at_level(logging.ERROR, logger="service.progress.flusher"):
+        result = await flusher.flush_cycle()
+    assert (result.written, result.expired) == (1, 1)
+    assert any(getattr(r, "key", None) == "2:1" for r in caplog.records)
+    assert await redis.scard("progress:pending_flush:meditation") == 0
+
+
+async def test_a_late_ack_does_not_remove_another_flushers_lease(redis: Redis) -> None:
+    leases = Leases(redis)
+    await write(redis, "lesson", 1, 1, 5)
+    now = time.time_ns() // 1_000_000
+    stalled = await leases.claim_batch("lesson", count=10, now_ms=now - 10_000, lease_ms=1000)  # already expired
+    assert await leases.requeue_expired("lesson", now_ms=now) == 1
+    fresh = await leases.claim_batch("lesson", count=10, now_ms=now, lease_ms=60_000)
+    assert fresh.members == ["1:1"]
+    assert await leases.ack(stalled) == 0  # the stalled flusher finally acks: nothing of fresh's is touched
+    assert await redis.zrange("progress:in_flight:lesson", 0, -1) == ["1:1"]
+    assert await leases.ack(fresh) == 1
+    assert await redis.zcard("progress:in_flight:lesson") == 0
+
+
+async def test_database_outage_requeues_and_loses_nothing(
+    servers: Servers, settings: Settings, redis: Redis, db: asyncpg.Pool
+) -> None:
+    assert servers.postgres is not None, "this test stops and starts the embedded Postgres"
+    await seed(db, users=50)
+    expected = {}
+    for user_id in range(1, 51):
+        expected[(1, user_id)] = float(user_id)
+        await write(redis, "lesson", 1, user_id, user_id)
+    pool = await asyncpg.create_pool(settings.database_url, min_size=0, max_size=2)
+    flusher = Flusher(redis=redis, pool=pool, settings=settings)
+    servers.postgres.stop()
+    try:
+        down = await flusher.flush_cycle()
+        assert down.failed_batches >= 1 and down.written == 0
+        assert await redis.scard("progress:pending_flush:lesson") == 50  # all back, none in flight
+        assert await redis.zcard("progress:in_flight:lesson") == 0
+    finally:
+        servers.postgres.start()
+    back = await flusher.flush_cycle()
+    await pool.close()
+    assert back.written == 50
+    assert {key: row["position"] for key, row in (await lesson_rows(db)).items()} == expected
+
+
+async def test_backends_terminated_mid_run_lose_nothing(settings: Settings, redis: Redis, db: asyncpg.Pool) -> None:
+    await seed(db, users=20)
+    pool = await asyncpg.create_pool(settings.database_url, min_size=2, max_size=2)
+    flusher = Flusher(redis=redis, pool=pool, settings=settings)
+    await pool.fetchval("SELECT 1")
+    # every pooled connection dies under the flusher (failover, server restart, idle kill)
+    await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                     "WHERE datname = current_database() AND pid <> pg_backend_pid()")  # fmt: skip
+    await db.fetchval("SELECT 1")
+    for user_id in range(1, 21):
+        await write(redis, "lesson", 1, user_id, 7)
+    first = await flusher.flush_cycle()
+    second = await flusher.flush_cycle()
+    await pool.close()
+    assert first.written + second.written == 20
+    assert len(await lesson_rows(db)) == 20
