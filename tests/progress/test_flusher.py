@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from service.app import create_app
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, write_args
+from service.progress.content import CONTENT_KINDS
 from service.progress.flusher import Flusher
 from service.progress.leases import Leases
 from tests.conftest import Servers, auth, seed
@@ -45,14 +46,13 @@ async def test_heartbeats_through_http_land_in_every_table(
     settings: Settings, redis: Redis, db: asyncpg.Pool, client: httpx.AsyncClient, token: str, flusher: Flusher
 ) -> None:
     await seed(db, users=7)
-    for path, field in [("/engagements/progress/lesson", "lesson_id"), ("/audios/progress", "audio_id"),
-                        ("/meditations/progress", "meditation_id"), ("/lives/progress", "live_id")]:  # fmt: skip
-        response = await client.post(path, json={field: 2, "position": 33.5}, headers=auth(token))
+    for kind in CONTENT_KINDS:
+        response = await client.post(kind.path, json={kind.id_column: 2, "position": 33.5}, headers=auth(token))
         assert response.status_code == 201
     result = await flusher.flush_cycle()
     assert (result.written, result.dropped, result.expired) == (4, 0, 0)
-    for table, column in [("engagements_lessonprogress", "lesson_id"), ("audios_audioprogress", "audio_id"),
-                          ("audios_meditationprogress", "meditation_id"), ("lives_liveprogress", "live_id")]:  # fmt: skip
+    for kind in CONTENT_KINDS:
+        table, column = kind.progress_table, kind.id_column
         rows = await db.fetch(f"SELECT user_id, {column} AS content_id, position, completed_at FROM {table}")
         assert [tuple(r) for r in rows] == [(7, 2, 33.5, None)]
     assert await redis.keys("progress:pending_flush:*") == []
