@@ -19,6 +19,7 @@ from service.config import Settings, load_settings
 from service.logs import configure_logging
 from service.progress.buffer import WRITE_SCRIPT, PositionWriter
 from service.progress.flusher import Flusher
+from service.progress.sink import DirectWriter, HeartbeatSink
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             # not fatal: readiness reports it, and the writer loads the script once Redis is back
             log.warning("Redis not reachable at start-up (%s); /health/ready will say so", exc)
         api.state.redis = redis
+        api.state.db_pool = pool = None
         background = BackgroundTasks()
         api.state.background = background
         if settings.database_url:
@@ -75,16 +77,22 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             if settings.progress_flusher_enabled:
                 flusher = Flusher(redis=redis, pool=pool, settings=settings)
                 background.start("progress-flusher", flusher.run(background.stop))
-        # the final flush must see every write acknowledged before shutdown: stop the loops after the writer
+        # the final flush must see every write acknowledged before shutdown: stop the loops after the writes
         resources.push_async_callback(background.aclose, settings.progress_shutdown_timeout_seconds + 5)
-        writer = PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds)
-        resources.push_async_callback(writer.aclose)
-        ingest.writer = writer
+        direct = None
+        if pool is not None:
+            direct = DirectWriter(pool, margin_s=settings.progress_completion_margin_seconds,
+                                  max_concurrency=settings.degraded_max_concurrency,
+                                  max_waiting=settings.degraded_max_waiting)  # fmt: skip
+        sink = HeartbeatSink(PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds), direct,
+                             redis_retry_s=settings.degraded_redis_retry_seconds)  # fmt: skip
+        resources.push_async_callback(sink.aclose)
+        ingest.sink = sink
         log.info("progress-service started", extra={"pod": settings.pod_name})
         try:
             yield
         finally:
-            ingest.writer = None
+            ingest.sink = None
             log.info("progress-service stopping", extra={"pod": settings.pod_name})
 
 

@@ -22,6 +22,8 @@ class Settings(BaseSettings):
     database_pool_min_size: int = Field(0, ge=0)
     database_pool_max_size: int = Field(10, ge=1)
     database_command_timeout_seconds: float = Field(30.0, gt=0)
+    # asyncpg waits 60 s for a new connection by default: a blackholed Postgres would stall a batch that long
+    database_connect_timeout_seconds: float = Field(10.0, gt=0)
     # PgBouncer in transaction mode cannot keep prepared statements across transactions.
     database_statement_cache_size: int = Field(100, ge=0)
 
@@ -43,6 +45,10 @@ class Settings(BaseSettings):
     progress_flush_concurrency: int = Field(4, ge=1)
     progress_completion_margin_seconds: float = Field(10.0, ge=0)
     progress_shutdown_timeout_seconds: float = Field(20.0, gt=0)
+
+    degraded_max_concurrency: int = Field(4, ge=1)
+    degraded_max_waiting: int = Field(2000, ge=1)
+    degraded_redis_retry_seconds: float = Field(1.0, gt=0)
 
     journey_batch_size: int = Field(200, ge=1, le=10_000)
     reservation_block_size: int = Field(200, ge=1, le=16_000)
@@ -71,7 +77,8 @@ class Settings(BaseSettings):
         """Refuse a configuration that would start but answer every heartbeat wrongly."""
         if self.progress_flusher_enabled and not self.database_url:
             raise ConfigError(
-                "the flusher needs DATABASE_URL (postgresql://...); for an API-only pod set PROGRESS_FLUSHER_ENABLED=false"
+                "the flusher needs DATABASE_URL (postgresql://...); "
+                "for an API-only pod set PROGRESS_FLUSHER_ENABLED=false"
             )
         if self.auth_mode == "jwt":
             if not self.jwt_key:

@@ -32,6 +32,13 @@ REDIS_WRITE_BATCH_SIZE = Histogram(
 REDIS_WRITE_ERRORS = Counter(
     "progress_redis_write_errors_total", "Heartbeats whose Redis write failed.", ["content_type"]
 )
+DEGRADED_MODE = Gauge(
+    "progress_degraded_mode", "1 while heartbeats go straight to Postgres because Redis is unreachable.",
+    multiprocess_mode="max",
+)
+DEGRADED_WRITES = Counter(
+    "progress_degraded_writes_total", "Heartbeats written straight to Postgres (degraded mode).", ["content_type"]
+)
 
 # flusher
 PENDING_ENTRIES = Gauge("progress_pending_entries", "Members waiting in a pending set.", ["content_type"],

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import asyncpg
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
@@ -24,11 +25,18 @@ async def live() -> dict[str, str]:
     responses={503: {"description": "A dependency is down; `checks` says which."}},
 )
 async def ready(request: Request) -> JSONResponse:
-    checks = {"redis": await _check_redis(request)}
-    healthy = all(result == "ok" for result in checks.values())
-    return JSONResponse(
-        {"status": "ready" if healthy else "unavailable", "checks": checks}, status_code=200 if healthy else 503
-    )
+    """Ready while one path can keep a heartbeat: Redis (normal) or Postgres directly (degraded)."""
+    redis_check, postgres_check = await asyncio.gather(_check_redis(request), _check_postgres(request))
+    checks = {"redis": redis_check}
+    if postgres_check is not None:
+        checks["postgres"] = postgres_check
+    if redis_check == "ok":
+        mode = "normal"
+    elif postgres_check == "ok":
+        mode = "degraded"
+    else:
+        return JSONResponse({"status": "unavailable", "mode": "unavailable", "checks": checks}, status_code=503)
+    return JSONResponse({"status": "ready", "mode": mode, "checks": checks})
 
 
 async def _check_redis(request: Request) -> str:
@@ -36,6 +44,18 @@ async def _check_redis(request: Request) -> str:
         async with asyncio.timeout(_READY_TIMEOUT_S):
             await request.app.state.redis.ping()
     except (RedisError, OSError, TimeoutError) as exc:
+        return f"unreachable: {type(exc).__name__}: {exc}"
+    return "ok"
+
+
+async def _check_postgres(request: Request) -> str | None:
+    pool = request.app.state.db_pool
+    if pool is None:
+        return None
+    try:
+        async with asyncio.timeout(_READY_TIMEOUT_S):
+            await pool.fetchval("SELECT 1")
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
         return f"unreachable: {type(exc).__name__}: {exc}"
     return "ok"
 

@@ -12,12 +12,12 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from pydantic import ValidationError
-from redis.exceptions import RedisError
 
 from service import metrics
 from service.auth import Authenticator, AuthError
-from service.progress.buffer import PositionWriter, now_ms
+from service.progress.buffer import now_ms
 from service.progress.content import KIND_BY_PATH, ContentKind
+from service.progress.sink import HeartbeatSink, Unavailable
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -69,7 +69,7 @@ class ProgressIngest:
         self.app = app
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
-        self.writer: PositionWriter | None = None  # set by the lifespan once Redis is connected
+        self.sink: HeartbeatSink | None = None  # set by the lifespan once its clients exist
         self._requests = {
             (kind.path, status): metrics.HTTP_REQUESTS.labels(kind.path, str(status))
             for kind in KIND_BY_PATH.values()
@@ -116,16 +116,12 @@ class ProgressIngest:
             # unparseable JSON is a malformed request; a parsed body with wrong fields is unprocessable
             status = 400 if any(err["type"] == "json_invalid" for err in detail) else 422
             return status, _error_body(detail)
-        if self.writer is None:
-            return 503, _error_body("progress buffer not connected yet")
+        if self.sink is None:
+            return 503, _error_body("service starting or stopping, retry later")
         try:
-            await self.writer.write(
-                content_type=kind.name, content_id=getattr(heartbeat, kind.id_column), user_id=user_id,
-                position=heartbeat.position, received_ms=now_ms(),
-            )  # fmt: skip
-        except (RedisError, OSError) as exc:
-            metrics.REDIS_WRITE_ERRORS.labels(kind.name).inc()
-            log.warning("heartbeat not stored: Redis write failed (%s: %s)", type(exc).__name__, exc,
-                        extra={"content_type": kind.name})  # fmt: skip
-            return 503, _error_body("progress buffer unavailable, retry later")
+            await self.sink.write(kind, content_id=getattr(heartbeat, kind.id_column), user_id=user_id,
+                                  position=heartbeat.position, received_ms=now_ms())  # fmt: skip
+        except Unavailable as exc:
+            log.warning("heartbeat refused: %s", exc, extra={"content_type": kind.name})
+            return 503, _error_body(str(exc))
         return 201, CREATED_BODY

@@ -17,10 +17,11 @@ async def test_live_is_always_ok(client: httpx.AsyncClient) -> None:
 
 
 async def test_readiness_follows_redis_down_and_back(settings: Settings, tmp_path: Path) -> None:
+    """An API-only pod with no database: Redis is its only way to keep a heartbeat."""
     server = embedded.EmbeddedRedis(tmp_path / "valkey", None)
     server.start()
     try:
-        app = create_app(settings.model_copy(update={"redis_url": server.url}))
+        app = create_app(settings.model_copy(update={"redis_url": server.url, "database_url": ""}))
         async with app.app.router.lifespan_context(app.app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
                 assert (await client.get("/health/ready")).status_code == 200
@@ -34,7 +35,7 @@ async def test_readiness_follows_redis_down_and_back(settings: Settings, tmp_pat
                 server.start()  # same port, same data dir
                 back = await client.get("/health/ready")
                 assert back.status_code == 200
-                assert back.json() == {"status": "ready", "checks": {"redis": "ok"}}
+                assert back.json() == {"status": "ready", "mode": "normal", "checks": {"redis": "ok"}}
     finally:
         server.stop()
 
@@ -48,10 +49,10 @@ async def test_lifespan_opens_and_closes_the_redis_client(settings: Settings, re
     assert await named_clients() == 0
     app = create_app(settings)
     async with app.app.router.lifespan_context(app.app):
-        assert app.writer is not None
+        assert app.sink is not None
         await app.app.state.redis.ping()
         assert await named_clients() >= 1
-    assert app.writer is None
+    assert app.sink is None
     assert await named_clients() == 0
 
 

@@ -1,0 +1,65 @@
+"""Many concurrent callers, one round trip: items submitted in the same event-loop turn go together."""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+# Sends a batch; returns, for each item in order, None (done) or the exception for that item alone.
+SendBatch = Callable[[list[T]], Awaitable[list[BaseException | None]]]
+
+
+class TurnBatcher(Generic[T]):
+    def __init__(self, send: SendBatch[T], *, interrupted: Callable[[], BaseException]) -> None:
+        self._send_batch = send
+        self._interrupted = interrupted  # the error a caller gets if its batch never finished
+        self._queue: list[tuple[T, asyncio.Future[None]]] = []
+        self._sending: set[asyncio.Task[None]] = set()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    async def submit(self, item: T) -> None:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        if not self._queue:
+            # runs after every callback already ready in this turn: those requests join the batch
+            loop.call_soon(self._send_queued)
+        self._queue.append((item, future))
+        await future
+
+    def _send_queued(self) -> None:
+        batch, self._queue = self._queue, []
+        if not batch:
+            return
+        task = asyncio.get_running_loop().create_task(self._send(batch))
+        # keep a handle: an unreferenced task can be garbage-collected mid-flight
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch: list[tuple[T, asyncio.Future[None]]]) -> None:
+        error: BaseException | None = None
+        try:
+            results = await self._send_batch([item for item, _ in batch])
+            for (_, future), result in zip(batch, results, strict=True):
+                if future.done():  # its request was cancelled (client went away)
+                    continue
+                if result is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(result)
+        except Exception as exc:  # handed to every caller of the batch, who handles or re-raises it
+            error = exc
+        finally:
+            # whatever happened, no caller is left waiting for an answer that will not come
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error if error is not None else self._interrupted())
+
+    async def aclose(self) -> None:
+        """Let the batches already queued finish, so no caller that will get an answer is cut short."""
+        self._send_queued()
+        if self._sending:
+            await asyncio.gather(*self._sending, return_exceptions=True)

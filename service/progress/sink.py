@@ -1,0 +1,106 @@
+"""Where a heartbeat goes: Redis normally; straight into Postgres while Redis cannot be reached.
+
+Degraded mode keeps the promise of the 201 during a Redis outage. It writes with the flush's own
+statement (monotonic upsert, completion, one event), so a heartbeat written directly and an older
+one still in Redis settle the same way whichever lands last. It is bounded twice: a few statements
+at a time, and a cap on waiting requests, past which the answer is 503 instead of an exhausted
+database.
+"""
+
+import asyncio
+import logging
+import time
+from functools import partial
+
+import asyncpg
+from redis.exceptions import RedisError
+
+from service import metrics
+from service.progress.batching import TurnBatcher
+from service.progress.buffer import PositionWriter
+from service.progress.content import CONTENT_KINDS, ContentKind
+from service.progress.flusher import DB_UNAVAILABLE
+from service.progress.store import Heartbeat, persist_batch
+
+log = logging.getLogger(__name__)
+
+
+class Unavailable(Exception):
+    """Neither store can take the heartbeat now; the message says why (sent back with the 503)."""
+
+
+class DirectWriter:
+    def __init__(self, pool: asyncpg.Pool, *, margin_s: float, max_concurrency: int, max_waiting: int) -> None:
+        self._pool = pool
+        self._margin_s = margin_s
+        self._statements = asyncio.Semaphore(max_concurrency)
+        self._max_waiting = max_waiting
+        self._waiting = 0
+        self._batchers: dict[str, TurnBatcher[Heartbeat]] = {
+            kind.name: TurnBatcher(partial(self._send, kind), interrupted=lambda: Unavailable("write interrupted"))
+            for kind in CONTENT_KINDS
+        }
+
+    async def write(self, kind: ContentKind, heartbeat: Heartbeat) -> None:
+        if self._waiting >= self._max_waiting:
+            raise Unavailable(f"degraded mode is saturated ({self._waiting} writes waiting)")
+        self._waiting += 1
+        try:
+            await self._batchers[kind.name].submit(heartbeat)
+        finally:
+            self._waiting -= 1
+
+    async def _send(self, kind: ContentKind, heartbeats: list[Heartbeat]) -> list[BaseException | None]:
+        async with self._statements:
+            result = await persist_batch(self._pool, kind, heartbeats, margin_s=self._margin_s)
+        metrics.DEGRADED_WRITES.labels(kind.name).inc(len(heartbeats))
+        metrics.FLUSH_COMPLETIONS.labels(kind.name).inc(result.completions)
+        metrics.FLUSH_DROPPED.labels(kind.name).inc(len(result.dropped))
+        for key in result.dropped:
+            log.warning("heartbeat dropped: unknown user or content", extra={"content_type": kind.name, "key": key})
+        return [None] * len(heartbeats)
+
+    async def aclose(self) -> None:
+        for batcher in self._batchers.values():
+            await batcher.aclose()
+
+
+class HeartbeatSink:
+    def __init__(self, redis_writer: PositionWriter, direct: DirectWriter | None, *, redis_retry_s: float) -> None:
+        self._redis_writer = redis_writer
+        self._direct = direct
+        self._redis_retry_s = redis_retry_s
+        self._redis_down_until = 0.0  # monotonic; while in the future, skip Redis instead of waiting on it
+        self.degraded = False
+
+    async def write(self, kind: ContentKind, *, content_id: int, user_id: int, position: float,
+                    received_ms: int) -> None:  # fmt: skip
+        if time.monotonic() >= self._redis_down_until:
+            try:
+                await self._redis_writer.write(content_type=kind.name, content_id=content_id, user_id=user_id,
+                                               position=position, received_ms=received_ms)  # fmt: skip
+                if self.degraded:
+                    self._set_degraded(False, "Redis answers again: normal mode")
+                return
+            except (RedisError, OSError) as exc:
+                metrics.REDIS_WRITE_ERRORS.labels(kind.name).inc()
+                self._redis_down_until = time.monotonic() + self._redis_retry_s
+                if not self.degraded:
+                    self._set_degraded(True, f"Redis write failed ({type(exc).__name__}: {exc}): degraded mode, "
+                                             "heartbeats go straight to Postgres")  # fmt: skip
+        if self._direct is None:
+            raise Unavailable("progress buffer unavailable and no database configured for degraded mode")
+        try:
+            await self._direct.write(kind, Heartbeat(content_id, user_id, position, received_ms))
+        except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:
+            raise Unavailable("progress buffer and database both unavailable, retry later") from exc
+
+    def _set_degraded(self, degraded: bool, message: str) -> None:
+        self.degraded = degraded
+        metrics.DEGRADED_MODE.set(1 if degraded else 0)
+        log.log(logging.WARNING if degraded else logging.INFO, message)
+
+    async def aclose(self) -> None:
+        await self._redis_writer.aclose()
+        if self._direct is not None:
+            await self._direct.aclose()

@@ -1,0 +1,130 @@
+"""Degraded mode: with Redis unreachable, a 201 still means the heartbeat is in Postgres."""
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import asyncpg
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from service import embedded
+from service.api.ingest import ProgressIngest
+from service.app import create_app
+from service.auth import make_token
+from service.config import Settings
+from service.progress.flusher import Flusher
+from tests.conftest import auth, seed
+
+
+@pytest.fixture
+async def own_redis(tmp_path: Path) -> AsyncIterator[embedded.EmbeddedRedis]:
+    """A Redis of this test's own, to stop and start without disturbing the session's."""
+    server = embedded.EmbeddedRedis(tmp_path / "valkey", None)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@asynccontextmanager
+async def running(app: ProgressIngest) -> AsyncIterator[httpx.AsyncClient]:
+    async with app.app.router.lifespan_context(app.app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            yield client
+
+
+def degraded_settings(settings: Settings, server: embedded.EmbeddedRedis, **update: object) -> Settings:
+    return settings.model_copy(update={"redis_url": server.url, "degraded_redis_retry_seconds": 0.2, **update})
+
+
+async def test_redis_down_writes_straight_to_postgres_then_recovers(
+    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7, duration_s=600)
+    app = create_app(degraded_settings(settings, own_redis))
+    async with running(app) as client:
+        own_redis.stop()
+        response = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": 595},
+                                     headers=auth(token))  # fmt: skip
+        assert (response.status_code, response.json()) == (201, {"data": True})
+        row = await db.fetchrow("SELECT position, completed_at FROM engagements_lessonprogress WHERE user_id = 7")
+        assert row is not None and row["position"] == 595 and row["completed_at"] is not None
+        assert await db.fetchval("SELECT count(*) FROM progress_completion_event") == 1
+        ready = await client.get("/health/ready")
+        assert (ready.status_code, ready.json()["mode"]) == (200, "degraded")
+        assert "progress_degraded_mode 1.0" in (await client.get("/metrics")).text
+
+        own_redis.start()
+        await asyncio.sleep(0.3)  # past the retry interval: the next heartbeat tries Redis again
+        response = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": 599},
+                                     headers=auth(token))  # fmt: skip
+        assert response.status_code == 201
+        back = Redis.from_url(own_redis.url, decode_responses=True)
+        assert await back.smembers("progress:pending_flush:lesson") == {"1:7"}
+        await back.aclose()
+        assert (await client.get("/health/ready")).json()["mode"] == "normal"
+        assert "progress_degraded_mode 0.0" in (await client.get("/metrics")).text
+    # the direct write and the later Redis write settle to the newest, with one event
+    flusher_redis = Redis.from_url(own_redis.url)
+    await Flusher(redis=flusher_redis, pool=db, settings=settings).flush_cycle()
+    await flusher_redis.aclose()
+    assert await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7") == 599
+    assert await db.fetchval("SELECT count(*) FROM progress_completion_event") == 1
+
+
+async def test_an_older_heartbeat_left_in_redis_does_not_undo_a_direct_write(
+    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7)
+    app = create_app(degraded_settings(settings, own_redis))
+    async with running(app) as client:
+        await client.post("/audios/progress", json={"audio_id": 1, "position": 10}, headers=auth(token))
+        own_redis.stop()  # the 10 s heartbeat waits in Redis's append-only file
+        await client.post("/audios/progress", json={"audio_id": 1, "position": 20}, headers=auth(token))
+        own_redis.start()
+    flusher_redis = Redis.from_url(own_redis.url)
+    await Flusher(redis=flusher_redis, pool=db, settings=settings).flush_cycle()
+    await flusher_redis.aclose()
+    assert await db.fetchval("SELECT position FROM audios_audioprogress WHERE user_id = 7") == 20
+
+
+async def test_both_down_is_503_and_writes_nothing(
+    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool, token: str
+) -> None:
+    dead_db = f"postgresql://postgres@127.0.0.1:{embedded.free_port()}/nothing"
+    app = create_app(degraded_settings(settings, own_redis, database_url=dead_db))
+    async with running(app) as client:
+        own_redis.stop()
+        response = await client.post("/lives/progress", json={"live_id": 1, "position": 3}, headers=auth(token))
+        assert response.status_code == 503
+        assert "unavailable" in response.json()["detail"]
+        ready = await client.get("/health/ready")
+        assert ready.status_code == 503
+        assert set(ready.json()["checks"]) == {"redis", "postgres"}
+    assert await db.fetchval("SELECT count(*) FROM lives_liveprogress") == 0
+
+
+async def test_degraded_mode_is_bounded_and_every_201_is_persisted(
+    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool
+) -> None:
+    await seed(db, users=300, contents=1)
+    app = create_app(degraded_settings(settings, own_redis, degraded_max_concurrency=1, degraded_max_waiting=40))
+    async with running(app) as client:
+        own_redis.stop()
+
+        async def one(user_id: int, client: httpx.AsyncClient = client) -> tuple[int, int]:
+            response = await client.post("/meditations/progress", json={"meditation_id": 1, "position": user_id},
+                                         headers=auth(make_token(settings, user_id)))  # fmt: skip
+            return user_id, response.status_code
+
+        answers = await asyncio.gather(*(one(user_id) for user_id in range(1, 301)))
+    acknowledged = {user_id for user_id, status in answers if status == 201}
+    refused = {user_id for user_id, status in answers if status == 503}
+    assert acknowledged and refused, "the cap should both admit and refuse some of 300 simultaneous writes"
+    assert acknowledged | refused == set(range(1, 301))
+    rows = await db.fetch("SELECT user_id, position FROM audios_meditationprogress")
+    assert {row["user_id"]: row["position"] for row in rows} == {user_id: user_id for user_id in acknowledged}
