@@ -1,0 +1,53 @@
+"""The trial journey ("régua"): six emails, each due once its share of the trial has elapsed."""
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+SOURCE = "trial_journey"
+
+# The journey runs on for a day after the trial ends, so `trial_ended` (due at 100 %) still goes
+# out when the sweep that crosses ends_at runs late.
+GRACE = timedelta(days=1)
+
+
+@dataclass(frozen=True, slots=True)
+class JourneyStep:
+    email_key: str
+    share_percent: int  # of the trial's length; an integer keeps due times exact to the microsecond
+
+
+JOURNEY = (
+    JourneyStep("trial_welcome", 0),
+    JourneyStep("trial_tips", 15),
+    JourneyStep("trial_midpoint", 50),
+    JourneyStep("trial_ending_soon", 75),
+    JourneyStep("trial_last_day", 90),
+    JourneyStep("trial_ended", 100),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class UserTrial:
+    id: int
+    user_id: int
+    started_at: datetime
+    ends_at: datetime
+
+
+def due_at(step: JourneyStep, trial: UserTrial) -> datetime:
+    return trial.started_at + (trial.ends_at - trial.started_at) * step.share_percent // 100
+
+
+def in_journey(trial: UserTrial, now: datetime) -> bool:
+    return trial.started_at <= now < trial.ends_at + GRACE
+
+
+def resolve_pending_emails(trial: UserTrial, sent_keys: Collection[str], now: datetime) -> list[str]:
+    """The keys due at `now` that the trial's user has not been dispatched yet, in journey order.
+
+    Several steps may be due at once (a late first run, a backfill): all of them are returned.
+    """
+    if not in_journey(trial, now):
+        return []
+    return [step.email_key for step in JOURNEY if step.email_key not in sent_keys and now >= due_at(step, trial)]

@@ -1,0 +1,117 @@
+"""Every trial still in its journey, page by page: once from the command line, or periodically in `serve`."""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import asyncpg
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from service import metrics
+from service.config import Settings
+from service.trial_emails.batch import BatchResult, send_trial_journey_emails_batch
+from service.trial_emails.journey import GRACE
+from service.trial_emails.queue import EmailQueue, RedisStreamQueue
+
+log = logging.getLogger(__name__)
+
+# pg advisory lock key of the periodic sweep; 7431001 guards the migrations (service.embedded)
+SWEEP_LOCK_KEY = 7431004
+
+# Same window as journey.in_journey: started, and less than GRACE past ends_at.
+COUNT_IN_JOURNEY_SQL = """
+SELECT count(*) FROM trials_usertrial WHERE started_at <= $1 AND ends_at > $1 - $2::interval
+"""
+# Keyset paging by id: a page costs the same however deep the sweep is.
+PAGE_IN_JOURNEY_SQL = """
+SELECT id FROM trials_usertrial
+ WHERE id > $1 AND started_at <= $2 AND ends_at > $2 - $3::interval
+ ORDER BY id
+ LIMIT $4
+"""
+
+OnBatch = Callable[[int, int, BatchResult], None]  # (trials done so far, trials in journey, batch result)
+
+
+async def sweep_journeys(
+    *,
+    pool: asyncpg.Pool,
+    queue: EmailQueue,
+    settings: Settings,
+    now: datetime | None = None,
+    on_batch: OnBatch | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> BatchResult:
+    """Run send_trial_journey_emails_batch over every trial in its journey; return the summed result.
+
+    Correctness does not need a lock: two sweeps at once still enqueue each email once. `should_stop`
+    is checked between batches, so a shutdown finishes the batch in hand and no more.
+    """
+    if not settings.send_email:
+        return {"status": "disabled", "user_trials": 0, "sent": 0}
+    total: BatchResult = {"status": "ok", "user_trials": 0, "sent": 0}
+    now = now or datetime.now(UTC)
+    in_journey = await pool.fetchval(COUNT_IN_JOURNEY_SQL, now, GRACE)
+    after_id = 0
+    while not should_stop():
+        rows = await pool.fetch(PAGE_IN_JOURNEY_SQL, after_id, now, GRACE, settings.journey_batch_size)
+        if not rows:
+            break
+        ids = [row["id"] for row in rows]
+        result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, settings=settings, now=now)
+        total["user_trials"] += result["user_trials"]
+        total["sent"] += result["sent"]
+        if on_batch is not None:
+            on_batch(total["user_trials"], in_journey, result)
+        after_id = ids[-1]
+    return total
+
+
+async def sweep_if_no_other_pod_is(
+    *, pool: asyncpg.Pool, queue: EmailQueue, settings: Settings, stop: asyncio.Event
+) -> BatchResult | None:
+    """One sweep under the advisory lock, or None when another pod holds it.
+
+    The lock only saves duplicated work. It is a session lock, so its connection must be a real
+    session to the primary (not PgBouncer in transaction mode). If the unlock never happens (a
+    cancellation, a lost connection), the pool's reset on release or the server's end of the
+    session releases it. The lock holds one connection of `pool` for the sweep, which needs another.
+    """
+    async with pool.acquire() as lock_conn:
+        if not await lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", SWEEP_LOCK_KEY):
+            return None
+        try:
+            return await sweep_journeys(pool=pool, queue=queue, settings=settings, should_stop=stop.is_set)
+        finally:
+            await lock_conn.execute("SELECT pg_advisory_unlock($1)", SWEEP_LOCK_KEY)
+
+
+async def run_periodic_sweep(*, pool: asyncpg.Pool, redis: Redis, settings: Settings, stop: asyncio.Event) -> None:
+    """Sweep at start, then every TRIAL_JOURNEY_INTERVAL_SECONDS, until `stop` is set (0 disables it).
+
+    A failed sweep is logged and counted, and the next one runs on schedule: the reservations make
+    a retry safe, and a database or Redis outage must not end the loop.
+    """
+    interval_s = settings.trial_journey_interval_seconds
+    if interval_s <= 0:
+        log.info("trial-journey sweep disabled (TRIAL_JOURNEY_INTERVAL_SECONDS=0)")
+        return
+    queue = RedisStreamQueue(redis, settings.email_queue_stream)
+    while not stop.is_set():
+        try:
+            result = await sweep_if_no_other_pod_is(pool=pool, queue=queue, settings=settings, stop=stop)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, RedisError) as exc:
+            metrics.TRIAL_JOURNEY_SWEEPS.labels("failed").inc()
+            log.exception("trial-journey sweep failed; next in %.0f s", interval_s, extra={"error": repr(exc)})
+        else:
+            metrics.TRIAL_JOURNEY_SWEEPS.labels("locked" if result is None else "done").inc()
+            if result is None:
+                log.info("trial-journey sweep skipped: another pod holds the lock")
+            else:
+                log.info("trial-journey sweep done: %d trials, %d emails enqueued",
+                         result["user_trials"], result["sent"], extra={"count": result["sent"]})  # fmt: skip
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)

@@ -1,0 +1,165 @@
+"""Paging every trial in its journey, the run-once command, and the periodic sweep of `serve`."""
+
+import asyncio
+import json
+import os
+import sys
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from service.config import Settings
+from service.embedded import free_port
+from service.trial_emails.batch import BatchResult
+from service.trial_emails.queue import RedisStreamQueue
+from service.trial_emails.sweep import SWEEP_LOCK_KEY, run_periodic_sweep, sweep_journeys
+from tests.trial_emails.conftest import add_trials, enqueued, metric, reserved
+from tests.trial_emails.test_batch import wait_for
+
+NOW = datetime(2025, 3, 10, 12, tzinfo=UTC)
+
+
+async def add_journeys_and_strays(db: asyncpg.Pool, now: datetime, *, in_journey: int) -> None:
+    """`in_journey` trials owing all six emails (users 1..), and two that are out of it (users 101, 102)."""
+    await add_trials(db, in_journey, started_at=now - timedelta(days=7), ends_at=now - timedelta(hours=23))
+    await add_trials(db, 1, started_at=now + timedelta(minutes=1), ends_at=now + timedelta(days=7), first_user=101)
+    await add_trials(db, 1, started_at=now - timedelta(days=8), ends_at=now - timedelta(days=1), first_user=102)
+
+
+async def test_a_sweep_pages_only_the_trials_in_their_journey_in_batches(
+    trials_db: asyncpg.Pool, redis: Redis, queue: RedisStreamQueue, settings: Settings
+) -> None:
+    await add_journeys_and_strays(trials_db, NOW, in_journey=7)
+    progress: list[tuple[int, int, BatchResult]] = []
+
+    result = await sweep_journeys(
+        pool=trials_db, queue=queue, settings=settings.model_copy(update={"journey_batch_size": 3}), now=NOW,
+        on_batch=lambda done, total, batch: progress.append((done, total, batch)),
+    )  # fmt: skip
+
+    assert result == {"status": "ok", "user_trials": 7, "sent": 42}
+    assert [(done, total, batch["user_trials"]) for done, total, batch in progress] == [(3, 7, 3), (6, 7, 3), (7, 7, 1)]
+    assert {user for user, _ in await enqueued(redis, queue.stream)} == set(range(1, 8))
+
+
+async def test_run_once_prints_progress_on_stderr_and_the_summed_result_last_on_stdout(
+    trials_db: asyncpg.Pool, redis: Redis, settings: Settings
+) -> None:
+    await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=5)
+    # cli.py registers the command through add_commands; this drives it the same way, in its own process
+    driver = (
+        "import argparse, sys\n"
+        "from service.trial_emails.commands import add_commands\n"
+        "parser = argparse.ArgumentParser()\n"
+        "add_commands(parser.add_subparsers(required=True))\n"
+        "args = parser.parse_args(['trial-emails', 'run-once'])\n"
+        "sys.exit(args.run(args))\n"
+    )
+    env = {**os.environ, "DATABASE_URL": settings.database_url, "REDIS_URL": settings.redis_url,
+           "JOURNEY_BATCH_SIZE": "2", "LOG_LEVEL": "WARNING"}  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", driver, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+
+    assert process.returncode == 0, stderr.decode()
+    assert stdout.decode().splitlines() == [json.dumps({"status": "ok", "user_trials": 5, "sent": 30})]
+    assert "[trial-emails] 5/5 trials" in stderr.decode()
+    assert stderr.decode().count("[trial-emails]") == 3
+    assert len(await enqueued(redis, settings.email_queue_stream)) == 30
+
+
+def every(settings: Settings, interval_s: float) -> Settings:
+    return settings.model_copy(update={"trial_journey_interval_seconds": interval_s})
+
+
+async def test_the_periodic_sweep_enqueues_once_however_often_it_runs(
+    trials_db: asyncpg.Pool, redis: Redis, settings: Settings
+) -> None:
+    await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=4)
+    done_before = metric("progress_trial_journey_sweeps_total", outcome="done")
+    stop = asyncio.Event()
+    sweeper = asyncio.create_task(run_periodic_sweep(pool=trials_db, redis=redis, settings=every(settings, 0.05),
+                                                     stop=stop))  # fmt: skip
+    try:
+        await wait_for(lambda: done_above(done_before + 3))
+    finally:
+        stop.set()
+        await asyncio.wait_for(sweeper, timeout=5)
+
+    counts = await enqueued(redis, settings.email_queue_stream)
+    assert len(counts) == 24 and set(counts.values()) == {1}
+
+
+async def test_the_periodic_sweep_waits_while_another_pod_holds_the_lock(
+    trials_db: asyncpg.Pool, redis: Redis, settings: Settings
+) -> None:
+    await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=2)
+    locked_before = metric("progress_trial_journey_sweeps_total", outcome="locked")
+    stop = asyncio.Event()
+    async with trials_db.acquire() as other_pod:
+        await other_pod.execute("SELECT pg_advisory_lock($1)", SWEEP_LOCK_KEY)
+        sweeper = asyncio.create_task(run_periodic_sweep(pool=trials_db, redis=redis,
+                                                         settings=every(settings, 0.05), stop=stop))  # fmt: skip
+        try:
+            await wait_for(lambda: locked_above(locked_before + 1))
+            assert await redis.exists(settings.email_queue_stream) == 0
+            await other_pod.execute("SELECT pg_advisory_unlock($1)", SWEEP_LOCK_KEY)
+            await wait_for(lambda: stream_length_is(redis, settings.email_queue_stream, 12))
+        finally:
+            stop.set()
+            await asyncio.wait_for(sweeper, timeout=5)
+
+
+async def test_the_periodic_sweep_survives_a_failed_sweep_and_stops_on_request(
+    trials_db: asyncpg.Pool, settings: Settings
+) -> None:
+    await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=1)
+    failed_before = metric("progress_trial_journey_sweeps_total", outcome="failed")
+    done_before = metric("progress_trial_journey_sweeps_total", outcome="done")
+    orphans_before = metric("progress_trial_email_orphans_total")
+    nothing_listens = Redis(port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    stop = asyncio.Event()
+    sweeper = asyncio.create_task(run_periodic_sweep(pool=trials_db, redis=nothing_listens,
+                                                     settings=every(settings, 0.05), stop=stop))  # fmt: skip
+    try:
+        await wait_for(lambda: failed_above(failed_before))
+        await wait_for(lambda: done_above(done_before))  # the loop went on after the failure
+    finally:
+        stop.set()
+        await asyncio.wait_for(sweeper, timeout=5)
+        await nothing_listens.aclose()
+
+    # the first sweep reserved the six and could publish none: orphans, counted; the next owed nothing
+    assert metric("progress_trial_journey_sweeps_total", outcome="failed") == failed_before + 1
+    assert len(await reserved(trials_db)) == 6
+    assert metric("progress_trial_email_orphans_total") == orphans_before + 6
+
+
+async def test_an_interval_of_zero_disables_the_periodic_sweep(
+    trials_db: asyncpg.Pool, redis: Redis, settings: Settings
+) -> None:
+    await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=1)
+    await asyncio.wait_for(
+        run_periodic_sweep(pool=trials_db, redis=redis, settings=every(settings, 0), stop=asyncio.Event()), timeout=1
+    )
+    assert await reserved(trials_db) == set()
+
+
+async def done_above(value: float) -> bool:
+    return metric("progress_trial_journey_sweeps_total", outcome="done") > value
+
+
+async def locked_above(value: float) -> bool:
+    return metric("progress_trial_journey_sweeps_total", outcome="locked") > value
+
+
+async def failed_above(value: float) -> bool:
+    return metric("progress_trial_journey_sweeps_total", outcome="failed") > value
+
+
+async def stream_length_is(redis: Redis, stream: str, length: int) -> bool:
+    return bool(await redis.xlen(stream) == length)
