@@ -20,6 +20,7 @@ from service.logs import configure_logging
 from service.progress.buffer import WRITE_SCRIPT, PositionWriter
 from service.progress.flusher import Flusher
 from service.progress.sink import DirectWriter, HeartbeatSink
+from service.trial_emails.sweep import run_periodic_sweep
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,9 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             if settings.progress_flusher_enabled:
                 flusher = Flusher(redis=redis, pool=pool, settings=settings)
                 background.start("progress-flusher", flusher.run(background.stop))
+            if settings.trial_journey_interval_seconds > 0:
+                background.start("trial-journey-sweep", run_periodic_sweep(
+                    pool=pool, redis=redis, settings=settings, stop=background.stop))  # fmt: skip
         # the final flush must see every write acknowledged before shutdown: stop the loops after the writes
         resources.push_async_callback(background.aclose, settings.progress_shutdown_timeout_seconds + 5)
         direct = None

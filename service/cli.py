@@ -11,6 +11,7 @@ import uvicorn
 
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
+from service.trial_emails.commands import add_commands as add_trial_email_commands
 
 DEV_JWT_SECRET = "dev-only-secret-not-for-production"
 
@@ -162,6 +163,8 @@ def _parser() -> argparse.ArgumentParser:
     flush = commands.add_parser("flush", help="run the flusher alone (no HTTP), e.g. in a flusher-only pod")
     flush.add_argument("--once", action="store_true", help="drain everything pending, print a summary, exit")
     flush.set_defaults(run=_flush)
+
+    add_trial_email_commands(commands)
 
     openapi = commands.add_parser("openapi", help="print the OpenAPI document (YAML) the app serves")
     openapi.set_defaults(run=_openapi)

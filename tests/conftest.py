@@ -79,6 +79,7 @@ def settings(servers: Servers, migrated: str) -> Settings:
         progress_flush_lease_seconds=5,
         # the API tests look at the pending sets; the flusher tests start their own flusher
         progress_flusher_enabled=False,
+        trial_journey_interval_seconds=0,
     )
 
 

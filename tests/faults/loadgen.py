@@ -1,0 +1,132 @@
+"""HTTP load with a ledger: every heartbeat sent, and which ones were answered 201.
+
+Runs as its own process (`python -m tests.faults.loadgen ...`) so the service processes under test
+share nothing with it but the network. Keys are (lesson, user); in round r every key sends
+position(key, r). Rounds are sequential, so a key's heartbeats arrive in round order, and each
+position is unique to its round: the final row tells which heartbeat it holds.
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import time
+
+import jwt
+
+DURATION_S = 1000  # every seeded lesson; completion from 990 s with the default margin
+PATH = b"/engagements/progress/lesson"
+
+
+def position(key: tuple[int, int], round_: int, *, crossing: bool, crossing_round: int) -> float:
+    """Below the margin, except crossing keys from crossing_round on: at the end, then rewinds and ends again."""
+    tag = round_ / 1000  # makes each round's position unique
+    if not crossing or round_ < crossing_round:
+        return round_ * 40 + tag
+    if round_ == crossing_round or (round_ + key[1]) % 2:
+        return 995 + tag
+    return 100 + tag
+
+
+class Client:
+    """A keep-alive HTTP/1.1 connection per port; reconnects after any error."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.ports = ports
+        self.streams: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+
+    async def post(self, port: int, token: str, body: bytes) -> int:
+        try:
+            if port not in self.streams:
+                self.streams[port] = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
+            reader, writer = self.streams[port]
+            writer.write(b"POST " + PATH + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+                         + token.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+            async with asyncio.timeout(10):
+                status = int((await reader.readline()).split()[1])
+                length = 0
+                while (line := await reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                await reader.readexactly(length)
+            return status
+        except (OSError, TimeoutError, IndexError, ValueError, asyncio.IncompleteReadError):
+            dropped = self.streams.pop(port, None)
+            if dropped is not None:
+                dropped[1].close()
+            return 0  # no answer: not acknowledged
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    keys = [(lesson, user) for user in range(1, args.users + 1) for lesson in range(1, args.lessons + 1)]
+    crossing = set(random.Random(7).sample(keys, min(args.crossing, len(keys))))
+    tokens = {user: jwt.encode({"user_id": user, "exp": int(time.time()) + 3600}, args.secret, algorithm="HS256")
+              for user in range(1, args.users + 1)}  # fmt: skip
+    ports = [int(p) for p in args.ports.split(",")]
+    last_acked: dict[tuple[int, int], int] = {}
+    counts = {"sent": 0, "acknowledged": 0, "refused_503": 0, "no_answer": 0, "other": 0}
+    started = time.monotonic()
+
+    async def worker(queue: asyncio.Queue[tuple[tuple[int, int], int, int]]) -> None:
+        client = Client(ports)
+        while True:
+            key, round_, i = await queue.get()
+            body = json.dumps({"lesson_id": key[0], "position": position(
+                key, round_, crossing=key in crossing, crossing_round=args.crossing_round)}).encode()
+            status = await client.post(ports[i % len(ports)], tokens[key[1]], body)
+            counts["sent"] += 1
+            if status == 201:
+                counts["acknowledged"] += 1
+                last_acked[key] = round_
+            elif status == 503:
+                counts["refused_503"] += 1
+            elif status == 0:
+                counts["no_answer"] += 1
+            else:
+                counts["other"] += 1
+            queue.task_done()
+
+    queue: asyncio.Queue[tuple[tuple[int, int], int, int]] = asyncio.Queue()
+    workers = [asyncio.create_task(worker(queue)) for _ in range(args.connections)]
+    i = 0
+    for round_ in range(args.rounds):
+        round_started = time.monotonic()
+        # the crossing keys go first and together, spread over every process
+        for key in sorted(keys, key=lambda k: k not in crossing):
+            queue.put_nowait((key, round_, i))
+            i += 1
+        await queue.join()
+        await asyncio.sleep(max(0.0, args.min_round_s - (time.monotonic() - round_started)))
+        print(json.dumps({"round": round_, "elapsed_s": round(time.monotonic() - started, 1), **counts}), flush=True)
+    for task in workers:
+        task.cancel()
+    return {
+        **counts,
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "crossing": sorted(crossing),
+        "last_acked": [[k[0], k[1], r] for k, r in last_acked.items()],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ports", required=True)
+    parser.add_argument("--users", type=int, required=True)
+    parser.add_argument("--lessons", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--crossing", type=int, default=500)
+    parser.add_argument("--crossing-round", type=int, default=10)
+    parser.add_argument("--connections", type=int, default=48)
+    parser.add_argument("--min-round-s", type=float, default=0.0)
+    parser.add_argument("--secret", required=True)
+    parser.add_argument("--ledger", required=True)
+    args = parser.parse_args()
+    result = asyncio.run(run(args))
+    with open(args.ledger, "w") as out:
+        json.dump(result, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""Fault-and-load scenarios: three service processes, real Redis and Postgres, faults injected
+while a separate process sends heartbeats; the final Postgres state is checked against the ledger
+of every 201.
+
+    python -m tests.faults.suite            # the long run (10,000 keys, 10 s outages)
+    python -m tests.faults.suite --short    # what CI runs, through tests/faults/test_fault_suite.py
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import asyncpg
+import httpx
+from redis.asyncio import Redis
+
+from service import embedded
+from tests.faults.loadgen import DURATION_S, position
+
+SECRET = "fault-suite-secret-0123456789abcdef0123"
+SCENARIOS = ("steady", "sigkill", "redis_outage", "postgres_outage")
+
+
+@dataclass
+class Size:
+    users: int
+    lessons: int
+    rounds: int
+    crossing: int
+    outage_s: float
+    min_round_s: float
+    kill_every_s: float
+
+    @property
+    def keys(self) -> int:
+        return self.users * self.lessons
+
+
+SHORT = Size(users=100, lessons=10, rounds=20, crossing=500, outage_s=3, min_round_s=0.4, kill_every_s=2)
+LONG = Size(users=1000, lessons=10, rounds=24, crossing=500, outage_s=10, min_round_s=1.5, kill_every_s=4)
+
+
+@dataclass
+class Report:
+    scenario: str
+    keys: int
+    sent: int = 0
+    acknowledged: int = 0
+    refused_503: int = 0
+    no_answer: int = 0
+    persisted: int = 0
+    lost: int = 0
+    stale: list[str] = field(default_factory=list)
+    completed_keys: int = 0
+    events: int = 0
+    duplicate_events: int = 0
+    missing_completions: int = 0
+    faults: list[str] = field(default_factory=list)
+    load_s: float = 0.0
+
+    def ok(self) -> bool:
+        return (self.lost == 0 and self.duplicate_events == 0 and self.missing_completions == 0
+                and self.events == self.completed_keys and self.acknowledged > 0)  # fmt: skip
+
+
+class Cluster:
+    """Valkey, Postgres and N `progress-service serve` processes on loopback."""
+
+    def __init__(self, base: Path, processes: int = 3) -> None:
+        self.base = base
+        self.redis = embedded.EmbeddedRedis(base / "valkey", None)
+        self.postgres = embedded.EmbeddedPostgres(base / "postgres", None, durable=False)
+        self.ports = [embedded.free_port() for _ in range(processes)]
+        self.services: list[subprocess.Popen[bytes] | None] = [None] * processes
+
+    @property
+    def database_url(self) -> str:
+        return self.postgres.url("progress")
+
+    def start(self, size: Size) -> None:
+        self.redis.start()
+        self.postgres.start()
+        self.postgres.create_database("progress")
+        asyncio.run(self._prepare(size))
+        for i in range(len(self.ports)):
+            self.start_service(i)
+        for i in range(len(self.ports)):
+            self.wait_ready(i)
+
+    async def _prepare(self, size: Size) -> None:
+        await embedded.prepare_database(self.database_url, seed=False)
+        conn = await asyncpg.connect(self.database_url)
+        await conn.execute("INSERT INTO users_user (id, email) SELECT i, 'u' || i FROM generate_series(1, $1) i",
+                           size.users)  # fmt: skip
+        await conn.execute("INSERT INTO courses_lesson (id, title, duration) SELECT i, 'l' || i, $2 "
+                           "FROM generate_series(1, $1) i", size.lessons, DURATION_S)  # fmt: skip
+        await conn.close()
+
+    def start_service(self, i: int) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PROGRESS_", "REDIS_", "DATABASE_"))}
+        env.update(REDIS_URL=self.redis.url, DATABASE_URL=self.database_url, JWT_SECRET=SECRET,
+                   LOG_LEVEL="WARNING", PROGRESS_FLUSH_INTERVAL_SECONDS="1", PROGRESS_FLUSH_LEASE_SECONDS="3",
+                   PROGRESS_SHUTDOWN_TIMEOUT_SECONDS="5", DEGRADED_REDIS_RETRY_SECONDS="0.5",
+                   DATABASE_POOL_MAX_SIZE="6")  # fmt: skip
+        log = open(self.base / f"service-{i}.log", "ab")  # the child process keeps it open
+        self.services[i] = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve", "--port", str(self.ports[i])],
+            env=env, stdout=log, stderr=log,
+        )  # fmt: skip
+
+    def wait_ready(self, i: int, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.ports[i]}/health/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"service {i} not ready; see {self.base}/service-{i}.log")
+
+    def kill_service(self, i: int) -> None:
+        process = self.services[i]
+        if process is not None:
+            process.kill()
+            process.wait()
+
+    def stop(self) -> None:
+        for process in self.services:
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.services:
+            if process is not None:
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+        self.postgres.stop()
+        self.redis.stop()
+
+
+def _inject(cluster: Cluster, scenario: str, size: Size, load: subprocess.Popen[bytes],
+            faults: list[str]) -> None:  # fmt: skip
+    """Runs in the orchestrator while the load process runs."""
+    rng = random.Random()
+    time.sleep(1.5)
+    if scenario == "sigkill":
+        while load.poll() is None:
+            victim = rng.randrange(len(cluster.ports))
+            cluster.kill_service(victim)
+            faults.append(f"SIGKILL service {victim}")
+            time.sleep(0.5)
+            cluster.start_service(victim)
+            time.sleep(size.kill_every_s)
+    elif scenario in ("redis_outage", "postgres_outage"):
+        server: embedded.EmbeddedRedis | embedded.EmbeddedPostgres = (
+            cluster.redis if scenario == "redis_outage" else cluster.postgres
+        )
+        server.stop()
+        faults.append(f"{server.name} stopped for {size.outage_s:g}s")
+        time.sleep(size.outage_s)
+        server.start()
+
+
+async def _drained(cluster: Cluster, timeout_s: float = 90) -> None:
+    redis = Redis.from_url(cluster.redis.url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            backlog = 0
+            for key in await redis.keys("progress:pending_flush:*") + await redis.keys("progress:in_flight:*"):
+                backlog += await (redis.scard(key) if b"pending" in key else redis.zcard(key))
+            if backlog == 0:
+                return
+            await asyncio.sleep(0.5)
+        raise RuntimeError(f"backlog of {backlog} never drained")
+    finally:
+        await redis.aclose()
+
+
+async def _verify(cluster: Cluster, ledger: dict[str, object], size: Size, report: Report) -> None:
+    conn = await asyncpg.connect(cluster.database_url)
+    rows = {(r["lesson_id"], r["user_id"]): r for r in await conn.fetch(
+        "SELECT lesson_id, user_id, position, completed_at FROM engagements_lessonprogress")}  # fmt: skip
+    event_counts = {(r["content_id"], r["user_id"]): r["n"] for r in await conn.fetch(
+        "SELECT content_id, user_id, count(*) AS n FROM progress_completion_event GROUP BY 1, 2")}  # fmt: skip
+    await conn.close()
+    crossing = {tuple(k) for k in ledger["crossing"]}  # type: ignore[attr-defined]
+    crossing_round = size.rounds // 2
+    for lesson, user, acked_round in ledger["last_acked"]:  # type: ignore[attr-defined]
+        key = (lesson, user)
+        allowed = {position(key, r, crossing=key in crossing, crossing_round=crossing_round)
+                   for r in range(acked_round, size.rounds)}  # fmt: skip
+        row = rows.get(key)
+        if row is None or row["position"] not in allowed:
+            report.lost += 1
+            if len(report.stale) < 10:
+                report.stale.append(f"{key}: acked round {acked_round}, row {row and row['position']}")
+            continue
+        report.persisted += 1
+        acked_crossing = key in crossing and acked_round >= crossing_round
+        if acked_crossing and row["completed_at"] is None:
+            report.missing_completions += 1
+    completed = {key for key, row in rows.items() if row["completed_at"] is not None}
+    report.completed_keys = len(completed)
+    report.events = sum(event_counts.values())
+    report.duplicate_events = sum(n - 1 for n in event_counts.values() if n > 1)
+    if set(event_counts) != completed:
+        report.missing_completions += len(completed ^ set(event_counts))
+
+
+def run_scenario(scenario: str, size: Size, base: Path, log: Callable[[str], None] = print) -> Report:
+    base.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(base)
+    report = Report(scenario, size.keys)
+    try:
+        log(f"[{scenario}] starting Valkey, Postgres and {len(cluster.ports)} service processes")
+        cluster.start(size)
+        ledger_path = base / "ledger.json"
+        load = subprocess.Popen([
+            sys.executable, "-m", "tests.faults.loadgen", "--ports", ",".join(map(str, cluster.ports)),
+            "--users", str(size.users), "--lessons", str(size.lessons), "--rounds", str(size.rounds),
+            "--crossing", str(size.crossing), "--crossing-round", str(size.rounds // 2),
+            "--min-round-s", str(size.min_round_s), "--secret", SECRET, "--ledger", str(ledger_path),
+        ], stdout=open(base / "load.log", "wb"))  # fmt: skip
+        _inject(cluster, scenario, size, load, report.faults)
+        if load.wait(timeout=900) != 0:
+            raise RuntimeError(f"load generator failed; see {base}/load.log")
+        for i, process in enumerate(cluster.services):  # a victim of the last kill may still be starting
+            if process is None or process.poll() is not None:
+                cluster.start_service(i)
+            cluster.wait_ready(i)
+        ledger = json.loads(ledger_path.read_text())
+        for name in ("sent", "acknowledged", "refused_503", "no_answer"):
+            setattr(report, name, ledger[name])
+        report.load_s = ledger["elapsed_s"]
+        log(f"[{scenario}] load done: {ledger['sent']} sent, {ledger['acknowledged']} acknowledged; draining")
+        asyncio.run(_drained(cluster))
+        asyncio.run(_verify(cluster, ledger, size, report))
+    finally:
+        cluster.stop()
+    log(f"[{scenario}] {json.dumps(report.__dict__)}")
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--short", action="store_true")
+    parser.add_argument("--scenario", choices=SCENARIOS, action="append")
+    args = parser.parse_args()
+    size = SHORT if args.short else LONG
+    reports = []
+    with tempfile.TemporaryDirectory(prefix="fault-suite-") as tmp:
+        for scenario in args.scenario or SCENARIOS:
+            reports.append(run_scenario(scenario, size, Path(tmp) / scenario))
+    print("\nscenario         keys   sent    acked   503   no-answer  persisted  lost  events  dup  faults")
+    for r in reports:
+        print(f"{r.scenario:<15} {r.keys:>6} {r.sent:>7} {r.acknowledged:>7} {r.refused_503:>5} {r.no_answer:>9} "
+              f"{r.persisted:>10} {r.lost:>5} {r.events:>7} {r.duplicate_events:>4}  {len(r.faults)}")  # fmt: skip
+    return 0 if all(r.ok() for r in reports) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

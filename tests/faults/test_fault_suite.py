@@ -1,0 +1,20 @@
+"""The short fault-and-load runs (the long one: `python -m tests.faults.suite`)."""
+
+from pathlib import Path
+
+import pytest
+
+from tests.faults.suite import SCENARIOS, SHORT, run_scenario
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_acknowledged_heartbeat_survives(scenario: str, tmp_path: Path) -> None:
+    report = run_scenario(scenario, SHORT, tmp_path / scenario)
+    assert report.acknowledged > 0
+    assert report.lost == 0, report.stale
+    assert report.persisted == SHORT.keys  # every key got at least one 201, and its row is right
+    assert report.duplicate_events == 0
+    assert report.missing_completions == 0
+    assert report.events == report.completed_keys == 500
+    if scenario != "steady":
+        assert report.faults, "the fault was never injected"
