@@ -72,10 +72,6 @@ class Flusher:
             except (RedisError, OSError) as exc:
                 failures += 1
                 log.warning("flush cycle failed: Redis unavailable (%s); retrying", exc)
-            except asyncpg.PostgresError:
-                # not an outage (permissions, a missing table): loud, retried, batches already released
-                failures += 1
-                log.exception("flush cycle failed on a database error; retrying")
             # jitter spreads the pods' cycles; failures retry sooner, with exponential backoff
             delay = self._interval_s * random.uniform(0.9, 1.1)
             if failures:
@@ -135,23 +131,34 @@ class Flusher:
                 log.error("value expired before it was flushed: position lost", extra={
                     "content_type": kind.name, "key": member})  # fmt: skip
                 continue
-            content_id, user_id = parse_member(member)
-            stored = decode_value(raw)
+            try:
+                content_id, user_id = parse_member(member)
+                stored = decode_value(raw)
+            except ValueError:
+                # not written by this service's script: nothing to persist, and retrying cannot help
+                result.dropped += 1
+                log.error("unreadable pending entry dropped", extra={
+                    "content_type": kind.name, "key": member, "error": repr(raw)[:200]})  # fmt: skip
+                continue
             heartbeats.append(Heartbeat(content_id, user_id, stored.position, stored.received_ms))
         if not heartbeats:
             await self._leases.ack(claim)
             metrics.FLUSH_EXPIRED.labels(kind.name).inc(result.expired)
+            metrics.FLUSH_DROPPED.labels(kind.name).inc(result.dropped)
             return result
         started = time.perf_counter()
         try:
             batch = await self._persist_with_retry(kind, heartbeats)
-        except DB_UNAVAILABLE as exc:
+        except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:
             await asyncio.shield(self._leases.release(claim))
             metrics.FLUSH_REQUEUED.inc(len(claim.entries))
             metrics.FLUSH_FAILURES.labels(kind.name).inc()
-            log.warning("batch of %d requeued: database unavailable (%s: %s)", len(claim.entries),
-                        type(exc).__name__, exc, extra={"content_type": kind.name,
-                                                        "batch_size": len(claim.entries)})  # fmt: skip
+            outage = isinstance(exc, DB_UNAVAILABLE)
+            # an outage is expected weather; any other database error is a bug or a schema drift
+            log.log(logging.WARNING if outage else logging.ERROR,
+                    "batch of %d requeued: %s (%s: %s)", len(claim.entries),
+                    "database unavailable" if outage else "database error", type(exc).__name__, exc,
+                    extra={"content_type": kind.name, "batch_size": len(claim.entries)})  # fmt: skip
             return CycleResult(requeued=len(claim.entries), failed_batches=1)
         except BaseException:
             # cancelled (shutdown timeout) or a bug: hand the batch back now rather than after the lease
@@ -169,7 +176,9 @@ class Flusher:
         metrics.FLUSH_EXPIRED.labels(kind.name).inc(result.expired)
         for key in batch.dropped:
             log.warning("heartbeat dropped: unknown user or content", extra={"content_type": kind.name, "key": key})
-        result.written, result.completions, result.dropped = batch.written, batch.completions, len(batch.dropped)
+        metrics.FLUSH_DROPPED.labels(kind.name).inc(result.dropped)
+        result.written, result.completions = batch.written, batch.completions
+        result.dropped += len(batch.dropped)
         result.by_type = {kind.name: batch.written}
         return result
 

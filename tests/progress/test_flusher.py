@@ -250,3 +250,36 @@ async def test_backends_terminated_mid_run_lose_nothing(settings: Settings, redi
     await pool.close()
     assert first.written + second.written == 20
     assert len(await lesson_rows(db)) == 20
+
+
+async def test_a_database_error_on_one_type_does_not_block_the_others(
+    redis: Redis, db: asyncpg.Pool, flusher: Flusher
+) -> None:
+    await seed(db, users=2)
+    await write(redis, "lesson", 1, 1, 60)
+    await write(redis, "audio", 1, 1, 60)
+    # a schema the service does not expect (drift, a new constraint): every audio batch fails
+    await db.execute("ALTER TABLE audios_audioprogress ADD CONSTRAINT test_cap CHECK (position < 50)")
+    try:
+        result = await flusher.flush_cycle()
+        assert (result.written, result.failed_batches) == (1, 1)
+        assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 1
+        assert await redis.smembers("progress:pending_flush:audio") == {"1:1"}  # kept, not lost
+    finally:
+        await db.execute("ALTER TABLE audios_audioprogress DROP CONSTRAINT test_cap")
+    assert (await flusher.flush_cycle()).written == 1
+    assert await db.fetchval("SELECT position FROM audios_audioprogress") == 60
+
+
+async def test_an_unreadable_value_is_dropped_and_logged_not_fatal(
+    redis: Redis, db: asyncpg.Pool, flusher: Flusher, caplog: pytest.LogCaptureFixture
+) -> None:
+    await seed(db)
+    await write(redis, "live", 1, 1, 5)
+    await redis.set("progress:latest_position:live:2:1", "garbage")
+    await redis.sadd("progress:pending_flush:live", "2:1", "not-a-member")
+    with caplog.at_level(logging.ERROR, logger="service.progress.flusher"):
+        result = await flusher.flush_cycle()
+    assert (result.written, result.dropped, result.expired) == (1, 1, 1)  # no value at all reads as expired
+    assert {getattr(r, "key", None) for r in caplog.records} >= {"2:1", "not-a-member"}
+    assert await redis.scard("progress:pending_flush:live") == 0
