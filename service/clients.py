@@ -28,5 +28,6 @@ async def create_db_pool(settings: Settings) -> asyncpg.Pool:
         min_size=settings.database_pool_min_size,
         max_size=settings.database_pool_max_size,
         command_timeout=settings.database_command_timeout_seconds,
+        timeout=settings.database_connect_timeout_seconds,
         statement_cache_size=settings.database_statement_cache_size,
     )
