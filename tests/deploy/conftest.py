@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from service.embedded import free_port
+from service.embedded import _die_with_parent, free_port
 from tests.conftest import Servers
 
 PGBOUNCER_INSTALL_TIMEOUT_S = 300
@@ -155,17 +155,12 @@ client_tls_sslmode = require
 client_tls_cert_file = {tls.cert}
 client_tls_key_file = {tls.key}
 """.encode())  # fmt: skip
-    ids = _unprivileged()
-
-    def drop_privileges() -> None:
-        if ids is not None:
-            os.setgid(ids[1])
-            os.setuid(ids[0])
-
+    uid, gid = _unprivileged() or (None, None)
     log_path = shared_dir / "pgbouncer.log"
     with open(log_path, "wb") as log:
+        # as the embedded servers: unprivileged, and stopped by the kernel if this process dies
         process = subprocess.Popen([binary, str(config)], stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                   preexec_fn=drop_privileges)  # fmt: skip
+                                   preexec_fn=_die_with_parent(signal.SIGTERM, uid=uid, gid=gid))  # fmt: skip
     try:
         deadline = time.monotonic() + 15
         while not _listening(port):
