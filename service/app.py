@@ -16,7 +16,7 @@ from service.api.openapi import build_openapi
 from service.auth import Authenticator
 from service.clients import connect_redis, create_db_pool
 from service.config import Settings, load_settings
-from service.logs import configure_logging
+from service.logs import RequestIdMiddleware, configure_logging
 from service.progress.buffer import WRITE_SCRIPT, PositionWriter
 from service.progress.flusher import Flusher
 from service.progress.sink import DirectWriter, HeartbeatSink
@@ -112,6 +112,7 @@ def create_app(settings: Settings | None = None) -> ProgressIngest:
         redoc_url=None,
     )
     api.include_router(health.router)
+    api.add_middleware(RequestIdMiddleware)  # the FastAPI routes only: the heartbeat path stays lean
     api.openapi = partial(build_openapi, api)  # type: ignore[method-assign]
     app = ProgressIngest(api, authenticator=Authenticator(settings), max_body_bytes=settings.max_body_bytes)
     api.state.settings = settings

@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,9 @@ def _serve(args: argparse.Namespace) -> int:
     settings = load_settings()
     configure_logging(settings.log_level)
     settings.check_can_serve()  # in the parent too: a bad config fails once, with its message
+    # uvicorn shuts down gracefully on SIGTERM, then re-raises it so the process dies "by signal".
+    # A graceful stop is a success for the orchestrator: with this handler in place, exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run("service.app:app_from_environment", factory=True, workers=args.workers,
                 **_uvicorn_options(args.host, args.port))  # type: ignore[arg-type]  # fmt: skip
     return 0
@@ -100,7 +104,6 @@ def _flush(args: argparse.Namespace) -> int:
 
 async def _run_flusher(settings: Settings, *, once: bool) -> int:
     import json
-    import signal
     from dataclasses import asdict
 
     from service.clients import connect_redis, create_db_pool
