@@ -1,10 +1,12 @@
 """Probes for the load balancer and the Prometheus scrape."""
 
 import asyncio
+from typing import Literal
 
 import asyncpg
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from redis.exceptions import RedisError
 
 from service import metrics
@@ -12,6 +14,16 @@ from service import metrics
 router = APIRouter(tags=["operations"])
 
 _READY_TIMEOUT_S = 1.0
+
+
+class Readiness(BaseModel):
+    """The body of both readiness answers (200 and 503), as openapi.yaml documents it."""
+
+    status: Literal["ready", "unavailable"]
+    mode: Literal["normal", "degraded", "unavailable"] = Field(
+        description="normal: heartbeats go to Redis; degraded: straight to Postgres while Redis is unreachable."
+    )
+    checks: dict[str, str] = Field(description="`ok` or why not, for `redis` and (with a database) `postgres`.")
 
 
 @router.get("/health/live", summary="The process is up")
@@ -22,7 +34,11 @@ async def live() -> dict[str, str]:
 @router.get(
     "/health/ready",
     summary="Heartbeats can be accepted without being lost",
-    responses={503: {"description": "A dependency is down; `checks` says which."}},
+    response_model=None,
+    responses={
+        200: {"model": Readiness, "description": "Ready; `mode` says which store takes the heartbeats."},
+        503: {"model": Readiness, "description": "No store can keep a heartbeat; `checks` says why."},
+    },
 )
 async def ready(request: Request) -> JSONResponse:
     """Ready while one path can keep a heartbeat: Redis (normal) or Postgres directly (degraded)."""
@@ -31,12 +47,12 @@ async def ready(request: Request) -> JSONResponse:
     if postgres_check is not None:
         checks["postgres"] = postgres_check
     if redis_check == "ok":
-        mode = "normal"
+        readiness = Readiness(status="ready", mode="normal", checks=checks)
     elif postgres_check == "ok":
-        mode = "degraded"
+        readiness = Readiness(status="ready", mode="degraded", checks=checks)
     else:
-        return JSONResponse({"status": "unavailable", "mode": "unavailable", "checks": checks}, status_code=503)
-    return JSONResponse({"status": "ready", "mode": mode, "checks": checks})
+        readiness = Readiness(status="unavailable", mode="unavailable", checks=checks)
+    return JSONResponse(readiness.model_dump(), status_code=200 if readiness.status == "ready" else 503)
 
 
 async def _check_redis(request: Request) -> str:
@@ -60,7 +76,14 @@ async def _check_postgres(request: Request) -> str | None:
     return "ok"
 
 
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={
+        200: {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    },
+)
 async def prometheus_metrics() -> Response:
     body, content_type = metrics.render_latest()
     return Response(body, media_type=content_type)

@@ -95,11 +95,27 @@ async def test_unknown_fields_are_ignored(client: httpx.AsyncClient, redis: Redi
     assert await redis.smembers("progress:pending_flush:meditation") == {"2:7"}
 
 
+@pytest.mark.parametrize("spelled", ["42.0", "4.2e1", "42E0"])
+async def test_a_whole_number_id_spelled_as_a_float_is_that_id(
+    client: httpx.AsyncClient, redis: Redis, token: str, spelled: str
+) -> None:
+    """openapi.yaml says `type: integer`, and JSON Schema counts 42.0 as the integer 42."""
+    body = f'{{"audio_id": {spelled}, "position": 3}}'.encode()
+    response = await client.post("/audios/progress", content=body,
+                                 headers={**auth(token), "Content-Type": "application/json"})  # fmt: skip
+    assert response.status_code == 201
+    assert await redis.smembers("progress:pending_flush:audio") == {"42:7"}
+    assert decode_value(await redis.get("progress:latest_position:audio:42:7")).position == 3
+
+
 BAD_BODIES = [
     pytest.param(b'{"position": 1}', 422, "lesson_id", id="missing-id"),
     pytest.param(b'{"lesson_id": 1}', 422, "position", id="missing-position"),
     pytest.param(b'{"lesson_id": "1", "position": 1}', 422, "lesson_id", id="id-as-string"),
     pytest.param(b'{"lesson_id": 1.5, "position": 1}', 422, "lesson_id", id="id-as-float"),
+    pytest.param(b'{"lesson_id": 9007199254740993.0, "position": 1}', 422, "lesson_id", id="id-float-past-2**53"),
+    pytest.param(b'{"lesson_id": 1e300, "position": 1}', 422, "lesson_id", id="id-float-past-64-bit"),
+    pytest.param(b'{"lesson_id": 0.0, "position": 1}', 422, "lesson_id", id="id-zero-as-float"),
     pytest.param(b'{"lesson_id": true, "position": 1}', 422, "lesson_id", id="id-as-bool"),
     pytest.param(b'{"lesson_id": 0, "position": 1}', 422, "lesson_id", id="id-zero"),
     pytest.param(b'{"lesson_id": -3, "position": 1}', 422, "lesson_id", id="id-negative"),
