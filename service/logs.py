@@ -4,10 +4,10 @@ import json
 import logging
 import sys
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
 from contextvars import ContextVar
 from datetime import UTC, datetime
-from typing import Any
+
+from service.asgi import ASGIApp, Message, Receive, Scope, Send
 
 # Context a log call may pass with `extra=`; anything else on the record is logging's own.
 CONTEXT_FIELDS = ("request_id", "content_type", "batch_size", "key", "pairs", "error", "pod", "count")
@@ -48,12 +48,6 @@ def configure_logging(level: str) -> None:
     # one line per request at INFO would be one line per heartbeat
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
 
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _REQUEST_ID_HEADER = b"x-request-id"
 _MAX_REQUEST_ID_CHARS = 128

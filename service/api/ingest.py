@@ -8,78 +8,24 @@ answered here, with the same models, the same errors and the same OpenAPI descri
 
 import json
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Protocol
 
-from pydantic import GetCoreSchemaHandler, ValidationError, create_model
-from pydantic_core import PydanticCustomError, core_schema
+from pydantic import ValidationError
 
 from service import metrics
+from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator, AuthError
 from service.progress.buffer import now_ms
-from service.progress.content import CONTENT_KINDS, MAX_ID, ContentKind
+from service.progress.content import CONTENT_KINDS, KIND_BY_PATH, ContentKind
 from service.progress.sink import HeartbeatSink, Unavailable
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 log = logging.getLogger(__name__)
 
 CREATED_BODY = b'{"data":true}'
-_JSON_HEADERS = [(b"content-type", b"application/json")]
+_CREATED_HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(CREATED_BODY)).encode())]
 
 
 class _BodyTooLarge(Exception):
     pass
-
-
-# Below 2**53 a float is exactly the integer its JSON literal spells; above, `9007199254740993.0`
-# would arrive as ...992, a different id.
-_EXACT_FLOAT_INT = 2**53
-
-
-def _whole_float(value: float) -> int:
-    if value.is_integer() and abs(value) < _EXACT_FLOAT_INT:
-        return int(value)
-    raise PydanticCustomError("int_type", "Input should be a valid integer")
-
-
-class _WireContentId:
-    """A content id as JSON Schema's `integer` reads it: `42` or `42.0`, never `"42"`, `true` or `42.5`.
-
-    The models are strict (strings and booleans are not ids), and strict pydantic also refuses
-    `42.0`, which openapi.yaml's `type: integer` admits and some JSON encoders write for a whole
-    number. Plain integers take the first branch of the union, so the usual request pays nothing.
-    """
-
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
-        whole = core_schema.union_schema(
-            [core_schema.int_schema(strict=True),
-             core_schema.no_info_after_validator_function(_whole_float, core_schema.float_schema(strict=True))],
-            mode="left_to_right", custom_error_type="int_type",
-        )  # fmt: skip
-        return core_schema.chain_schema([whole, core_schema.int_schema(strict=True, ge=1, le=MAX_ID)])
-
-
-class _Heartbeat(Protocol):
-    @property
-    def position(self) -> float: ...
-
-
-BodyParser = Callable[[bytes], _Heartbeat]
-
-
-def _body_parser(kind: ContentKind) -> BodyParser:
-    """`kind.body` as read from the wire: the same model, its id field read by `_WireContentId`."""
-    fields: dict[str, Any] = {kind.id_column: (_WireContentId, ...)}
-    return create_model(f"{kind.body.__name__}Wire", __base__=kind.body, **fields).model_validate_json
-
-
-_ROUTES: dict[str, tuple[ContentKind, BodyParser]] = {kind.path: (kind, _body_parser(kind)) for kind in CONTENT_KINDS}
 
 
 def _error_body(detail: object) -> bytes:
@@ -124,20 +70,22 @@ class ProgressIngest:
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = _ROUTES.get(scope["path"]) if scope["type"] == "http" else None
-        if route is None:
+        kind = KIND_BY_PATH.get(scope["path"]) if scope["type"] == "http" else None
+        if kind is None:
             await self.app(scope, receive, send)
             return
-        kind, parse_body = route
-        status, body = await self._handle(kind, parse_body, scope, receive)
-        headers = _JSON_HEADERS if status != 405 else [*_JSON_HEADERS, (b"allow", b"POST")]
+        status, body = await self._handle(kind, scope, receive)
+        if status == 201:
+            headers = _CREATED_HEADERS
+        else:
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            if status == 405:
+                headers.append((b"allow", b"POST"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         self._requests[(kind.path, status)].inc()
 
-    async def _handle(
-        self, kind: ContentKind, parse_body: BodyParser, scope: Scope, receive: Receive
-    ) -> tuple[int, bytes]:
+    async def _handle(self, kind: ContentKind, scope: Scope, receive: Receive) -> tuple[int, bytes]:
         if scope["method"] != "POST":
             return 405, _error_body("method not allowed: use POST")
         authorization = gateway_value = None
@@ -160,7 +108,7 @@ class ProgressIngest:
         except _BodyTooLarge:
             return 413, _error_body(f"body larger than {self.max_body_bytes} bytes")
         try:
-            heartbeat = parse_body(raw)
+            heartbeat = kind.body.model_validate_json(raw)
         except ValidationError as exc:
             detail = _validation_detail(exc)
             # unparseable JSON is a malformed request; a parsed body with wrong fields is unprocessable

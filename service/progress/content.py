@@ -3,12 +3,24 @@
 from dataclasses import dataclass
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 MAX_POSITION_S = 86_400
 MAX_ID = 2**63 - 1  # bigint
 
-ContentId = Annotated[int, Field(ge=1, le=MAX_ID)]
+# Below 2**53 a float is exactly the integer its JSON literal spells; above, 9007199254740993.0
+# would arrive as ...992, a different id.
+_EXACT_FLOAT_INT = 2**53
+
+
+def _whole_number(value: object) -> object:
+    """`42.0` is the integer 42 in JSON Schema (openapi.yaml says `integer`); "42", true and 42.5 are not."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < _EXACT_FLOAT_INT:
+        return int(value)
+    return value
+
+
+ContentId = Annotated[int, Field(ge=1, le=MAX_ID), BeforeValidator(_whole_number)]
 Position = Annotated[
     float, Field(ge=0, le=MAX_POSITION_S, allow_inf_nan=False, description="Seconds from the start.")
 ]
