@@ -8,8 +8,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import uvicorn
-
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
 from service.trial_emails.commands import add_commands as add_trial_email_commands
@@ -36,6 +34,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = load_settings()
     configure_logging(settings.log_level)
     settings.check_can_serve()  # in the parent too: a bad config fails once, with its message
+    import uvicorn
+
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it so the process dies "by signal".
     # A graceful stop is a success for the orchestrator: with this handler in place, exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -45,6 +45,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _dev(args: argparse.Namespace) -> int:
+    import uvicorn
+
     from service import embedded
     from service.app import create_app
     from service.auth import make_token

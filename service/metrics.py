@@ -66,7 +66,7 @@ FLUSH_BATCH_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 FLUSH_LAG_SECONDS = Histogram(
-    "progress_flush_lag_seconds", "Flush time minus heartbeat receive time.",
+    "progress_flush_lag_seconds", "Per batch: flush time minus the receive time of its oldest heartbeat.",
     buckets=(1, 5, 15, 30, 60, 90, 120, 180, 300, 600, 1800, 3600),
 )
 FLUSH_LAST_SUCCESS = Gauge(

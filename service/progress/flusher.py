@@ -95,7 +95,9 @@ class Flusher:
         total = CycleResult()
         for kind in CONTENT_KINDS:
             total.requeued += await self._leases.requeue_expired(kind.name, now_ms=now_ms())
-            results = await asyncio.gather(*(self._drain(kind, stop) for _ in range(self._concurrency)))
+            # once one batch of this type fails, its siblings stop claiming: no point retrying at once
+            failed = asyncio.Event()
+            results = await asyncio.gather(*(self._drain(kind, stop, failed) for _ in range(self._concurrency)))
             for result in results:
                 total.add(result)
         if total.requeued:
@@ -107,21 +109,31 @@ class Flusher:
             metrics.FLUSH_LAST_SUCCESS.set_to_current_time()
         return total
 
-    async def _drain(self, kind: ContentKind, stop: asyncio.Event | None) -> CycleResult:
+    async def _drain(self, kind: ContentKind, stop: asyncio.Event | None, failed: asyncio.Event) -> CycleResult:
         result = CycleResult()
-        while stop is None or not stop.is_set():
-            claim = await self._leases.claim_batch(kind.name, count=self._batch_size, now_ms=now_ms(),
-                                                   lease_ms=self._lease_ms)  # fmt: skip
-            if not claim.entries:
-                break
-            self._fail_at("after_claim")
-            batch = await self._persist(claim, kind)
-            result.add(batch)
-            if batch.failed_batches:
-                break  # the database is down: leave the rest pending, the loop backs off
+        try:
+            # one connection for the whole drain: no pool round trip (and reset) per batch
+            async with self._pool.acquire() as conn:
+                while not failed.is_set() and (stop is None or not stop.is_set()):
+                    claim = await self._leases.claim_batch(kind.name, count=self._batch_size, now_ms=now_ms(),
+                                                           lease_ms=self._lease_ms)  # fmt: skip
+                    if not claim.entries:
+                        break
+                    self._fail_at("after_claim")
+                    batch = await self._persist(conn, claim, kind)
+                    result.add(batch)
+                    if batch.failed_batches:
+                        failed.set()  # leave the rest pending; the loop backs off
+        except DB_UNAVAILABLE as exc:
+            # no connection to be had: nothing was claimed
+            metrics.FLUSH_FAILURES.labels(kind.name).inc()
+            log.warning("flush of %s skipped: database unavailable (%s: %s)", kind.name, type(exc).__name__, exc,
+                        extra={"content_type": kind.name})  # fmt: skip
+            result.failed_batches += 1
+            failed.set()
         return result
 
-    async def _persist(self, claim: Claim, kind: ContentKind) -> CycleResult:
+    async def _persist(self, conn: asyncpg.Connection, claim: Claim, kind: ContentKind) -> CycleResult:
         result = CycleResult(batches=1)
         heartbeats = []
         for member, raw in claim.entries:
@@ -148,7 +160,7 @@ class Flusher:
             return result
         started = time.perf_counter()
         try:
-            batch = await self._persist_with_retry(kind, heartbeats)
+            batch = await self._persist_with_retry(conn, kind, heartbeats)
         except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:
             await asyncio.shield(self._leases.release(claim))
             metrics.FLUSH_REQUEUED.inc(len(claim.entries))
@@ -166,9 +178,8 @@ class Flusher:
             raise
         self._fail_at("after_commit")
         await self._leases.ack(claim)
-        flushed_at_ms = now_ms()
-        for hb in heartbeats:
-            metrics.FLUSH_LAG_SECONDS.observe((flushed_at_ms - hb.received_ms) / 1000)
+        # the batch's oldest heartbeat: the lag an alert on "two flush intervals" cares about
+        metrics.FLUSH_LAG_SECONDS.observe((now_ms() - min(hb.received_ms for hb in heartbeats)) / 1000)
         metrics.FLUSH_BATCH_SECONDS.labels(kind.name).observe(time.perf_counter() - started)
         metrics.FLUSH_ROWS.labels(kind.name).inc(batch.written)
         metrics.FLUSH_COMPLETIONS.labels(kind.name).inc(batch.completions)
@@ -182,12 +193,13 @@ class Flusher:
         result.by_type = {kind.name: batch.written}
         return result
 
-    async def _persist_with_retry(self, kind: ContentKind, heartbeats: list[Heartbeat]) -> BatchResult:
+    async def _persist_with_retry(self, conn: asyncpg.Connection, kind: ContentKind,
+                                  heartbeats: list[Heartbeat]) -> BatchResult:  # fmt: skip
         try:
-            return await persist_batch(self._pool, kind, heartbeats, margin_s=self._margin_s)
+            return await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s)
         except asyncpg.ForeignKeyViolationError:
             # a user or content was deleted between our check and the commit: the retry drops it
-            return await persist_batch(self._pool, kind, heartbeats, margin_s=self._margin_s)
+            return await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s)
 
     def _fail_at(self, point: str) -> None:
         if self._failpoint == point:

@@ -15,29 +15,44 @@ from redis.commands.core import AsyncScript
 from service.progress.keys import LATEST_POSITION_PREFIX, in_flight_key, pending_flush_key
 
 # KEYS: pending set, in-flight zset. ARGV: count, lease score, latest-position key prefix with type.
-# Returns member1, value1, member2, value2, ... (value false when its TTL expired).
+# Returns {members, values} (a value is false when its TTL expired). Commands take the members in
+# chunks: one ZADD and one MGET per chunk instead of one call per member, within Lua's stack limit.
 _CLAIM = """
 local members = redis.call('SPOP', KEYS[1], ARGV[1])
-local out = {}
-for i, member in ipairs(members) do
-  redis.call('ZADD', KEYS[2], ARGV[2], member)
-  out[2 * i - 1] = member
-  out[2 * i] = redis.call('GET', ARGV[3] .. member)
+local values = {}
+for first = 1, #members, 1000 do
+  local last = math.min(first + 999, #members)
+  local scored, keys = {}, {}
+  for i = first, last do
+    scored[#scored + 1] = ARGV[2]
+    scored[#scored + 1] = members[i]
+    keys[#keys + 1] = ARGV[3] .. members[i]
+  end
+  redis.call('ZADD', KEYS[2], unpack(scored))
+  local got = redis.call('MGET', unpack(keys))
+  for i = 1, #got do values[first + i - 1] = got[i] end
 end
-return out
+return {members, values}
 """
 
 # KEYS: in-flight zset, pending set. ARGV: lease score, 1 to put back in pending / 0 to drop, members...
 # Only a lease that is still ours is touched: if it expired and another flusher claimed the member
 # again, that flusher's lease must survive our late ack.
 _SETTLE = """
+local lease = tonumber(ARGV[1])
 local settled = 0
-for i = 3, #ARGV do
-  local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
-  if score and tonumber(score) == tonumber(ARGV[1]) then
-    redis.call('ZREM', KEYS[1], ARGV[i])
-    if ARGV[2] == '1' then redis.call('SADD', KEYS[2], ARGV[i]) end
-    settled = settled + 1
+for first = 3, #ARGV, 1000 do
+  local last = math.min(first + 999, #ARGV)
+  local members = {unpack(ARGV, first, last)}
+  local scores = redis.call('ZMSCORE', KEYS[1], unpack(members))
+  local ours = {}
+  for i = 1, #members do
+    if scores[i] and tonumber(scores[i]) == lease then ours[#ours + 1] = members[i] end
+  end
+  if #ours > 0 then
+    redis.call('ZREM', KEYS[1], unpack(ours))
+    if ARGV[2] == '1' then redis.call('SADD', KEYS[2], unpack(ours)) end
+    settled = settled + #ours
   end
 end
 return settled
@@ -78,10 +93,9 @@ class Leases:
             keys=[pending_flush_key(content_type), in_flight_key(content_type)],
             args=[count, lease_score, f"{LATEST_POSITION_PREFIX}{content_type}:"],
         )
-        entries = []
-        for i in range(0, len(flat), 2):
-            member = flat[i].decode() if isinstance(flat[i], bytes) else flat[i]
-            entries.append((member, flat[i + 1] or None))
+        members, values = flat
+        entries = [(member.decode() if isinstance(member, bytes) else member, value or None)
+                   for member, value in zip(members, values, strict=True)]  # fmt: skip
         return Claim(content_type, lease_score, entries)
 
     async def ack(self, claim: Claim) -> int:

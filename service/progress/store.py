@@ -1,7 +1,6 @@
 """Persisting a batch of latest positions into the monolith's progress tables: one statement per batch."""
 
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 import asyncpg
 
@@ -32,8 +31,8 @@ class BatchResult:
 #   retries, redeliveries or concurrent pods do.
 _UPSERT_SQL = """
 WITH incoming AS (
-    SELECT * FROM unnest($1::bigint[], $2::bigint[], $3::float8[], $4::timestamptz[])
-        AS h(content_id, user_id, position, received_at)
+    SELECT content_id, user_id, position, to_timestamp(received_ms / 1000.0) AS received_at
+    FROM unnest($1::bigint[], $2::bigint[], $3::float8[], $4::bigint[]) AS h(content_id, user_id, position, received_ms)
 ), known AS (
     SELECT h.*, CASE WHEN h.position >= c.duration - $5::float8 THEN h.received_at END AS completed_at
     FROM incoming h
@@ -71,24 +70,22 @@ def upsert_sql(kind: ContentKind) -> str:
     )
 
 
-def _utc(ms: int) -> datetime:
-    return datetime.fromtimestamp(ms / 1000, UTC)
-
-
 async def persist_batch(
     conn: asyncpg.Connection | asyncpg.Pool, kind: ContentKind, heartbeats: list[Heartbeat], *, margin_s: float
 ) -> BatchResult:
     # a key may appear twice when a requeue races a claim: keep its newest heartbeat
     latest: dict[tuple[int, int], Heartbeat] = {}
     for hb in heartbeats:
-        key = (hb.content_id, hb.user_id)
-        if key not in latest or latest[key].received_ms < hb.received_ms:
+        key = (hb.user_id, hb.content_id)
+        kept = latest.get(key)
+        if kept is None or kept.received_ms < hb.received_ms:
             latest[key] = hb
-    rows = list(latest.values())
+    # in the order of the unique index (user_id, content): neighbouring rows share its pages
+    rows = [latest[key] for key in sorted(latest)]
     record = await conn.fetchrow(
         upsert_sql(kind),
         [hb.content_id for hb in rows], [hb.user_id for hb in rows], [hb.position for hb in rows],
-        [_utc(hb.received_ms) for hb in rows], margin_s, kind.name,
+        [hb.received_ms for hb in rows], margin_s, kind.name,
     )  # fmt: skip
     assert record is not None
     return BatchResult(written=record["written"], completions=record["completions"], dropped=list(record["dropped"]))
