@@ -102,13 +102,15 @@ async def test_sigkill_at_random_moments_loses_nothing(servers: Servers, redis: 
     from service.progress.buffer import WRITE_SCRIPT
 
     await redis.script_load(WRITE_SCRIPT)
-    last = await fill(redis, db, 20_000)
+    last = await fill(redis, db, 50_000)
     rng = random.Random()
     kills = 0
+    # one batch of 100 at a time: the drain takes a few seconds, so every kill lands mid-drain
+    slow = flusher_env(servers, PROGRESS_FLUSH_CONCURRENCY="1")
     for _ in range(4):
-        process = subprocess.Popen([sys.executable, "-m", "service", "flush", "--once"], env=flusher_env(servers),
+        process = subprocess.Popen([sys.executable, "-m", "service", "flush", "--once"], env=slow,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        time.sleep(rng.uniform(0.3, 0.9))  # start-up is ~0.3 s; the drain takes longer than this
+        time.sleep(rng.uniform(0.4, 1.0))  # start-up is ~0.3 s
         if process.poll() is None:
             process.kill()
             kills += 1
