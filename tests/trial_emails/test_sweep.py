@@ -49,19 +49,11 @@ async def test_run_once_prints_progress_on_stderr_and_the_summed_result_last_on_
     trials_db: asyncpg.Pool, redis: Redis, settings: Settings
 ) -> None:
     await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=5)
-    # cli.py registers the command through add_commands; this drives it the same way, in its own process
-    driver = (
-        "import argparse, sys\n"
-        "from service.trial_emails.commands import add_commands\n"
-        "parser = argparse.ArgumentParser()\n"
-        "add_commands(parser.add_subparsers(required=True))\n"
-        "args = parser.parse_args(['trial-emails', 'run-once'])\n"
-        "sys.exit(args.run(args))\n"
-    )
     env = {**os.environ, "DATABASE_URL": settings.database_url, "REDIS_URL": settings.redis_url,
            "JOURNEY_BATCH_SIZE": "2", "LOG_LEVEL": "WARNING"}  # fmt: skip
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", driver, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        sys.executable, "-m", "service", "trial-emails", "run-once", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
 
