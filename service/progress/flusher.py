@@ -93,17 +93,19 @@ class Flusher:
     async def flush_cycle(self, stop: asyncio.Event | None = None) -> CycleResult:
         """Drain every content type's pending set once. With `stop`, no new batch starts once it is set."""
         total = CycleResult()
+        lease_expired = 0
         for kind in CONTENT_KINDS:
-            total.requeued += await self._leases.requeue_expired(kind.name, now_ms=now_ms())
+            lease_expired += await self._leases.requeue_expired(kind.name, now_ms=now_ms())
             # once one batch of this type fails, its siblings stop claiming: no point retrying at once
             failed = asyncio.Event()
             results = await asyncio.gather(*(self._drain(kind, stop, failed) for _ in range(self._concurrency)))
             for result in results:
                 total.add(result)
-        if total.requeued:
-            metrics.FLUSH_REQUEUED.inc(total.requeued)
-            log.warning("requeued %d entries whose lease expired (a flusher died or stalled)", total.requeued,
-                        extra={"count": total.requeued})  # fmt: skip
+        if lease_expired:
+            total.requeued += lease_expired
+            metrics.FLUSH_REQUEUED.inc(lease_expired)
+            log.warning("requeued %d entries whose lease expired (a flusher died or stalled)", lease_expired,
+                        extra={"count": lease_expired})  # fmt: skip
         await self._record_backlog()
         if total.failed_batches == 0:
             metrics.FLUSH_LAST_SUCCESS.set_to_current_time()

@@ -7,6 +7,7 @@ import time
 import asyncpg
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
 from service.app import create_app
@@ -294,6 +295,7 @@ async def test_a_backend_terminated_during_the_upsert_requeues_its_batch(
     for user_id in range(1, 21):
         await write(redis, "lesson", 1, user_id, 7)
     flusher = Flusher(redis=redis, pool=db, settings=settings.model_copy(update={"progress_flush_concurrency": 1}))
+    requeued_before = REGISTRY.get_sample_value("progress_flush_requeued_total") or 0
     async with db.acquire() as locker:
         lock = locker.transaction()
         await lock.start()
@@ -313,7 +315,8 @@ async def test_a_backend_terminated_during_the_upsert_requeues_its_batch(
             await db.fetchval("SELECT pg_terminate_backend($1)", pid)
             first = await cycle
         await lock.rollback()
-    assert (first.written, first.failed_batches) == (0, 1)
+    assert (first.written, first.failed_batches, first.requeued) == (0, 1, 20)
+    assert REGISTRY.get_sample_value("progress_flush_requeued_total") == requeued_before + 20  # counted once
     assert any(getattr(r, "batch_size", None) == 20 for r in caplog.records)
     assert await redis.scard("progress:pending_flush:lesson") == 20  # handed back at once, not after the lease
     assert await redis.zcard("progress:in_flight:lesson") == 0
