@@ -8,6 +8,7 @@ answered here, with the same models, the same errors and the same OpenAPI descri
 
 import json
 import logging
+import time
 
 from pydantic import ValidationError
 
@@ -28,6 +29,14 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _ClientGone(Exception):
+    """The client hung up mid-body: nothing to store and nobody to answer."""
+
+
+# at most one log line per interval while heartbeats are refused: an outage is thousands per second
+_REFUSAL_LOG_INTERVAL_S = 10.0
+
+
 def _error_body(detail: object) -> bytes:
     return json.dumps({"detail": detail}, separators=(",", ":")).encode()
 
@@ -45,7 +54,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise ConnectionResetError("client disconnected while sending the body")
+            raise _ClientGone
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -63,6 +72,8 @@ class ProgressIngest:
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.sink: HeartbeatSink | None = None  # set by the lifespan once its clients exist
+        self._refused_since_log = 0
+        self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S
         self._requests = {
             (kind.path, status): metrics.HTTP_REQUESTS.labels(kind.path, str(status))
             for kind in CONTENT_KINDS
@@ -74,7 +85,10 @@ class ProgressIngest:
         if kind is None:
             await self.app(scope, receive, send)
             return
-        status, body = await self._handle(kind, scope, receive)
+        try:
+            status, body = await self._handle(kind, scope, receive)
+        except _ClientGone:
+            return
         if status == 201:
             headers = _CREATED_HEADERS
         else:
@@ -120,6 +134,15 @@ class ProgressIngest:
             await self.sink.write(kind, content_id=getattr(heartbeat, kind.id_column), user_id=user_id,
                                   position=heartbeat.position, received_ms=now_ms())  # fmt: skip
         except Unavailable as exc:
-            log.warning("heartbeat refused: %s", exc, extra={"content_type": kind.name})
+            self._log_refusal(kind, exc)
             return 503, _error_body(str(exc))
         return 201, CREATED_BODY
+
+    def _log_refusal(self, kind: ContentKind, exc: Unavailable) -> None:
+        self._refused_since_log += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= _REFUSAL_LOG_INTERVAL_S:
+            log.warning("heartbeats refused with 503: %s", exc,
+                        extra={"content_type": kind.name, "count": self._refused_since_log})  # fmt: skip
+            self._refused_since_log = 0
+            self._refusal_logged_at = now

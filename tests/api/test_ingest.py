@@ -10,6 +10,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from redis.asyncio import Redis
 
+from service.api.ingest import ProgressIngest
 from service.app import create_app
 from service.config import ConfigError, Settings
 from service.progress.buffer import decode_value
@@ -268,3 +269,23 @@ def test_jwt_mode_without_a_usable_key_refuses_to_start(settings: Settings, upda
                                                         names: str) -> None:  # fmt: skip
     with pytest.raises(ConfigError, match=names):
         create_app(settings.model_copy(update=update))
+
+
+async def test_a_client_gone_mid_body_gets_no_answer_and_writes_nothing(
+    app: ProgressIngest, redis: Redis, token: str
+) -> None:
+    messages = iter([{"type": "http.request", "body": b'{"audio_id": 1,', "more_body": True},
+                     {"type": "http.disconnect"}])  # fmt: skip
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        return next(messages)
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/audios/progress",
+             "headers": [(b"authorization", f"Bearer {token}".encode())]}  # fmt: skip
+    await app(scope, receive, send)  # no exception for the server to log as an application error
+    assert sent == []
+    assert await all_keys(redis) == []

@@ -1,6 +1,7 @@
 """Degraded mode: with Redis unreachable, a 201 still means the heartbeat is in Postgres."""
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -93,15 +94,20 @@ async def test_an_older_heartbeat_left_in_redis_does_not_undo_a_direct_write(
 
 
 async def test_both_down_is_503_and_writes_nothing(
-    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool, token: str
+    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool, token: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     dead_db = f"postgresql://postgres@127.0.0.1:{embedded.free_port()}/nothing"
     app = create_app(degraded_settings(settings, own_redis, database_url=dead_db))
     async with running(app) as client:
         own_redis.stop()
-        response = await client.post("/lives/progress", json={"live_id": 1, "position": 3}, headers=auth(token))
-        assert response.status_code == 503
+        with caplog.at_level(logging.WARNING, logger="service.api.ingest"):
+            for _ in range(20):
+                response = await client.post("/lives/progress", json={"live_id": 1, "position": 3},
+                                             headers=auth(token))  # fmt: skip
+                assert response.status_code == 503
         assert "unavailable" in response.json()["detail"]
+        assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1  # not one line per heartbeat
         ready = await client.get("/health/ready")
         assert ready.status_code == 503
         assert set(ready.json()["checks"]) == {"redis", "postgres"}
