@@ -42,9 +42,6 @@ class BackgroundTasks:
         if not task.cancelled() and task.exception() is not None:
             log.error("background task %s died", task.get_name(), exc_info=task.exception())
 
-    def running(self) -> dict[str, bool]:
-        return {task.get_name(): not task.done() for task in self._tasks}
-
     async def aclose(self, timeout_s: float) -> None:
         self.stop.set()
         if not self._tasks:
@@ -90,7 +87,8 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
                                   max_concurrency=settings.degraded_max_concurrency,
                                   max_waiting=settings.degraded_max_waiting)  # fmt: skip
         sink = HeartbeatSink(PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds), direct,
-                             redis_retry_s=settings.degraded_redis_retry_seconds)  # fmt: skip
+                             redis_retry_s=settings.degraded_redis_retry_seconds,
+                             direct_timeout_s=settings.degraded_write_timeout_seconds)  # fmt: skip
         resources.push_async_callback(sink.aclose)
         ingest.sink = sink
         # Everything alive now lives as long as the process: moved out of the collector's sight,

@@ -49,6 +49,7 @@ class Settings(BaseSettings):
     degraded_max_concurrency: int = Field(4, ge=1)
     degraded_max_waiting: int = Field(2000, ge=1)
     degraded_redis_retry_seconds: float = Field(1.0, gt=0)
+    degraded_write_timeout_seconds: float = Field(5.0, gt=0)
 
     journey_batch_size: int = Field(200, ge=1, le=10_000)
     reservation_block_size: int = Field(200, ge=1, le=16_000)

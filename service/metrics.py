@@ -61,6 +61,9 @@ FLUSH_FAILURES = Counter(
     "progress_flush_failed_batches_total", "Batches not persisted because the database was unavailable.",
     ["content_type"],
 )
+FLUSH_CYCLE_ERRORS = Counter(
+    "progress_flush_cycle_errors_total", "Flush cycles ended by an unexpected error (a bug: see the logs)."
+)
 FLUSH_BATCH_SECONDS = Histogram(
     "progress_flush_batch_seconds", "Time to persist one batch.", ["content_type"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),

@@ -17,10 +17,6 @@ class TurnBatcher(Generic[T]):
         self._queue: list[tuple[T, asyncio.Future[None]]] = []
         self._sending: set[asyncio.Task[None]] = set()
 
-    @property
-    def waiting(self) -> int:
-        return len(self._queue)
-
     async def submit(self, item: T) -> None:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()

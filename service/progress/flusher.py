@@ -72,6 +72,12 @@ class Flusher:
             except (RedisError, OSError) as exc:
                 failures += 1
                 log.warning("flush cycle failed: Redis unavailable (%s); retrying", exc)
+            except Exception:
+                # The loop is the only way out of the buffer: if it died, every pending value would
+                # expire. Whatever this is (a bug), it is logged loudly and the loop goes on.
+                failures += 1
+                metrics.FLUSH_CYCLE_ERRORS.inc()
+                log.exception("flush cycle failed unexpectedly; retrying with backoff")
             # jitter spreads the pods' cycles; failures retry sooner, with exponential backoff
             delay = self._interval_s * random.uniform(0.9, 1.1)
             if failures:
@@ -98,8 +104,12 @@ class Flusher:
             lease_expired += await self._leases.requeue_expired(kind.name, now_ms=now_ms())
             # once one batch of this type fails, its siblings stop claiming: no point retrying at once
             failed = asyncio.Event()
-            results = await asyncio.gather(*(self._drain(kind, stop, failed) for _ in range(self._concurrency)))
+            # every drain is awaited to its end before an error goes up: none is left running unowned
+            results = await asyncio.gather(*(self._drain(kind, stop, failed) for _ in range(self._concurrency)),
+                                           return_exceptions=True)  # fmt: skip
             for result in results:
+                if isinstance(result, BaseException):
+                    raise result
                 total.add(result)
         if lease_expired:
             total.requeued += lease_expired
@@ -126,8 +136,8 @@ class Flusher:
                     result.add(batch)
                     if batch.failed_batches:
                         failed.set()  # leave the rest pending; the loop backs off
-        except DB_UNAVAILABLE as exc:
-            # no connection to be had: nothing was claimed
+        except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:
+            # no connection to be had (down, full, refused our password): nothing was claimed
             metrics.FLUSH_FAILURES.labels(kind.name).inc()
             log.warning("flush of %s skipped: database unavailable (%s: %s)", kind.name, type(exc).__name__, exc,
                         extra={"content_type": kind.name})  # fmt: skip

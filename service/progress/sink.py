@@ -66,10 +66,12 @@ class DirectWriter:
 
 
 class HeartbeatSink:
-    def __init__(self, redis_writer: PositionWriter, direct: DirectWriter | None, *, redis_retry_s: float) -> None:
+    def __init__(self, redis_writer: PositionWriter, direct: DirectWriter | None, *, redis_retry_s: float,
+                 direct_timeout_s: float) -> None:  # fmt: skip
         self._redis_writer = redis_writer
         self._direct = direct
         self._redis_retry_s = redis_retry_s
+        self._direct_timeout_s = direct_timeout_s
         self._redis_down_until = 0.0  # monotonic; while in the future, skip Redis instead of waiting on it
         self.degraded = False
 
@@ -91,8 +93,10 @@ class HeartbeatSink:
         if self._direct is None:
             raise Unavailable("progress buffer unavailable and no database configured for degraded mode")
         try:
-            await self._direct.write(kind, Heartbeat(content_id, user_id, position, received_ms))
-        except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:
+            # a deadline: a slow database must not hold the app's requests (and their sockets) open
+            async with asyncio.timeout(self._direct_timeout_s):
+                await self._direct.write(kind, Heartbeat(content_id, user_id, position, received_ms))
+        except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:  # TimeoutError is among them
             raise Unavailable("progress buffer and database both unavailable, retry later") from exc
 
     def _set_degraded(self, degraded: bool, message: str) -> None:

@@ -27,7 +27,8 @@ class BatchResult:
 #   (the monolith's foreign keys are deferred: a bad row would only fail at COMMIT, for everyone).
 # - position/updated_at only move forward; completed_at is set by any heartbeat at the margin,
 #   even a late one, and never cleared.
-# - the event insert relies on the UNIQUE key: one event per (type, content, user), ever, whatever
+# - an event is written only where this statement set completed_at (a row the monolith completed
+#   before gets none), and the UNIQUE key makes it one per (type, content, user), ever, whatever
 #   retries, redeliveries or concurrent pods do.
 _UPSERT_SQL = """
 WITH incoming AS (
@@ -41,6 +42,7 @@ WITH incoming AS (
 ), upserted AS (
     INSERT INTO {progress_table} AS p (user_id, {id_column}, position, completed_at, created_at, updated_at)
     SELECT user_id, content_id, position, completed_at, received_at, received_at FROM known
+    ORDER BY user_id, content_id  -- one lock order for every batch: overlapping batches cannot deadlock
     ON CONFLICT (user_id, {id_column}) DO UPDATE SET
         position = CASE WHEN p.updated_at < EXCLUDED.updated_at THEN EXCLUDED.position ELSE p.position END,
         updated_at = GREATEST(p.updated_at, EXCLUDED.updated_at),
@@ -50,7 +52,9 @@ WITH incoming AS (
     RETURNING p.{id_column} AS content_id, p.user_id, p.completed_at
 ), events AS (
     INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at, created_at)
-    SELECT $6::text, content_id, user_id, completed_at, now() FROM upserted WHERE completed_at IS NOT NULL
+    SELECT $6::text, u.content_id, u.user_id, u.completed_at, now()
+    FROM upserted u JOIN known k USING (content_id, user_id)
+    WHERE u.completed_at = k.completed_at  -- set by this heartbeat, not by an earlier writer
     ON CONFLICT (content_type, content_id, user_id) DO NOTHING
     RETURNING 1
 )

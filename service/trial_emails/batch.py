@@ -139,8 +139,8 @@ def report_orphans(emails: Sequence[QueuedEmail], *, why: str) -> None:
     pairs = [f"{email.user_id}:{email.email_key}" for email in emails]
     metrics.TRIAL_EMAIL_ORPHANS.inc(len(pairs))
     log.error(
-        "%d trial-journey emails reserved at %s but not published (%s); they will not be sent unless "
-        "re-enqueued: %s",
+        "%d trial-journey emails reserved at %s but not confirmed published (%s; one interrupted mid-publish "
+        "may have gone out): check the stream before re-enqueuing: %s",
         len(pairs), emails[0].reserved_at.isoformat(), why, " ".join(pairs),
         extra={"pairs": pairs, "count": len(pairs)},
     )  # fmt: skip

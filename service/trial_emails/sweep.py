@@ -86,7 +86,10 @@ async def sweep_if_no_other_pod_is(
         try:
             return await sweep_journeys(pool=pool, queue=queue, settings=settings, should_stop=stop.is_set)
         finally:
-            await lock_conn.execute("SELECT pg_advisory_unlock($1)", SWEEP_LOCK_KEY)
+            # on a broken connection the server has dropped the lock with the session already; an
+            # error here would only hide the one that got us here
+            with contextlib.suppress(asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+                await lock_conn.execute("SELECT pg_advisory_unlock($1)", SWEEP_LOCK_KEY)
 
 
 async def run_periodic_sweep(*, pool: asyncpg.Pool, redis: Redis, settings: Settings, stop: asyncio.Event) -> None:

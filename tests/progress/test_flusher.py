@@ -322,3 +322,18 @@ async def test_a_backend_terminated_during_the_upsert_requeues_its_batch(
     assert await redis.zcard("progress:in_flight:lesson") == 0
     assert (await flusher.flush_cycle()).written == 20
     assert len(await lesson_rows(db)) == 20
+
+
+async def test_a_row_completed_before_this_service_gets_no_event(
+    redis: Redis, db: asyncpg.Pool, flusher: Flusher
+) -> None:
+    await seed(db, users=1, duration_s=600)
+    # completed by the monolith before the cutover: completed_at set, no event
+    await db.execute("INSERT INTO engagements_lessonprogress (user_id, lesson_id, position, completed_at, "
+                     "created_at, updated_at) VALUES (1, 1, 600, now() - interval '1 day', "
+                     "now() - interval '1 day', now() - interval '1 day')")  # fmt: skip
+    for position in (0, 599):  # a replay from the start, then the end again
+        await write(redis, "lesson", 1, 1, position)
+        await flusher.flush_cycle()
+    assert (await lesson_rows(db))[(1, 1)]["position"] == 599
+    assert await events(db) == []
