@@ -17,19 +17,28 @@ from service import metrics
 from service.progress.batching import TurnBatcher
 from service.progress.keys import latest_position_key, pending_flush_key, pending_member
 
-# KEYS: latest-position key, pending set. ARGV: value, receive time (ms), TTL (s), pending member.
-# A value received earlier than the one stored never replaces it (two pods, a retried request),
-# and the member is added either way: the flusher reads whatever value is newest.
+# The value is "{position}:{receive time ms}:{peak}": peak is the furthest position heard while the
+# value lived, so a listener who reaches the end and restarts within one flush interval is still
+# completed (the flush sees only the last position, the monolith used to see every heartbeat).
+# KEYS: latest-position key, pending set. ARGV: position, receive time (ms), TTL (s), pending member.
+# A heartbeat received earlier than the stored one (two pods, a retried request) never replaces its
+# position, only raises its peak; the member is added either way: the flusher reads the newest value.
 WRITE_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
+local peak = ARGV[1]
 if current then
-  local current_ms = tonumber(string.match(current, ':(%d+)$'))
-  if current_ms and current_ms > tonumber(ARGV[2]) then
+  local position, ms, stored_peak = string.match(current, '^([^:]*):(%d+):?([^:]*)$')
+  if stored_peak == '' then stored_peak = position end
+  if ms and tonumber(ms) > tonumber(ARGV[2]) then
+    if tonumber(ARGV[1]) > tonumber(stored_peak) then
+      redis.call('SET', KEYS[1], position .. ':' .. ms .. ':' .. ARGV[1], 'EX', ARGV[3])
+    end
     redis.call('SADD', KEYS[2], ARGV[4])
     return 0
   end
+  if stored_peak and tonumber(stored_peak) > tonumber(peak) then peak = stored_peak end
 end
-redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2] .. ':' .. peak, 'EX', ARGV[3])
 redis.call('SADD', KEYS[2], ARGV[4])
 return 1
 """
@@ -40,16 +49,15 @@ WRITE_SCRIPT_SHA = hashlib.sha1(WRITE_SCRIPT.encode()).hexdigest()
 class StoredPosition:
     position: float
     received_ms: int
-
-
-def encode_value(position: float, received_ms: int) -> str:
-    return f"{position!r}:{received_ms}"
+    peak: float
 
 
 def decode_value(raw: bytes | str) -> StoredPosition:
     text = raw.decode() if isinstance(raw, bytes) else raw
-    position, received_ms = text.rsplit(":", 1)
-    return StoredPosition(float(position), int(received_ms))
+    fields = text.split(":")
+    position = float(fields[0])
+    # a value written before peaks were kept has two fields
+    return StoredPosition(position, int(fields[1]), float(fields[2]) if len(fields) > 2 else position)
 
 
 def now_ms() -> int:
@@ -62,7 +70,7 @@ def write_args(
     return (
         "EVALSHA", WRITE_SCRIPT_SHA, 2,
         latest_position_key(content_type, content_id, user_id), pending_flush_key(content_type),
-        encode_value(position, received_ms), received_ms, ttl_s, pending_member(content_id, user_id),
+        repr(position), received_ms, ttl_s, pending_member(content_id, user_id),
     )  # fmt: skip
 
 

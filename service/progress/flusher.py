@@ -164,7 +164,7 @@ class Flusher:
                 log.error("unreadable pending entry dropped", extra={
                     "content_type": kind.name, "key": member, "error": repr(raw)[:200]})  # fmt: skip
                 continue
-            heartbeats.append(Heartbeat(content_id, user_id, stored.position, stored.received_ms))
+            heartbeats.append(Heartbeat(content_id, user_id, stored.position, stored.received_ms, stored.peak))
         if not heartbeats:
             await self._leases.ack(claim)
             metrics.FLUSH_EXPIRED.labels(kind.name).inc(result.expired)

@@ -95,7 +95,7 @@ class HeartbeatSink:
         try:
             # a deadline: a slow database must not hold the app's requests (and their sockets) open
             async with asyncio.timeout(self._direct_timeout_s):
-                await self._direct.write(kind, Heartbeat(content_id, user_id, position, received_ms))
+                await self._direct.write(kind, Heartbeat(content_id, user_id, position, received_ms, peak=position))
         except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:  # TimeoutError is among them
             raise Unavailable("progress buffer and database both unavailable, retry later") from exc
 

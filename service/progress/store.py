@@ -1,6 +1,6 @@
 """Persisting a batch of latest positions into the monolith's progress tables: one statement per batch."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import asyncpg
 
@@ -13,6 +13,7 @@ class Heartbeat:
     user_id: int
     position: float
     received_ms: int
+    peak: float  # the furthest position heard since the value was first written: decides completion
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,17 +26,19 @@ class BatchResult:
 # One statement, so the upsert and its completion events commit together or not at all.
 # - `known` drops heartbeats whose user or content does not exist, instead of failing the batch
 #   (the monolith's foreign keys are deferred: a bad row would only fail at COMMIT, for everyone).
-# - position/updated_at only move forward; completed_at is set by any heartbeat at the margin,
-#   even a late one, and never cleared.
+# - position/updated_at only move forward; completed_at is set by any heartbeat whose peak reached
+#   the margin, even a late one, and never cleared.
 # - an event is written only where this statement set completed_at (a row the monolith completed
 #   before gets none), and the UNIQUE key makes it one per (type, content, user), ever, whatever
 #   retries, redeliveries or concurrent pods do.
 _UPSERT_SQL = """
 WITH incoming AS (
-    SELECT content_id, user_id, position, to_timestamp(received_ms / 1000.0) AS received_at
-    FROM unnest($1::bigint[], $2::bigint[], $3::float8[], $4::bigint[]) AS h(content_id, user_id, position, received_ms)
+    SELECT content_id, user_id, position, peak, to_timestamp(received_ms / 1000.0) AS received_at
+    FROM unnest($1::bigint[], $2::bigint[], $3::float8[], $4::bigint[], $7::float8[])
+        AS h(content_id, user_id, position, received_ms, peak)
 ), known AS (
-    SELECT h.*, CASE WHEN h.position >= c.duration - $5::float8 THEN h.received_at END AS completed_at
+    SELECT h.content_id, h.user_id, h.position, h.received_at,
+           CASE WHEN h.peak >= c.duration - $5::float8 THEN h.received_at END AS completed_at
     FROM incoming h
     JOIN {content_table} c ON c.id = h.content_id
     JOIN users_user u ON u.id = h.user_id
@@ -82,14 +85,17 @@ async def persist_batch(
     for hb in heartbeats:
         key = (hb.user_id, hb.content_id)
         kept = latest.get(key)
-        if kept is None or kept.received_ms < hb.received_ms:
+        if kept is None:
             latest[key] = hb
+        else:
+            newest = hb if kept.received_ms < hb.received_ms else kept
+            latest[key] = replace(newest, peak=max(kept.peak, hb.peak))
     # in the order of the unique index (user_id, content): neighbouring rows share its pages
     rows = [latest[key] for key in sorted(latest)]
     record = await conn.fetchrow(
         upsert_sql(kind),
         [hb.content_id for hb in rows], [hb.user_id for hb in rows], [hb.position for hb in rows],
-        [hb.received_ms for hb in rows], margin_s, kind.name,
+        [hb.received_ms for hb in rows], margin_s, kind.name, [hb.peak for hb in rows],
     )  # fmt: skip
     assert record is not None
     return BatchResult(written=record["written"], completions=record["completions"], dropped=list(record["dropped"]))

@@ -337,3 +337,26 @@ async def test_a_row_completed_before_this_service_gets_no_event(
         await flusher.flush_cycle()
     assert (await lesson_rows(db))[(1, 1)]["position"] == 599
     assert await events(db) == []
+
+
+async def test_reaching_the_end_then_restarting_within_one_interval_still_completes(
+    redis: Redis, db: asyncpg.Pool, flusher: Flusher
+) -> None:
+    await seed(db, users=1, duration_s=600)
+    for position in (300, 595, 0, 12):  # the end, then a restart, all before one flush
+        await write(redis, "meditation", 1, 1, position)
+    await flusher.flush_cycle()
+    row = await db.fetchrow("SELECT position, completed_at FROM audios_meditationprogress")
+    assert row is not None and row["position"] == 12 and row["completed_at"] is not None
+    assert await events(db) == [("meditation", 1, 1)]
+
+
+async def test_the_stored_value_keeps_the_peak_and_an_older_heartbeat_only_raises_it(redis: Redis) -> None:
+    key = "progress:latest_position:audio:1:1"
+    t = await write(redis, "audio", 1, 1, 100)
+    await write(redis, "audio", 1, 1, 40, received_ms=t + 1000)
+    assert await redis.get(key) == f"40:{t + 1000}:100"  # position moves back, the peak stays
+    await write(redis, "audio", 1, 1, 250, received_ms=t + 500)  # late, older: not the position...
+    assert await redis.get(key) == f"40:{t + 1000}:250"  # ...but it did reach 250
+    await write(redis, "audio", 1, 1, 10, received_ms=t)  # late and lower: nothing changes
+    assert await redis.get(key) == f"40:{t + 1000}:250"
