@@ -306,7 +306,7 @@ def check_writes(redis: Redis, name: str) -> dict[str, int]:
         assert isinstance(member, bytes)
         content_id, user_id = member.decode().split(":")
         value = redis.get(f"progress:latest_position:{kind}:{content_id}:{user_id}")
-        if not isinstance(value, bytes) or not re.fullmatch(rb"[\d.]+:\d{13}", value):
+        if not isinstance(value, bytes) or not re.fullmatch(rb"[\d.]+:\d{13}(:[\d.]+)?", value):
             raise RuntimeError(f"{name}: pending member {kind} {member!r} has value {value!r}")
     return counts
 
