@@ -56,14 +56,6 @@ def _wait_until(ready: Callable[[], bool], *, timeout_s: float, what: str, log_p
     raise EmbeddedServerError(f"{what} did not become ready in {timeout_s:.0f}s; log {log_path}:\n{tail}")
 
 
-def _port_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
-
-
 class _ChildServer:
     name = "server"
 

@@ -69,4 +69,3 @@ CONTENT_KINDS: tuple[ContentKind, ...] = (
                 "lives_live", "lives_liveprogress", "live_id"),
 )  # fmt: skip
 KIND_BY_PATH = {kind.path: kind for kind in CONTENT_KINDS}
-KIND_BY_NAME = {kind.name: kind for kind in CONTENT_KINDS}

@@ -6,7 +6,7 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import asyncpg
 from redis.asyncio import Redis
@@ -18,7 +18,7 @@ from service.progress.buffer import decode_value, now_ms
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import in_flight_key, parse_member, pending_flush_key
 from service.progress.leases import Claim, Leases
-from service.progress.store import BatchResult, Heartbeat, persist_batch
+from service.progress.store import BatchResult, Heartbeat, persist_batch, report_batch
 
 log = logging.getLogger(__name__)
 
@@ -147,28 +147,19 @@ class Flusher:
 
     async def _persist(self, conn: asyncpg.Connection, claim: Claim, kind: ContentKind) -> CycleResult:
         result = CycleResult(batches=1)
-        heartbeats = []
+        heartbeats, usable, unusable = [], [], []
         for member, raw in claim.entries:
-            if raw is None:
-                # the TTL passed before any flush: this position is lost, and that must show
-                result.expired += 1
-                log.error("value expired before it was flushed: position lost", extra={
-                    "content_type": kind.name, "key": member})  # fmt: skip
-                continue
-            try:
-                content_id, user_id = parse_member(member)
-                stored = decode_value(raw)
-            except ValueError:
-                # not written by this service's script: nothing to persist, and retrying cannot help
-                result.dropped += 1
-                log.error("unreadable pending entry dropped", extra={
-                    "content_type": kind.name, "key": member, "error": repr(raw)[:200]})  # fmt: skip
-                continue
-            heartbeats.append(Heartbeat(content_id, user_id, stored.position, stored.received_ms, stored.peak))
+            heartbeat = self._read(kind, member, raw, result)
+            if heartbeat is None:
+                unusable.append((member, raw))
+            else:
+                heartbeats.append(heartbeat)
+                usable.append((member, raw))
+        if unusable:
+            # nothing in them to persist or retry: settled now, so a failed batch cannot bring them back
+            await self._leases.ack(replace(claim, entries=unusable))
+            claim = replace(claim, entries=usable)
         if not heartbeats:
-            await self._leases.ack(claim)
-            metrics.FLUSH_EXPIRED.labels(kind.name).inc(result.expired)
-            metrics.FLUSH_DROPPED.labels(kind.name).inc(result.dropped)
             return result
         started = time.perf_counter()
         try:
@@ -183,7 +174,8 @@ class Flusher:
                     "batch of %d requeued: %s (%s: %s)", len(claim.entries),
                     "database unavailable" if outage else "database error", type(exc).__name__, exc,
                     extra={"content_type": kind.name, "batch_size": len(claim.entries)})  # fmt: skip
-            return CycleResult(requeued=len(claim.entries), failed_batches=1)
+            result.requeued, result.failed_batches = len(claim.entries), 1
+            return result
         except BaseException:
             # cancelled (shutdown timeout) or a bug: hand the batch back now rather than after the lease
             await asyncio.shield(self._leases.release(claim))
@@ -194,16 +186,33 @@ class Flusher:
         metrics.FLUSH_LAG_SECONDS.observe((now_ms() - min(hb.received_ms for hb in heartbeats)) / 1000)
         metrics.FLUSH_BATCH_SECONDS.labels(kind.name).observe(time.perf_counter() - started)
         metrics.FLUSH_ROWS.labels(kind.name).inc(batch.written)
-        metrics.FLUSH_COMPLETIONS.labels(kind.name).inc(batch.completions)
-        metrics.FLUSH_DROPPED.labels(kind.name).inc(len(batch.dropped))
-        metrics.FLUSH_EXPIRED.labels(kind.name).inc(result.expired)
-        for key in batch.dropped:
-            log.warning("heartbeat dropped: unknown user or content", extra={"content_type": kind.name, "key": key})
-        metrics.FLUSH_DROPPED.labels(kind.name).inc(result.dropped)
+        report_batch(kind, batch)
         result.written, result.completions = batch.written, batch.completions
         result.dropped += len(batch.dropped)
         result.by_type = {kind.name: batch.written}
         return result
+
+    @staticmethod
+    def _read(kind: ContentKind, member: str, raw: bytes | None, result: CycleResult) -> Heartbeat | None:
+        """The claimed entry as a heartbeat; None (logged and counted) when there is nothing to persist."""
+        if raw is None:
+            # the TTL passed before any flush: this position is lost, and that must show
+            result.expired += 1
+            metrics.FLUSH_EXPIRED.labels(kind.name).inc()
+            log.error("value expired before it was flushed: position lost",
+                      extra={"content_type": kind.name, "key": member})  # fmt: skip
+            return None
+        try:
+            content_id, user_id = parse_member(member)
+            stored = decode_value(raw)
+        except ValueError:
+            # not written by this service's script: retrying cannot help
+            result.dropped += 1
+            metrics.FLUSH_DROPPED.labels(kind.name).inc()
+            log.error("unreadable pending entry dropped",
+                      extra={"content_type": kind.name, "key": member, "error": repr(raw)[:200]})  # fmt: skip
+            return None
+        return Heartbeat(content_id, user_id, stored.position, stored.received_ms, stored.peak)
 
     async def _persist_with_retry(self, conn: asyncpg.Connection, kind: ContentKind,
                                   heartbeats: list[Heartbeat]) -> BatchResult:  # fmt: skip

@@ -20,7 +20,7 @@ from service.progress.batching import TurnBatcher
 from service.progress.buffer import PositionWriter
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.flusher import DB_UNAVAILABLE
-from service.progress.store import Heartbeat, persist_batch
+from service.progress.store import Heartbeat, persist_batch, report_batch
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +54,7 @@ class DirectWriter:
         async with self._statements:
             result = await persist_batch(self._pool, kind, heartbeats, margin_s=self._margin_s)
         metrics.DEGRADED_WRITES.labels(kind.name).inc(len(heartbeats))
-        metrics.FLUSH_COMPLETIONS.labels(kind.name).inc(result.completions)
-        metrics.FLUSH_DROPPED.labels(kind.name).inc(len(result.dropped))
-        for key in result.dropped:
-            log.warning("heartbeat dropped: unknown user or content", extra={"content_type": kind.name, "key": key})
+        report_batch(kind, result)
         return [None] * len(heartbeats)
 
     async def aclose(self) -> None:

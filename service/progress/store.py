@@ -1,10 +1,14 @@
 """Persisting a batch of latest positions into the monolith's progress tables: one statement per batch."""
 
+import logging
 from dataclasses import dataclass, replace
 
 import asyncpg
 
+from service import metrics
 from service.progress.content import ContentKind
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,3 +103,11 @@ async def persist_batch(
     )  # fmt: skip
     assert record is not None
     return BatchResult(written=record["written"], completions=record["completions"], dropped=list(record["dropped"]))
+
+
+def report_batch(kind: ContentKind, result: BatchResult) -> None:
+    """What a persisted batch did, as metrics and one log line per dropped key (flusher and degraded mode)."""
+    metrics.FLUSH_COMPLETIONS.labels(kind.name).inc(result.completions)
+    metrics.FLUSH_DROPPED.labels(kind.name).inc(len(result.dropped))
+    for key in result.dropped:
+        log.warning("heartbeat dropped: unknown user or content", extra={"content_type": kind.name, "key": key})

@@ -261,6 +261,7 @@ async def test_a_database_error_on_one_type_does_not_block_the_others(
     await seed(db, users=2)
     await write(redis, "lesson", 1, 1, 60)
     await write(redis, "audio", 1, 1, 60)
+    await redis.sadd("progress:pending_flush:audio", "2:1")  # its value expired: settled, not retried
     # a schema the service does not expect (drift, a new constraint): every audio batch fails
     await db.execute("ALTER TABLE audios_audioprogress ADD CONSTRAINT test_cap CHECK (position < 50)")
     try:
@@ -268,9 +269,11 @@ async def test_a_database_error_on_one_type_does_not_block_the_others(
         assert result.written == 1 and result.failed_batches >= 1
         assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 1
         assert await redis.smembers("progress:pending_flush:audio") == {"1:1"}  # kept, not lost
+        assert result.expired == 1
     finally:
         await db.execute("ALTER TABLE audios_audioprogress DROP CONSTRAINT test_cap")
-    assert (await flusher.flush_cycle()).written == 1
+    retry = await flusher.flush_cycle()
+    assert (retry.written, retry.expired) == (1, 0)  # the expired entry is not counted a second time
     assert await db.fetchval("SELECT position FROM audios_audioprogress") == 60
 
 
