@@ -15,7 +15,7 @@ from service.api import health
 from service.api.ingest import ProgressIngest
 from service.api.openapi import build_openapi
 from service.auth import Authenticator
-from service.clients import connect_redis, create_db_pool
+from service.clients import connect_redis, create_db_pool, key_layout
 from service.config import Settings, load_settings
 from service.logs import RequestIdMiddleware, configure_logging
 from service.progress.buffer import WRITE_SCRIPT, PositionWriter
@@ -86,7 +86,8 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             direct = DirectWriter(pool, margin_s=settings.progress_completion_margin_seconds,
                                   max_concurrency=settings.degraded_max_concurrency,
                                   max_waiting=settings.degraded_max_waiting)  # fmt: skip
-        sink = HeartbeatSink(PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds), direct,
+        writer = PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds, layout=key_layout(settings))
+        sink = HeartbeatSink(writer, direct,
                              redis_retry_s=settings.degraded_redis_retry_seconds,
                              direct_timeout_s=settings.degraded_write_timeout_seconds)  # fmt: skip
         resources.push_async_callback(sink.aclose)

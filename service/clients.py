@@ -1,28 +1,127 @@
-"""The two connections every process of the service holds: Redis and the shared Postgres."""
+"""The connections every process of the service holds: Redis (one server or a cluster) and Postgres.
+
+Cluster awareness stays here and in service/progress/keys.py: callers get a client with the
+commands both kinds share, and send a turn's commands with execute_by_node.
+"""
+
+import asyncio
+from collections.abc import Sequence
+from typing import TypeAlias
 
 import asyncpg
-from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterError, RedisClusterException
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.config import Settings
+from service.progress.keys import CLUSTER_DEFAULT_SHARDS, KeyLayout
+
+RedisClient: TypeAlias = Redis | RedisCluster
+
+# "this node (or the cluster's view of it) is not there now", not "this command is wrong": a failover
+# shows as ClusterDownError/TryAgain, an uncovered slot or a cluster that cannot be reached at all as
+# RedisClusterException (which redis-py does not derive from RedisError)
+REDIS_UNAVAILABLE: tuple[type[Exception], ...] = (
+    RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException,
+)
 
 
-def connect_redis(settings: Settings) -> Redis:
+def connect_redis(settings: Settings) -> RedisClient:
+    common = dict(
+        socket_timeout=settings.redis_socket_timeout_seconds,
+        socket_connect_timeout=settings.redis_socket_timeout_seconds,
+        # One quick retry covers a pooled connection that went stale (Redis restarted); more would
+        # hold every request of an outage for seconds instead of answering it. On a cluster the retry
+        # first re-reads the topology, which is how a failover's promoted replica is found.
+        retry=Retry(NoBackoff(), 1),
+        health_check_interval=30,
+        client_name=f"progress-service:{settings.pod_name}",  # visible in CLIENT LIST
+    )
+    if settings.redis_cluster:
+        # REDIS_URL names any node; the client discovers the others. max_connections is per node.
+        return RedisCluster.from_url(settings.redis_url, max_connections=settings.redis_max_connections,
+                                     **common)  # fmt: skip
     pool = BlockingConnectionPool.from_url(
         settings.redis_url,
         # full pool: wait for a connection (a latency spike) rather than fail into degraded mode
         max_connections=settings.redis_max_connections,
         timeout=settings.redis_socket_timeout_seconds,
-        socket_timeout=settings.redis_socket_timeout_seconds,
-        socket_connect_timeout=settings.redis_socket_timeout_seconds,
-        # One quick retry covers a pooled connection that went stale (Redis restarted); more would
-        # hold every request of an outage for seconds instead of answering it.
-        retry=Retry(NoBackoff(), 1),
-        health_check_interval=30,
-        client_name=f"progress-service:{settings.pod_name}",  # visible in CLIENT LIST
+        **common,
     )
     return Redis.from_pool(pool)  # the client owns the pool and closes it
+
+
+def key_layout(settings: Settings) -> KeyLayout:
+    shards = settings.progress_buffer_shards
+    if shards is None:
+        shards = CLUSTER_DEFAULT_SHARDS if settings.redis_cluster else 1
+    return KeyLayout(shards=shards, cluster=settings.redis_cluster,
+                     previous_shards=settings.progress_buffer_previous_shards)  # fmt: skip
+
+
+async def execute_by_node(
+    redis: RedisClient, commands: Sequence[tuple[object, ...]], *, key_index: int
+) -> list[object]:
+    """Send commands in one round trip per node; each result is its reply or its own exception.
+
+    On a cluster, a pipeline per node rather than one cluster pipeline: redis-py fails a whole cluster
+    pipeline when one node is unreachable, and only the commands of that node's slots should fail
+    (they go to degraded mode; the others' heartbeats stay on Redis). `key_index` locates a key of
+    each command; all its keys share that key's slot.
+    """
+    if not isinstance(redis, RedisCluster):
+        return await _pipeline(redis, commands)
+    try:
+        await redis.initialize()  # a no-op once the topology is known; re-reads it after a failure
+        by_node: dict[str, list[int]] = {}
+        for i, args in enumerate(commands):
+            by_node.setdefault(node_name(redis, args[key_index]), []).append(i)
+    except RedisClusterException as exc:
+        # no node answers, or a slot has no master during a failover: the callers' "Redis is down"
+        raise RedisConnectionError(f"Redis Cluster unavailable: {exc}") from exc
+    groups = list(by_node.values())
+    sent = await asyncio.gather(*(_pipeline(redis, [commands[i] for i in group]) for group in groups),
+                                return_exceptions=True)  # fmt: skip
+    results: list[object] = [None] * len(commands)
+    for group, outcome in zip(groups, sent, strict=True):
+        if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+            raise outcome  # cancelled: not a failure of that node
+        for position, i in enumerate(group):
+            results[i] = outcome if isinstance(outcome, Exception) else outcome[position]
+    return results
+
+
+def same_slot_prefix(key: str) -> str:
+    """A prefix for keys that must share `key`'s hash slot (a script touching both runs on a cluster).
+
+    A key without a hash tag is hashed whole, so `{key}` hashes like it; a key with a tag keeps it.
+    """
+    start = key.find("{")
+    end = key.find("}", start + 1)
+    if start != -1 and end > start + 1:
+        return key
+    return "{" + key + "}"
+
+
+def node_name(redis: RedisClient, key: object) -> str:
+    """The cluster node that holds `key` ("host:port"); "" on a standalone server."""
+    if not isinstance(redis, RedisCluster):
+        return ""
+    node = redis.get_node_from_key(key)  # type: ignore[arg-type]
+    if node is None:
+        raise RedisClusterException(f"no node holds the slot of {key!r}")
+    return str(node.name)
+
+
+async def _pipeline(redis: RedisClient, commands: Sequence[tuple[object, ...]]) -> list[object]:
+    async with redis.pipeline(transaction=False) as pipe:
+        for args in commands:
+            pipe.execute_command(*args)  # type: ignore[arg-type]
+        results: list[object] = await pipe.execute(raise_on_error=False)
+        return results
 
 
 async def create_db_pool(settings: Settings) -> asyncpg.Pool:

@@ -17,6 +17,13 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_max_connections: int = Field(64, ge=1)
     redis_socket_timeout_seconds: float = Field(2.0, gt=0)
+    # REDIS_URL names any node of a Redis/Valkey Cluster; the client discovers the others
+    redis_cluster: bool = False
+    # shards of the buffer per content type; unset: 1 on a standalone server (the monolith's key
+    # names), 60 on a cluster (even over 3-12 masters)
+    progress_buffer_shards: int | None = Field(None, ge=1, le=1024)
+    # the shard count before a change: the flusher drains those shards too until they are empty
+    progress_buffer_previous_shards: int = Field(0, ge=0, le=1024)
     database_url: str = ""
     # 0: a pod starts (and serves heartbeats) while Postgres is still down
     database_pool_min_size: int = Field(0, ge=0)

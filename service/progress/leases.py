@@ -4,17 +4,20 @@ A claimed member moves from the pending set to the in-flight sorted set, scored 
 deadline, in the same script that reads its value. It leaves the in-flight set only when it is
 acked (after the Postgres commit) or released/requeued back to the pending set. A flusher killed
 at any point leaves its members in flight; once their lease is past, any flusher requeues them.
+Every script works on one shard (service/progress/keys.py): its keys share one hash slot, so the
+same scripts run on a Redis Cluster.
 """
 
 import secrets
 from dataclasses import dataclass
 
-from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
-from service.progress.keys import LATEST_POSITION_PREFIX, in_flight_key, pending_flush_key
+from service.clients import RedisClient
+from service.progress.keys import Shard
 
-# KEYS: pending set, in-flight zset. ARGV: count, lease score, latest-position key prefix with type.
+# KEYS: pending set, in-flight zset. ARGV: count, lease score, the shard's latest-position key prefix
+# (it carries the shard's hash tag: the value keys built from it are in the slot of KEYS).
 # Returns {members, values} (a value is false when its TTL expired). Commands take the members in
 # chunks: one ZADD and one MGET per chunk instead of one call per member, within Lua's stack limit.
 _CLAIM = """
@@ -71,9 +74,13 @@ return #expired
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    content_type: str
+    shard: Shard
     lease_score: str  # deadline in ms plus a random fraction: identifies this claim
     entries: list[tuple[str, bytes | None]]  # (member, raw value or None if expired)
+
+    @property
+    def content_type(self) -> str:
+        return self.shard.content_type
 
     @property
     def members(self) -> list[str]:
@@ -81,22 +88,21 @@ class Claim:
 
 
 class Leases:
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: RedisClient) -> None:
         self._claim: AsyncScript = redis.register_script(_CLAIM)
         self._settle: AsyncScript = redis.register_script(_SETTLE)
         self._requeue: AsyncScript = redis.register_script(_REQUEUE_EXPIRED)
 
-    async def claim_batch(self, content_type: str, *, count: int, now_ms: int, lease_ms: int) -> Claim:
+    async def claim_batch(self, shard: Shard, *, count: int, now_ms: int, lease_ms: int) -> Claim:
         # the random fraction makes two claims of the same member in the same millisecond distinct
         lease_score = f"{now_ms + lease_ms}.{secrets.randbelow(1000):03d}"
         flat = await self._claim(
-            keys=[pending_flush_key(content_type), in_flight_key(content_type)],
-            args=[count, lease_score, f"{LATEST_POSITION_PREFIX}{content_type}:"],
+            keys=[shard.pending_key, shard.in_flight_key], args=[count, lease_score, shard.value_prefix]
         )
         members, values = flat
         entries = [(member.decode() if isinstance(member, bytes) else member, value or None)
                    for member, value in zip(members, values, strict=True)]  # fmt: skip
-        return Claim(content_type, lease_score, entries)
+        return Claim(shard, lease_score, entries)
 
     async def ack(self, claim: Claim) -> int:
         """The batch is committed: forget it."""
@@ -110,17 +116,17 @@ class Leases:
         if not claim.entries:
             return 0
         settled: int = await self._settle(
-            keys=[in_flight_key(claim.content_type), pending_flush_key(claim.content_type)],
+            keys=[claim.shard.in_flight_key, claim.shard.pending_key],
             args=[claim.lease_score, "1" if requeue else "0", *claim.members],
         )
         return settled
 
-    async def requeue_expired(self, content_type: str, *, now_ms: int, limit: int = 10_000) -> int:
+    async def requeue_expired(self, shard: Shard, *, now_ms: int, limit: int = 10_000) -> int:
         """Leases of flushers that died: their members go back to the pending set."""
         total = 0
         while True:
             moved: int = await self._requeue(
-                keys=[in_flight_key(content_type), pending_flush_key(content_type)], args=[now_ms, limit]
+                keys=[shard.in_flight_key, shard.pending_key], args=[now_ms, limit]
             )
             total += moved
             if moved < limit:

@@ -4,7 +4,8 @@ Degraded mode keeps the promise of the 201 during a Redis outage. It writes with
 statement (monotonic upsert, completion, one event), so a heartbeat written directly and an older
 one still in Redis settle the same way whichever lands last. It is bounded twice: a few statements
 at a time, and a cap on waiting requests, past which the answer is 503 instead of an exhausted
-database.
+database. On a Redis Cluster it is per node: only the heartbeats of an unreachable master's slots
+go to Postgres; the others stay on Redis.
 """
 
 import asyncio
@@ -69,24 +70,28 @@ class HeartbeatSink:
         self._direct = direct
         self._redis_retry_s = redis_retry_s
         self._direct_timeout_s = direct_timeout_s
-        self._redis_down_until = 0.0  # monotonic; while in the future, skip Redis instead of waiting on it
+        # per Redis node ("" for a standalone server), monotonic; while in the future, skip that node
+        # instead of waiting on it
+        self._redis_down_until: dict[str, float] = {}
         self.degraded = False
 
     async def write(self, kind: ContentKind, *, content_id: int, user_id: int, position: float,
                     received_ms: int) -> None:  # fmt: skip
-        if time.monotonic() >= self._redis_down_until:
+        node = self._redis_writer.node_of(kind.name, content_id, user_id)
+        if time.monotonic() >= self._redis_down_until.get(node, 0.0):
             try:
                 await self._redis_writer.write(content_type=kind.name, content_id=content_id, user_id=user_id,
                                                position=position, received_ms=received_ms)  # fmt: skip
-                if self.degraded:
-                    self._set_degraded(False, "Redis answers again: normal mode")
+                if self._redis_down_until:
+                    self._recovered(node)
                 return
             except (RedisError, OSError) as exc:
                 metrics.REDIS_WRITE_ERRORS.labels(kind.name).inc()
-                self._redis_down_until = time.monotonic() + self._redis_retry_s
+                self._redis_down_until[node] = time.monotonic() + self._redis_retry_s
                 if not self.degraded:
                     self._set_degraded(True, f"Redis write failed ({type(exc).__name__}: {exc}): degraded mode, "
-                                             "heartbeats go straight to Postgres")  # fmt: skip
+                                             f"heartbeats {f'of node {node} ' if node else ''}go straight to "
+                                             "Postgres")  # fmt: skip
         if self._direct is None:
             raise Unavailable("progress buffer unavailable and no database configured for degraded mode")
         try:
@@ -95,6 +100,15 @@ class HeartbeatSink:
                 await self._direct.write(kind, Heartbeat(content_id, user_id, position, received_ms, peak=position))
         except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:  # TimeoutError is among them
             raise Unavailable("progress buffer and database both unavailable, retry later") from exc
+
+    def _recovered(self, node: str) -> None:
+        self._redis_down_until.pop(node, None)
+        # a node whose retry time passed unused gets no heartbeats any more (its slots failed over to a
+        # replica under another name): it no longer holds the pod in degraded mode
+        now = time.monotonic()
+        self._redis_down_until = {name: until for name, until in self._redis_down_until.items() if until > now}
+        if not self._redis_down_until and self.degraded:
+            self._set_degraded(False, "Redis answers again: normal mode")
 
     def _set_degraded(self, degraded: bool, message: str) -> None:
         self.degraded = degraded

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from redis.asyncio import Redis
+from service.clients import RedisClient, same_slot_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +28,8 @@ class EmailQueue(Protocol):
         """Return only once the broker has the email; raise if that is not known."""
 
 
-# KEYS: stream, guard key. ARGV: guard TTL (s), then field, value, ...
+# KEYS: stream, guard key (in the stream's slot: the script runs on a cluster). ARGV: guard TTL (s), then field,
+# value, ...
 # The client retries a command once after a timeout (service.clients.connect_redis), and a timed-out
 # XADD may have been applied: the guard, set in the same script, makes that retry a no-op instead
 # of a second entry. The guard names one reservation (its reserved_at included), so a pair that is
@@ -45,13 +46,13 @@ GUARD_TTL_S = 3600
 
 
 def publish_guard_key(stream: str, email: QueuedEmail) -> str:
-    return f"{stream}:published:{email.user_id}:{email.email_key}:{email.reserved_at.isoformat()}"
+    return f"{same_slot_prefix(stream)}:published:{email.user_id}:{email.email_key}:{email.reserved_at.isoformat()}"
 
 
 class RedisStreamQueue:
     """One XADD per email on `stream`. The stream is never trimmed: an entry is an email owed."""
 
-    def __init__(self, redis: Redis, stream: str) -> None:
+    def __init__(self, redis: RedisClient, stream: str) -> None:
         self.stream = stream
         self._publish_once = redis.register_script(PUBLISH_ONCE_SCRIPT)
 

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 import asyncpg
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from service import metrics
+from service.clients import RedisClient
 from service.config import Settings
 from service.trial_emails.batch import BatchResult, send_trial_journey_emails_batch
 from service.trial_emails.journey import GRACE
@@ -92,7 +92,9 @@ async def sweep_if_no_other_pod_is(
                 await lock_conn.execute("SELECT pg_advisory_unlock($1)", SWEEP_LOCK_KEY)
 
 
-async def run_periodic_sweep(*, pool: asyncpg.Pool, redis: Redis, settings: Settings, stop: asyncio.Event) -> None:
+async def run_periodic_sweep(
+    *, pool: asyncpg.Pool, redis: RedisClient, settings: Settings, stop: asyncio.Event
+) -> None:
     """Sweep at start, then every TRIAL_JOURNEY_INTERVAL_SECONDS, until `stop` is set (0 disables it).
 
     A failed sweep is logged and counted, and the next one runs on schedule: the reservations make

@@ -15,6 +15,7 @@ from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, write_args
 from service.progress.content import CONTENT_KINDS
 from service.progress.flusher import Flusher
+from service.progress.keys import STANDALONE
 from service.progress.leases import Leases
 from tests.conftest import Servers, auth, seed
 
@@ -200,9 +201,10 @@ async def test_a_late_ack_does_not_remove_another_flushers_lease(redis: Redis) -
     leases = Leases(redis)
     await write(redis, "lesson", 1, 1, 5)
     now = time.time_ns() // 1_000_000
-    stalled = await leases.claim_batch("lesson", count=10, now_ms=now - 10_000, lease_ms=1000)  # already expired
-    assert await leases.requeue_expired("lesson", now_ms=now) == 1
-    fresh = await leases.claim_batch("lesson", count=10, now_ms=now, lease_ms=60_000)
+    (shard,) = STANDALONE.shards_of("lesson")
+    stalled = await leases.claim_batch(shard, count=10, now_ms=now - 10_000, lease_ms=1000)  # already expired
+    assert await leases.requeue_expired(shard, now_ms=now) == 1
+    fresh = await leases.claim_batch(shard, count=10, now_ms=now, lease_ms=60_000)
     assert fresh.members == ["1:1"]
     assert await leases.ack(stalled) == 0  # the stalled flusher finally acks: nothing of fresh's is touched
     assert await redis.zrange("progress:in_flight:lesson", 0, -1) == ["1:1"]
