@@ -94,6 +94,14 @@ async def execute_by_node(
     return results
 
 
+async def ping(redis: RedisClient) -> None:
+    """Raise unless Redis answers: on a cluster, every master (each holds a share of the heartbeats)."""
+    if isinstance(redis, RedisCluster):
+        await redis.ping(target_nodes=RedisCluster.PRIMARIES)  # redis-py would ask one node only
+    else:
+        await redis.ping()
+
+
 def same_slot_prefix(key: str) -> str:
     """A prefix for keys that must share `key`'s hash slot (a script touching both runs on a cluster).
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 from redis.exceptions import RedisError
 
 from service import metrics
+from service.clients import REDIS_UNAVAILABLE, ping
 
 router = APIRouter(tags=["operations"])
 
@@ -58,8 +59,8 @@ async def ready(request: Request) -> JSONResponse:
 async def _check_redis(request: Request) -> str:
     try:
         async with asyncio.timeout(_READY_TIMEOUT_S):
-            await request.app.state.redis.ping()
-    except (RedisError, OSError, TimeoutError) as exc:
+            await ping(request.app.state.redis)
+    except (RedisError, *REDIS_UNAVAILABLE, OSError, TimeoutError) as exc:
         return f"unreachable: {type(exc).__name__}: {exc}"
     return "ok"
 

@@ -12,6 +12,9 @@ import time
 import asyncpg
 from redis.asyncio import Redis
 
+from service.clients import RedisClient
+from service.progress.buffer import write_args
+from service.progress.keys import STANDALONE, KeyLayout
 from tests.conftest import Servers, seed
 from tests.progress.test_flusher import events, lesson_rows, write
 
@@ -32,7 +35,8 @@ def flush_once(servers: Servers, **extra: str) -> subprocess.CompletedProcess[st
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
-async def fill(redis: Redis, db: asyncpg.Pool, keys: int) -> dict[tuple[int, int], float]:
+async def fill(redis: RedisClient, db: asyncpg.Pool, keys: int,
+               layout: KeyLayout = STANDALONE) -> dict[tuple[int, int], float]:  # fmt: skip
     """`keys` lessons-by-user, each with a few heartbeats; returns the last position of each."""
     await seed(db, users=keys // 10, contents=10)
     last = {}
@@ -41,25 +45,32 @@ async def fill(redis: Redis, db: asyncpg.Pool, keys: int) -> dict[tuple[int, int
             for i in range(keys):
                 content_id, user_id = i % 10 + 1, i // 10 + 1
                 position = float(round_ * 100 + i % 97)
-                pipe.execute_command(*_args(content_id, user_id, position))
+                pipe.execute_command(*_args(content_id, user_id, position, layout))
                 last[(content_id, user_id)] = position
             await pipe.execute()
     return last
 
 
-def _args(content_id: int, user_id: int, position: float) -> tuple[object, ...]:
-    from service.progress.buffer import write_args
-
-    return write_args("lesson", content_id, user_id, position, time.time_ns() // 1_000_000, 3600)
+def _args(content_id: int, user_id: int, position: float, layout: KeyLayout = STANDALONE) -> tuple[object, ...]:
+    return write_args("lesson", content_id, user_id, position, time.time_ns() // 1_000_000, 3600, layout)
 
 
-async def assert_all_persisted(redis: Redis, db: asyncpg.Pool, last: dict[tuple[int, int], float]) -> None:
+async def backlog(redis: RedisClient, layout: KeyLayout = STANDALONE) -> tuple[int, int]:
+    """Lesson members pending and in flight, over every shard."""
+    pending = in_flight = 0
+    for shard in layout.shards_to_flush("lesson"):
+        pending += await redis.scard(shard.pending_key)
+        in_flight += await redis.zcard(shard.in_flight_key)
+    return pending, in_flight
+
+
+async def assert_all_persisted(redis: RedisClient, db: asyncpg.Pool, last: dict[tuple[int, int], float],
+                               layout: KeyLayout = STANDALONE) -> None:  # fmt: skip
     rows = await lesson_rows(db)
     missing = [key for key in last if key not in rows]
     wrong = [key for key, position in last.items() if key in rows and rows[key]["position"] != position]
     assert (missing, wrong) == ([], []), f"{len(missing)} missing, {len(wrong)} with an old position"
-    assert await redis.scard("progress:pending_flush:lesson") == 0
-    assert await redis.zcard("progress:in_flight:lesson") == 0
+    assert await backlog(redis, layout) == (0, 0)
 
 
 async def test_sigkill_after_claim_loses_nothing(servers: Servers, redis: Redis, db: asyncpg.Pool) -> None:
@@ -124,13 +135,18 @@ async def test_sigkill_at_random_moments_loses_nothing(servers: Servers, redis: 
 async def test_three_flushers_racing_keep_one_event_per_key_and_never_move_back(
     servers: Servers, redis: Redis, db: asyncpg.Pool
 ) -> None:
+    await race_three_flushers(redis, db, flusher_env(servers))
+
+
+async def race_three_flushers(redis: RedisClient, db: asyncpg.Pool, env: dict[str, str],
+                              layout: KeyLayout = STANDALONE) -> None:  # fmt: skip
     from service.progress.buffer import WRITE_SCRIPT
 
     await redis.script_load(WRITE_SCRIPT)
     await seed(db, users=200, contents=10, duration_s=1000)  # 2000 keys
     keys = [(c, u) for c in range(1, 11) for u in range(1, 201)]
     crossing = set(keys[:500])
-    env = flusher_env(servers, PROGRESS_FLUSH_INTERVAL_SECONDS="0.1", PROGRESS_FLUSH_LEASE_SECONDS="10")
+    env = env | {"PROGRESS_FLUSH_INTERVAL_SECONDS": "0.1", "PROGRESS_FLUSH_LEASE_SECONDS": "10"}
     flushers = [subprocess.Popen([sys.executable, "-m", "service", "flush"], env=env, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]  # fmt: skip
     seen: dict[tuple[int, int], tuple[float, float]] = {}  # key -> (updated_at, position) last sampled
@@ -154,16 +170,14 @@ async def test_three_flushers_racing_keep_one_event_per_key_and_never_move_back(
                         position = rng_position(round_, key, near_end=True)
                     else:
                         position = float(round_ * 10)
-                    pipe.execute_command(*_args(*key, position))
+                    pipe.execute_command(*_args(*key, position, layout))
                     last[key] = position
                 await pipe.execute()
             await sample()
             await asyncio.sleep(0.15)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            backlog = (await redis.scard("progress:pending_flush:lesson")
-                       + await redis.zcard("progress:in_flight:lesson"))  # fmt: skip
-            if backlog == 0:
+            if sum(await backlog(redis, layout)) == 0:
                 break
             await sample()
             await asyncio.sleep(0.1)
@@ -174,7 +188,7 @@ async def test_three_flushers_racing_keep_one_event_per_key_and_never_move_back(
     assert codes == [0, 0, 0], [p.stderr.read() if p.stderr else "" for p in flushers]
     await sample()
     assert moved_back == []
-    await assert_all_persisted(redis, db, last)
+    await assert_all_persisted(redis, db, last, layout)
     assert sorted(await events(db)) == sorted(("lesson", c, u) for c, u in crossing)
 
 

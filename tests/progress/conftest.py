@@ -1,0 +1,46 @@
+"""A real Valkey Cluster (3 masters, 3 replicas), started once per session for the tests that ask for it."""
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from redis.asyncio import RedisCluster
+
+from service.clients import key_layout
+from service.config import Settings
+from service.embedded import EmbeddedCluster
+from service.progress.buffer import WRITE_SCRIPT
+from service.progress.keys import KeyLayout
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedCluster]:
+    cluster = EmbeddedCluster(Path(tmp_path_factory.mktemp("cluster")), masters=3, node_timeout_ms=1000)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster_settings(settings: Settings, valkey_cluster: EmbeddedCluster) -> Settings:
+    return settings.model_copy(update={"redis_url": valkey_cluster.url, "redis_cluster": True})
+
+
+@pytest.fixture
+def cluster_layout(cluster_settings: Settings) -> KeyLayout:
+    return key_layout(cluster_settings)
+
+
+@pytest.fixture
+async def cluster_redis(valkey_cluster: EmbeddedCluster) -> AsyncIterator[RedisCluster]:
+    """A client of the cluster whose masters are empty and have the write script loaded."""
+    valkey_cluster.wait_until_healthy(timeout_s=30)  # a test before may have failed a master over
+    client = RedisCluster.from_url(valkey_cluster.url, decode_responses=True)
+    await client.flushall(target_nodes=RedisCluster.PRIMARIES)
+    await client.script_load(WRITE_SCRIPT)
+    try:
+        yield client
+    finally:
+        await client.aclose()
