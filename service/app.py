@@ -86,7 +86,9 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             direct = DirectWriter(pool, margin_s=settings.progress_completion_margin_seconds,
                                   max_concurrency=settings.degraded_max_concurrency,
                                   max_waiting=settings.degraded_max_waiting)  # fmt: skip
-        writer = PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds, layout=key_layout(settings))
+        writer = PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds, layout=key_layout(settings),
+                                wait_replicas=settings.redis_wait_replicas,
+                                wait_timeout_ms=settings.redis_wait_timeout_ms)  # fmt: skip
         sink = HeartbeatSink(writer, direct,
                              redis_retry_s=settings.degraded_redis_retry_seconds,
                              direct_timeout_s=settings.degraded_write_timeout_seconds)  # fmt: skip

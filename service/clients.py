@@ -10,9 +10,10 @@ from typing import TypeAlias
 
 import asyncpg
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
+from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ClusterError, RedisClusterException
+from redis.exceptions import ClusterError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -56,37 +57,47 @@ def connect_redis(settings: Settings) -> RedisClient:
 
 def key_layout(settings: Settings) -> KeyLayout:
     shards = settings.progress_buffer_shards
-    if shards is None:
+    if not shards:
         shards = CLUSTER_DEFAULT_SHARDS if settings.redis_cluster else 1
     return KeyLayout(shards=shards, cluster=settings.redis_cluster,
                      previous_shards=settings.progress_buffer_previous_shards)  # fmt: skip
 
 
+class NotReplicated(RedisError):
+    """WAIT heard from fewer replicas than asked: these writes could die with their master."""
+
+
 async def execute_by_node(
-    redis: RedisClient, commands: Sequence[tuple[object, ...]], *, key_index: int
-) -> list[object]:
+    redis: RedisClient, commands: Sequence[tuple[object, ...]], *, key_index: int,
+    wait_replicas: int = 0, wait_timeout_ms: int = 0,
+) -> list[object]:  # fmt: skip
     """Send commands in one round trip per node; each result is its reply or its own exception.
 
     On a cluster, a pipeline per node rather than one cluster pipeline: redis-py fails a whole cluster
     pipeline when one node is unreachable, and only the commands of that node's slots should fail
     (they go to degraded mode; the others' heartbeats stay on Redis). `key_index` locates a key of
-    each command; all its keys share that key's slot.
+    each command; all its keys share that key's slot. With `wait_replicas`, each node's commands are
+    followed by WAIT, and those not confirmed by that many replicas fail with NotReplicated.
     """
-    if not isinstance(redis, RedisCluster):
-        return await _pipeline(redis, commands)
-    try:
-        await redis.initialize()  # a no-op once the topology is known; re-reads it after a failure
-        by_node: dict[str, list[int]] = {}
-        for i, args in enumerate(commands):
-            by_node.setdefault(node_name(redis, args[key_index]), []).append(i)
-    except RedisClusterException as exc:
-        # no node answers, or a slot has no master during a failover: the callers' "Redis is down"
-        raise RedisConnectionError(f"Redis Cluster unavailable: {exc}") from exc
-    groups = list(by_node.values())
-    sent = await asyncio.gather(*(_pipeline(redis, [commands[i] for i in group]) for group in groups),
-                                return_exceptions=True)  # fmt: skip
+    groups: list[tuple[ClusterNode | None, list[int]]] = [(None, list(range(len(commands))))]
+    if isinstance(redis, RedisCluster):
+        try:
+            await redis.initialize()  # a no-op once the topology is known; re-reads it after a failure
+            by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
+            for i, args in enumerate(commands):
+                node = _node_of(redis, args[key_index])
+                by_node.setdefault(node.name, (node, []))[1].append(i)
+        except RedisClusterException as exc:
+            # no node answers, or a slot has no master during a failover: the callers' "Redis is down"
+            raise RedisConnectionError(f"Redis Cluster unavailable: {exc}") from exc
+        groups = list(by_node.values())
+    sent = await asyncio.gather(
+        *(_pipeline(redis, [commands[i] for i in group], node, wait_replicas, wait_timeout_ms)
+          for node, group in groups),
+        return_exceptions=True,
+    )  # fmt: skip
     results: list[object] = [None] * len(commands)
-    for group, outcome in zip(groups, sent, strict=True):
+    for (_, group), outcome in zip(groups, sent, strict=True):
         if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
             raise outcome  # cancelled: not a failure of that node
         for position, i in enumerate(group):
@@ -118,18 +129,32 @@ def node_name(redis: RedisClient, key: object) -> str:
     """The cluster node that holds `key` ("host:port"); "" on a standalone server."""
     if not isinstance(redis, RedisCluster):
         return ""
+    return str(_node_of(redis, key).name)
+
+
+def _node_of(redis: RedisCluster, key: object) -> ClusterNode:
     node = redis.get_node_from_key(key)  # type: ignore[arg-type]
     if node is None:
         raise RedisClusterException(f"no node holds the slot of {key!r}")
-    return str(node.name)
+    return node
 
 
-async def _pipeline(redis: RedisClient, commands: Sequence[tuple[object, ...]]) -> list[object]:
+async def _pipeline(redis: RedisClient, commands: Sequence[tuple[object, ...]], node: ClusterNode | None,
+                    wait_replicas: int, wait_timeout_ms: int) -> list[object]:  # fmt: skip
     async with redis.pipeline(transaction=False) as pipe:
         for args in commands:
             pipe.execute_command(*args)  # type: ignore[arg-type]
+        if wait_replicas:
+            # WAIT counts replicas that have every write of its connection: it goes last, on the same one
+            pipe.execute_command("WAIT", wait_replicas, wait_timeout_ms,
+                                 **({"target_nodes": node} if node is not None else {}))  # fmt: skip
         results: list[object] = await pipe.execute(raise_on_error=False)
-        return results
+    if wait_replicas:
+        confirmed = results.pop()
+        if not isinstance(confirmed, int) or confirmed < wait_replicas:
+            error = NotReplicated(f"{confirmed!r} of {wait_replicas} replicas confirmed in {wait_timeout_ms} ms")
+            results = [result if isinstance(result, Exception) else error for result in results]
+    return results
 
 
 async def create_db_pool(settings: Settings) -> asyncpg.Pool:

@@ -15,6 +15,7 @@ from service.clients import REDIS_UNAVAILABLE, ping
 router = APIRouter(tags=["operations"])
 
 _READY_TIMEOUT_S = 1.0
+_REDIS_DOWN: tuple[type[BaseException], ...] = (RedisError, *REDIS_UNAVAILABLE, OSError, TimeoutError)
 
 
 class Readiness(BaseModel):
@@ -60,7 +61,7 @@ async def _check_redis(request: Request) -> str:
     try:
         async with asyncio.timeout(_READY_TIMEOUT_S):
             await ping(request.app.state.redis)
-    except (RedisError, *REDIS_UNAVAILABLE, OSError, TimeoutError) as exc:
+    except _REDIS_DOWN as exc:
         return f"unreachable: {type(exc).__name__}: {exc}"
     return "ok"
 

@@ -79,10 +79,13 @@ def write_args(
 class PositionWriter:
     """The request path's Redis writes, one pipeline per event-loop turn."""
 
-    def __init__(self, redis: RedisClient, *, ttl_s: int, layout: KeyLayout = STANDALONE) -> None:
+    def __init__(self, redis: RedisClient, *, ttl_s: int, layout: KeyLayout = STANDALONE, wait_replicas: int = 0,
+                 wait_timeout_ms: int = 50) -> None:  # fmt: skip
         self._redis = redis
         self._ttl_s = ttl_s
         self.layout = layout
+        self._wait_replicas = wait_replicas
+        self._wait_timeout_ms = wait_timeout_ms
         self._batcher: TurnBatcher[tuple[object, ...]] = TurnBatcher(
             self._send, interrupted=lambda: RedisError("the write was interrupted before Redis answered")
         )
@@ -113,7 +116,8 @@ class PositionWriter:
 
     async def _execute(self, commands: list[tuple[object, ...]]) -> list[object]:
         # the 4th argument is the value key: on a cluster, the node of its slot takes the command
-        return await execute_by_node(self._redis, commands, key_index=3)
+        return await execute_by_node(self._redis, commands, key_index=3, wait_replicas=self._wait_replicas,
+                                     wait_timeout_ms=self._wait_timeout_ms)  # fmt: skip
 
     async def aclose(self) -> None:
         await self._batcher.aclose()
