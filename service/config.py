@@ -2,6 +2,7 @@
 
 import socket
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -87,6 +88,8 @@ class Settings(BaseSettings):
 
     def check_can_serve(self) -> None:
         """Refuse a configuration that would start but answer every heartbeat wrongly."""
+        if self.redis_cluster and urlsplit(self.redis_url).path.strip("/") not in ("", "0"):
+            raise ConfigError("REDIS_CLUSTER=true: a cluster has only database 0; end REDIS_URL with /0 or nothing")
         if self.progress_flusher_enabled and not self.database_url:
             raise ConfigError(
                 "the flusher needs DATABASE_URL (postgresql://...); "
