@@ -34,22 +34,24 @@ def connect_redis(settings: Settings) -> RedisClient:
     common = dict(
         socket_timeout=settings.redis_socket_timeout_seconds,
         socket_connect_timeout=settings.redis_socket_timeout_seconds,
-        # One quick retry covers a pooled connection that went stale (Redis restarted); more would
-        # hold every request of an outage for seconds instead of answering it. On a cluster the retry
-        # first re-reads the topology, which is how a failover's promoted replica is found.
-        retry=Retry(NoBackoff(), 1),
         health_check_interval=30,
         client_name=f"progress-service:{settings.pod_name}",  # visible in CLIENT LIST
     )
     if settings.redis_cluster:
         # REDIS_URL names any node; the client discovers the others. max_connections is per node.
+        # No retry: redis-py retries a cluster pipeline by closing every connection of every node,
+        # which fails the healthy nodes' writes in flight too. A failed node's writes go to degraded
+        # mode instead, and the topology is re-read before the next command (execute_by_node).
         return RedisCluster.from_url(settings.redis_url, max_connections=settings.redis_max_connections,
-                                     **common)  # fmt: skip
+                                     retry=Retry(NoBackoff(), 0), **common)  # fmt: skip
     pool = BlockingConnectionPool.from_url(
         settings.redis_url,
         # full pool: wait for a connection (a latency spike) rather than fail into degraded mode
         max_connections=settings.redis_max_connections,
         timeout=settings.redis_socket_timeout_seconds,
+        # One quick retry covers a pooled connection that went stale (Redis restarted); more would
+        # hold every request of an outage for seconds instead of answering it.
+        retry=Retry(NoBackoff(), 1),
         **common,
     )
     return Redis.from_pool(pool)  # the client owns the pool and closes it
@@ -100,6 +102,14 @@ async def execute_by_node(
     for (_, group), outcome in zip(groups, sent, strict=True):
         if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
             raise outcome  # cancelled: not a failure of that node
+        if isinstance(redis, RedisCluster) and isinstance(outcome, AttributeError):
+            # redis-py's cluster client closes connections under a command when another task resets the
+            # topology (ClusterDownError); the command then fails with AttributeError on the closed socket
+            outcome = RedisConnectionError(f"connection closed by a topology reset: {outcome}")
+        if isinstance(redis, RedisCluster) and isinstance(outcome, REDIS_UNAVAILABLE):
+            # as redis-py does after a failed single command: read the topology again before the next
+            # one, which is how the replica promoted in a failover is found
+            redis._initialize = True
         for position, i in enumerate(group):
             results[i] = outcome if isinstance(outcome, Exception) else outcome[position]
     return results
