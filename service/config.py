@@ -22,13 +22,13 @@ class Settings(BaseSettings):
     redis_cluster: bool = False
     # shards of the buffer per content type; 0: 1 on a standalone server (the monolith's key names),
     # 60 on a cluster (even over 3-12 masters)
-    progress_buffer_shards: int = Field(0, ge=0, le=1024)
+    progress_buffer_shards: int = Field(0, ge=0, le=256)
     # WAIT for this many replicas after each turn's writes before answering 201 (0: do not wait); a write
     # not confirmed in REDIS_WAIT_TIMEOUT_MS goes to Postgres instead (degraded mode for that node)
     redis_wait_replicas: int = Field(0, ge=0, le=5)
     redis_wait_timeout_ms: int = Field(50, ge=1)
     # the shard count before a change: the flusher drains those shards too until they are empty
-    progress_buffer_previous_shards: int = Field(0, ge=0, le=1024)
+    progress_buffer_previous_shards: int = Field(0, ge=0, le=256)
     database_url: str = ""
     # 0: a pod starts (and serves heartbeats) while Postgres is still down
     database_pool_min_size: int = Field(0, ge=0)
