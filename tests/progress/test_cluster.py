@@ -19,6 +19,7 @@ from service.auth import make_token
 from service.clients import key_layout
 from service.config import ConfigError, Settings
 from service.embedded import EmbeddedCluster
+from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS
 from service.progress.flusher import Flusher
 from service.progress.keys import KeyLayout, latest_position_key
@@ -283,6 +284,14 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
                         killed_at = time.monotonic()
                     # positions rise with each step; the keys cross the completion margin (90 of 100) at step 90
                     await asyncio.gather(*(post(client, key, float(min(step, 99))) for key in keys))
+                    if step == 20:
+                        # well within the node timeout: the cluster still serves the other masters' slots, and
+                        # only the dead master's heartbeats went to Postgres (degraded mode per node)
+                        assert time.monotonic() - killed_at < 0.8
+                        assert 0 < _degraded_writes() - degraded_before <= len(victim_keys)
+                        for key in set(keys) - victim_keys:
+                            raw = await cluster_redis.get(cluster_layout.value_key("lesson", *key))
+                            assert decode_value(raw).position == 20, key
                     await sample()
                     await asyncio.sleep(0.03)
         valkey_cluster.wait_until_healthy(timeout_s=30)  # the replica was promoted: every slot served
