@@ -170,6 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     flush.set_defaults(run=_flush)
 
     add_trial_email_commands(commands)
+    from service.delivery import add_commands as add_relay_commands
+
+    add_relay_commands(commands)
 
     openapi = commands.add_parser("openapi", help="print the OpenAPI document (YAML) the app serves")
     openapi.set_defaults(run=_openapi)

@@ -92,7 +92,9 @@ async def sweep_if_no_other_pod_is(
                 await lock_conn.execute("SELECT pg_advisory_unlock($1)", SWEEP_LOCK_KEY)
 
 
-async def run_periodic_sweep(*, pool: asyncpg.Pool, redis: Redis, settings: Settings, stop: asyncio.Event) -> None:
+async def run_periodic_sweep(
+    *, pool: asyncpg.Pool, redis: Redis, settings: Settings, stop: asyncio.Event, queue: EmailQueue | None = None
+) -> None:
     """Sweep at start, then every TRIAL_JOURNEY_INTERVAL_SECONDS, until `stop` is set (0 disables it).
 
     A failed sweep is logged and counted, and the next one runs on schedule: the reservations make
@@ -102,7 +104,7 @@ async def run_periodic_sweep(*, pool: asyncpg.Pool, redis: Redis, settings: Sett
     if interval_s <= 0:
         log.info("trial-journey sweep disabled (TRIAL_JOURNEY_INTERVAL_SECONDS=0)")
         return
-    queue = RedisStreamQueue(redis, settings.email_queue_stream)
+    queue = queue or RedisStreamQueue(redis, settings.email_queue_stream)
     while not stop.is_set():
         try:
             result = await sweep_if_no_other_pod_is(pool=pool, queue=queue, settings=settings, stop=stop)
