@@ -63,7 +63,8 @@ class Relay:
         self._listen_dsn = listen_dsn if settings.relay_listen else ""
         self._connect_timeout_s = settings.database_connect_timeout_seconds
         self._wake = asyncio.Event()
-        # Test-only failpoint: SIGKILL itself after a batch is published and before it is marked.
+        # Test-only failpoint: SIGKILL itself after a claim (after_claim) or after a batch is published
+        # and before it is marked (after_publish), so the crash tests hit the moments they claim to.
         self._failpoint = os.environ.get("PROGRESS_RELAY_FAILPOINT", "")
 
     async def relay_once(self, *, stop: asyncio.Event | None = None) -> RelayResult:
@@ -88,6 +89,8 @@ class Relay:
         rows = await self._pool.fetch(outbox.claim_sql, self._batch_size, self._lease_s)
         if not rows:
             return 0
+        if self._failpoint == "after_claim":
+            os.kill(os.getpid(), signal.SIGKILL)
         messages = [outbox.to_message(row, self._settings) for row in rows]
         attempts = {row["id"]: row["publish_attempts"] for row in rows}
         sent = await route.publisher.publish(messages)
