@@ -10,6 +10,8 @@ progress_trial_email_orphans_total (now "left to the relay", no longer lost).
 
 import asyncio
 import logging
+import os
+import signal
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from functools import partial
@@ -84,6 +86,9 @@ async def reserve_and_enqueue(
         reserved_at = datetime.now(UTC)
         won = await _reserve_shielded(pool, block, reserved_at, lease_s)
         metrics.TRIAL_EMAILS_RESERVED.inc(len(won))
+        if os.environ.get("PROGRESS_TRIAL_EMAIL_FAILPOINT") == "after_reserve":
+            # test-only: die between the reservation (committed) and its publish
+            os.kill(os.getpid(), signal.SIGKILL)
         emails = _winners(block, won, reserved_at)
         await publish_all(queue, emails, pool=pool)
         sent += len(emails)
