@@ -62,7 +62,8 @@ async def test_200_trials_owing_6_emails_take_6_reservation_statements(
 
     assert result == {"status": "ok", "user_trials": 200, "sent": 1200}
     # six reservation statements, each followed by the one that marks its block published
-    assert await statements.settled() == [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL] + [RESERVE_BLOCK_SQL, MARK_EMAILS_SQL] * 6
+    expected = [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL] + [RESERVE_BLOCK_SQL, MARK_EMAILS_SQL] * 6
+    assert await statements.settled() == expected
     assert len(await reserved(pool)) == 1200
     counts = await enqueued(redis, queue.stream)
     assert len(counts) == 1200 and set(counts.values()) == {1}
