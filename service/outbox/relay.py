@@ -75,13 +75,12 @@ class Relay:
             result.published.setdefault(name, 0)
             result.republished.setdefault(name, 0)
             result.failed.setdefault(name, 0)
-            while stop is None or not stop.is_set():
+            # once the broker is known down, the other outboxes only report their lag
+            while result.broker_unavailable is None and (stop is None or not stop.is_set()):
                 claimed = await self._relay_batch(route, result)
-                if result.broker_unavailable is not None or claimed < self._batch_size:
+                if claimed < self._batch_size:
                     break
             await self._report_oldest(route.outbox)
-            if result.broker_unavailable is not None:
-                break
         return result
 
     async def _relay_batch(self, route: Route, result: RelayResult) -> int:
