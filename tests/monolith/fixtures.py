@@ -20,7 +20,6 @@ import asyncpg
 import pytest
 
 from service import embedded
-from tests.conftest import Servers
 from tests.monolith.worker import CREATE_TABLE_SQL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,10 +42,11 @@ class Broker:
 
 
 def start_worker(broker_url: str, database_url: str, log_path: Path, *, transport_options: str = "{}",
-                 name: str = "monolith") -> subprocess.Popen[bytes]:  # fmt: skip
+                 name: str = "monolith", threads: int = 0) -> subprocess.Popen[bytes]:  # fmt: skip
     env = {**os.environ, "MONOLITH_BROKER_URL": broker_url, "MONOLITH_DATABASE_URL": database_url,
            "MONOLITH_BROKER_TRANSPORT_OPTIONS": transport_options}  # fmt: skip
-    command = [sys.executable, "-m", "celery", "-A", "tests.monolith.worker", "worker", "--pool=solo",
+    pool = ["--pool=threads", f"--concurrency={threads}"] if threads else ["--pool=solo"]
+    command = [sys.executable, "-m", "celery", "-A", "tests.monolith.worker", "worker", *pool,
                "-Q", QUEUES, "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat",
                "-l", "INFO"]  # fmt: skip
     with open(log_path, "ab") as log_file:
@@ -140,7 +140,7 @@ def kwargs_of(row: asyncpg.Record) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def executions(monolith_table: str, servers: Servers, worker: subprocess.Popen[bytes]
+async def executions(monolith_table: str, worker: subprocess.Popen[bytes]
                      ) -> AsyncIterator[Executions]:  # fmt: skip
     pool = await asyncpg.create_pool(monolith_table, min_size=1, max_size=2)
     assert pool is not None

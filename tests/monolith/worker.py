@@ -9,6 +9,7 @@ It never dedupes: a republished message shows up as a second row with the same t
 import asyncio
 import json
 import os
+import threading
 from typing import Any
 
 import asyncpg
@@ -35,17 +36,19 @@ CREATE TABLE IF NOT EXISTS monolith_task_execution (
 """
 RECORD_SQL = "INSERT INTO monolith_task_execution (task_id, task_name, queue, kwargs) VALUES ($1, $2, $3, $4)"
 
-# the solo pool runs every task on this one thread: one loop and one connection for the process
-_loop = asyncio.new_event_loop()
-_conn: asyncpg.Connection | None = None
+# one event loop and one connection per worker thread (the solo pool has one, the threads pool -c N)
+_local = threading.local()
 
 
 def _record(task: Task, kwargs: dict[str, Any]) -> None:
-    global _conn
-    if _conn is None or _conn.is_closed():
-        _conn = _loop.run_until_complete(asyncpg.connect(os.environ["MONOLITH_DATABASE_URL"]))
+    if getattr(_local, "loop", None) is None:
+        _local.loop = asyncio.new_event_loop()
+        _local.conn = None
+    loop: asyncio.AbstractEventLoop = _local.loop
+    if _local.conn is None or _local.conn.is_closed():
+        _local.conn = loop.run_until_complete(asyncpg.connect(os.environ["MONOLITH_DATABASE_URL"]))
     queue = (task.request.delivery_info or {}).get("routing_key")
-    _loop.run_until_complete(_conn.execute(RECORD_SQL, task.request.id, task.name, queue, json.dumps(kwargs)))
+    loop.run_until_complete(_local.conn.execute(RECORD_SQL, task.request.id, task.name, queue, json.dumps(kwargs)))
 
 
 @app.task(name="apps.engagements.tasks.advance_user_journey", bind=True)
