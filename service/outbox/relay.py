@@ -23,7 +23,7 @@ import asyncpg
 
 from service import metrics
 from service.config import Settings
-from service.outbox.celery_publisher import Publisher
+from service.outbox.celery_publisher import Publisher, PublishResult
 from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox
 
 log = logging.getLogger(__name__)
@@ -76,28 +76,46 @@ class Relay:
             result.republished.setdefault(name, 0)
             result.failed.setdefault(name, 0)
             # once the broker is known down, the other outboxes only report their lag
-            while result.broker_unavailable is None and (stop is None or not stop.is_set()):
-                claimed = await self._relay_batch(route, result)
-                if claimed < self._batch_size:
-                    break
+            if result.broker_unavailable is None:
+                await self._drain(route, result, stop)
             await self._report_oldest(route.outbox)
         return result
 
-    async def _relay_batch(self, route: Route, result: RelayResult) -> int:
-        outbox = route.outbox
-        rows = await self._pool.fetch(outbox.claim_sql, self._batch_size, self._lease_s)
-        if not rows:
-            return 0
-        if self._failpoint == "after_claim":
+    async def _drain(self, route: Route, result: RelayResult, stop: asyncio.Event | None) -> None:
+        """Claim, publish, mark, batch after batch; the next claim runs while the broker takes a batch."""
+        rows = await self._claim(route.outbox)
+        while rows:
+            publishing = asyncio.ensure_future(route.publisher.publish(
+                [route.outbox.to_message(row, self._settings) for row in rows]))  # fmt: skip
+            more = len(rows) == self._batch_size and (stop is None or not stop.is_set())
+            claiming = asyncio.ensure_future(self._claim(route.outbox)) if more else None
+            try:
+                sent = await publishing
+            finally:
+                # the next claim is awaited whatever happens: never left running unowned (a claim
+                # cancelled after it committed only delays its rows until their lease runs out)
+                next_rows = await claiming if claiming is not None else []
+            await self._record(route.outbox, rows, sent, result)
+            if sent.unavailable is not None:
+                await self._release(route.outbox, rows, sent, next_rows)
+                return
+            rows = next_rows
+
+    async def _claim(self, outbox: Outbox) -> list[asyncpg.Record]:
+        rows: list[asyncpg.Record] = await self._pool.fetch(outbox.claim_sql, self._batch_size, self._lease_s)
+        if rows and self._failpoint == "after_claim":
             os.kill(os.getpid(), signal.SIGKILL)
-        messages = [outbox.to_message(row, self._settings) for row in rows]
-        attempts = {row["id"]: row["publish_attempts"] for row in rows}
-        sent = await route.publisher.publish(messages)
+        return rows
+
+    async def _record(
+        self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult, result: RelayResult
+    ) -> None:
         if self._failpoint == "after_publish" and sent.sent:
             os.kill(os.getpid(), signal.SIGKILL)
         # One statement for the batch's marks. Shielded: once the broker has the messages, a
         # cancelled relay must still record it, or they would all go out again.
         await asyncio.shield(self._settle(outbox, sent.sent, sent.refused))
+        attempts = {row["id"]: row["publish_attempts"] for row in rows}
         republished = sum(1 for row_id in sent.sent if attempts[row_id] > 1)
         name = outbox.name
         result.published[name] += len(sent.sent)
@@ -112,11 +130,17 @@ class Relay:
         if sent.unavailable is not None:
             result.broker_unavailable = sent.unavailable
             metrics.OUTBOX_BROKER_UNAVAILABLE.labels(name).inc()
-            unsent = [row_id for row_id in attempts if row_id not in sent.sent and row_id not in sent.refused]
-            # after a timeout the thread may still be sending: leave those to their lease
-            if unsent and not sent.timed_out:
-                await self._pool.execute(outbox.release_sql, unsent)
-        return len(rows)
+
+    async def _release(
+        self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult, next_rows: list[asyncpg.Record]
+    ) -> None:
+        """The broker is unreachable: give back what was claimed and not sent, so it waits unleased."""
+        done = set(sent.sent) | set(sent.refused)
+        # after a timeout the thread may still be sending this batch: leave it to its lease
+        unsent = [] if sent.timed_out else [row["id"] for row in rows if row["id"] not in done]
+        unsent += [row["id"] for row in next_rows]
+        if unsent:
+            await self._pool.execute(outbox.release_sql, unsent)
 
     async def _settle(self, outbox: Outbox, sent: list[int], refused: dict[int, str]) -> None:
         if sent:
