@@ -8,7 +8,6 @@ thread pool, one batch per call, with a deadline; the loop that awaits it stays 
 
 import asyncio
 import logging
-import socket
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -68,7 +67,7 @@ def _connection_errors() -> tuple[type[BaseException], ...]:
     """What says "the broker is not reachable now" rather than "this message is refused"."""
     from kombu.exceptions import OperationalError
 
-    errors: list[type[BaseException]] = [OperationalError, OSError, TimeoutError, socket.timeout]
+    errors: list[type[BaseException]] = [OperationalError, OSError]
     try:
         from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -84,6 +83,32 @@ def _connection_errors() -> tuple[type[BaseException], ...]:
     except ImportError:  # the SQS extra is not installed
         pass
     return tuple(errors)
+
+
+# SQS error codes that say "not now" rather than "never": the relay waits and retries them
+_SQS_TRANSIENT_CODES = {"RequestThrottled", "ThrottlingException", "ServiceUnavailable", "InternalError",
+                        "InternalFailure", "KmsThrottled", "RequestExpired"}  # fmt: skip
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """The broker answered, and said no to this message: an error reply, not a lost connection.
+
+    kombu wraps a Redis error reply (NOPERM, WRONGTYPE, ...) in its OperationalError, the type it also
+    uses for lost connections: the cause chain tells them apart.
+    """
+    from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (OutOfMemoryError, ReadOnlyError)):
+            return False  # a full broker, a replica after failover: wait, it passes
+        if isinstance(seen, ResponseError):
+            return True
+        if type(seen).__name__ == "ClientError" and hasattr(seen, "response"):  # botocore, without importing it
+            code = str(seen.response.get("Error", {}).get("Code", ""))
+            return code not in _SQS_TRANSIENT_CODES
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class Publisher(Protocol):
@@ -142,9 +167,9 @@ class CeleryPublisher:
                             message.task_name, kwargs=message.kwargs, task_id=message.task_id,
                             queue=message.queue, serializer="json", producer=producer, retry=True,
                         )  # fmt: skip
-                    except self._connection_errors:
-                        raise
-                    except Exception as exc:  # anything else is about this message: park it
+                    except Exception as exc:  # sorted below: refused (this message) or unreachable (all)
+                        if not _is_refusal(exc) and isinstance(exc, self._connection_errors):
+                            raise
                         result.refused[message.row_id] = f"{type(exc).__name__}: {exc}"[:1000]
                     else:
                         result.sent.append(message.row_id)

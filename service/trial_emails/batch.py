@@ -23,7 +23,7 @@ from service import metrics
 from service.config import Settings
 from service.outbox.outboxes import EMAILS, mark_published
 from service.trial_emails.journey import SOURCE
-from service.trial_emails.queue import EmailQueue, QueuedEmail
+from service.trial_emails.queue import EmailQueue, MessageRefusedError, QueuedEmail
 from service.trial_emails.reservations import (
     DEFAULT_LEASE_S,
     Pair,
@@ -90,8 +90,7 @@ async def reserve_and_enqueue(
             # test-only: die between the reservation (committed) and its publish
             os.kill(os.getpid(), signal.SIGKILL)
         emails = _winners(block, won, reserved_at)
-        await publish_all(queue, emails, pool=pool)
-        sent += len(emails)
+        sent += await publish_all(queue, emails, pool=pool)
     return sent
 
 
@@ -138,23 +137,33 @@ def _report_abandoned(
     report_orphans(_winners(block, won, reserved_at), why="cancelled after reserving")
 
 
-async def publish_all(queue: EmailQueue, emails: Sequence[QueuedEmail], *, pool: asyncpg.Pool | None = None) -> None:
-    """Publish a block's winners, then mark them published in the outbox (one statement)."""
-    published = 0
+async def publish_all(queue: EmailQueue, emails: Sequence[QueuedEmail], *, pool: asyncpg.Pool | None = None) -> int:
+    """Publish a block's winners, then mark them published in the outbox (one statement); return how many."""
+    published: list[QueuedEmail] = []
+    refused: list[QueuedEmail] = []
     try:
         for email in emails:
-            await queue.publish(email)
-            published += 1
+            try:
+                await queue.publish(email)
+            except MessageRefusedError as exc:
+                # this message only: the relay parks it once the lease runs out; the others go on
+                log.error("trial-journey email %d:%s refused by the broker: %s", email.user_id, email.email_key, exc,
+                          extra={"pairs": [f"{email.user_id}:{email.email_key}"]})  # fmt: skip
+                refused.append(email)
+                continue
+            published.append(email)
             metrics.TRIAL_EMAILS_ENQUEUED.inc()
     finally:
         if pool is not None and published:
             # Shielded: the broker has these; unmarked, the relay would send them again after the lease.
             # If the mark itself fails they are republished with the same task id: a duplicate the
             # monolith recognises, never a loss.
-            await asyncio.shield(mark_published(pool, EMAILS, [email.dispatch_id for email in emails[:published]]))
+            await asyncio.shield(mark_published(pool, EMAILS, [email.dispatch_id for email in published]))
         # an error or a cancellation stopped the loop: the rest wait in the outbox for the relay
-        if published < len(emails):
-            report_orphans(emails[published:], why="publishing stopped")
+        done = len(published) + len(refused)
+        if done < len(emails):
+            report_orphans(emails[done:], why="publishing stopped")
+    return len(published)
 
 
 def report_orphans(emails: Sequence[QueuedEmail], *, why: str) -> None:

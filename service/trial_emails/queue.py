@@ -73,6 +73,10 @@ class BrokerUnavailableError(ConnectionError):
     """The broker could not be reached: the email stays in the outbox for the relay."""
 
 
+class MessageRefusedError(Exception):
+    """The broker will never take this message (e.g. too large): not retried by the batch."""
+
+
 class CeleryEmailQueue:
     """EMAIL_PUBLISHER=celery: one EMAIL_TASK_NAME task per email, task id derived from its dispatch row."""
 
@@ -89,7 +93,8 @@ class CeleryEmailQueue:
         result = await self._publisher.publish([self.message(email)])
         if result.unavailable is not None:
             raise BrokerUnavailableError(f"email {email.user_id}:{email.email_key} not published: {result.unavailable}")
-        # refused for good: not raised, the relay parks it once the batch's lease runs out
+        if result.refused:
+            raise MessageRefusedError(result.refused[email.dispatch_id])
 
 
 class StreamPublisher:

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 import asyncpg
+from redis.asyncio import Redis
 
 from service.embedded import free_port
 from tests.conftest import Servers, seed
@@ -109,3 +110,24 @@ async def test_relay_once_with_the_broker_down_exits_1_and_leaves_every_row_owed
     # released, not left leased: the next relay takes them at once, and not as a republish
     rows = await db.fetch("SELECT claimed_until, publish_attempts, published_at FROM progress_completion_event")
     assert [tuple(row) for row in rows] == [(None, 0, None)] * 5
+
+
+async def test_a_message_the_broker_refuses_for_good_is_parked_and_counted_once_not_retried(
+    servers: Servers, broker: Broker, db: asyncpg.Pool
+) -> None:
+    # a broker user that may not write the queue "forbidden": every publish there is refused (NOPERM)
+    admin = Redis.from_url(broker.url)
+    await admin.execute_command("ACL", "SETUSER", "relay-limited", "on", ">limited-password", "resetkeys",
+                                "~onion-progress", "~_kombu.*", "+@all")  # fmt: skip
+    await admin.aclose()
+    await add_events(db, 3)
+    limited_url = broker.url.replace("redis://", "redis://relay-limited:limited-password@")
+
+    first = await relay_once(servers, broker, CELERY_BROKER_URL=limited_url, COMPLETION_TASK_QUEUE="forbidden")
+    again = await relay_once(servers, broker, CELERY_BROKER_URL=limited_url, COMPLETION_TASK_QUEUE="forbidden")
+
+    assert first[0] == 0 and first[1] is not None and first[1]["failed"]["completion"] == 3, first
+    assert again[0] == 0 and again[1] is not None and again[1]["failed"]["completion"] == 0
+    rows = await db.fetch("SELECT published_at, publish_failed_at, publish_error FROM progress_completion_event")
+    assert all(row["published_at"] is None and row["publish_failed_at"] is not None for row in rows)
+    assert all("NOPERM" in row["publish_error"] or "permission" in row["publish_error"].lower() for row in rows)
