@@ -112,16 +112,20 @@ async def test_relay_once_with_the_broker_down_exits_1_and_leaves_every_row_owed
     assert [tuple(row) for row in rows] == [(None, 0, None)] * 5
 
 
+async def limited_broker_user(broker: Broker) -> str:
+    """The URL of a broker user that may not write the queue "forbidden": a publish there gets NOPERM."""
+    admin = Redis.from_url(broker.url)
+    await admin.execute_command("ACL", "SETUSER", "relay-limited", "on", ">limited-password", "resetkeys",
+                                "~onion-progress", "~emails", "~_kombu.*", "+@all")  # fmt: skip
+    await admin.aclose()
+    return broker.url.replace("redis://", "redis://relay-limited:limited-password@")
+
+
 async def test_a_message_the_broker_refuses_for_good_is_parked_and_counted_once_not_retried(
     servers: Servers, broker: Broker, db: asyncpg.Pool
 ) -> None:
-    # a broker user that may not write the queue "forbidden": every publish there is refused (NOPERM)
-    admin = Redis.from_url(broker.url)
-    await admin.execute_command("ACL", "SETUSER", "relay-limited", "on", ">limited-password", "resetkeys",
-                                "~onion-progress", "~_kombu.*", "+@all")  # fmt: skip
-    await admin.aclose()
     await add_events(db, 3)
-    limited_url = broker.url.replace("redis://", "redis://relay-limited:limited-password@")
+    limited_url = await limited_broker_user(broker)
 
     first = await relay_once(servers, broker, CELERY_BROKER_URL=limited_url, COMPLETION_TASK_QUEUE="forbidden")
     again = await relay_once(servers, broker, CELERY_BROKER_URL=limited_url, COMPLETION_TASK_QUEUE="forbidden")

@@ -17,7 +17,7 @@ from service.trial_emails.queue import CeleryEmailQueue
 from tests.conftest import Servers
 from tests.monolith.fixtures import Broker, Executions, kwargs_of
 from tests.outbox.conftest import LEASE_S
-from tests.outbox.test_relay_crashes import relay_env, relay_once
+from tests.outbox.test_relay_crashes import limited_broker_user, relay_env, relay_once
 from tests.trial_emails.conftest import add_trials
 
 NOW = datetime.now(UTC)
@@ -175,3 +175,26 @@ async def test_sigterm_during_run_once_stops_cleanly_and_every_reserved_email_is
     code, _ = await relay_once(servers, broker)
     assert code == 0
     assert await assert_each_reservation_delivered_once(db, executions) == reserved
+
+
+async def test_an_email_the_broker_refuses_is_not_marked_published_and_the_relay_parks_it(
+    relay_settings: Settings, servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
+) -> None:
+    await add_trials(db, 2, started_at=NOW - timedelta(hours=1), ends_at=NOW + timedelta(days=7))
+    refused = relay_settings.model_copy(update={"celery_broker_url": await limited_broker_user(broker),
+                                                "email_task_queue": "forbidden"})  # fmt: skip
+    publisher = publisher_from_settings(refused)
+    try:
+        result = await send_trial_journey_emails_batch(await trial_ids(db), pool=db,
+                                                       queue=CeleryEmailQueue(publisher, refused), settings=refused)
+    finally:
+        await asyncio.to_thread(publisher.close)
+    assert result["sent"] == 0
+    assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 2
+
+    await asyncio.sleep(LEASE_S)
+    code, summary = await relay_once(servers, broker, CELERY_BROKER_URL=refused.celery_broker_url,
+                                     EMAIL_TASK_QUEUE="forbidden")  # fmt: skip
+    assert code == 0 and summary is not None and summary["failed"]["email"] == 2
+    parked = await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE publish_failed_at IS NOT NULL")
+    assert parked == 2 and await executions.count() == 0
