@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import asyncpg
 
+from service.app import create_app
 from service.config import Settings
 from service.embedded import free_port
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
@@ -198,3 +199,24 @@ async def test_an_email_the_broker_refuses_is_not_marked_published_and_the_relay
     assert code == 0 and summary is not None and summary["failed"]["email"] == 2
     parked = await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE publish_failed_at IS NOT NULL")
     assert parked == 2 and await executions.count() == 0
+
+
+async def test_the_serve_sweep_with_the_broker_down_loses_no_block(
+    relay_settings: Settings, servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
+) -> None:
+    # the serve side of the first review defect: a sweep reserved a block, could publish none, lost it
+    await add_trials(db, 30, started_at=NOW - timedelta(hours=1), ends_at=NOW + timedelta(days=7))
+    down = relay_settings.model_copy(update={"celery_broker_url": f"redis://127.0.0.1:{free_port()}/0",
+                                             "trial_journey_interval_seconds": 3600})  # fmt: skip
+    app = create_app(down)
+    async with app.app.router.lifespan_context(app.app):
+        deadline = asyncio.get_running_loop().time() + 10
+        while await db.fetchval("SELECT count(*) FROM trial_email_outbox") < 30:
+            assert asyncio.get_running_loop().time() < deadline, "the sweep did not reserve at start"
+            await asyncio.sleep(0.1)
+    assert await executions.count() == 0
+
+    await asyncio.sleep(LEASE_S)
+    code, summary = await relay_once(servers, broker)
+    assert code == 0 and summary is not None and summary["published"]["email"] == 30
+    assert await assert_each_reservation_delivered_once(db, executions) == 30
