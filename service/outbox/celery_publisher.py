@@ -99,7 +99,9 @@ def _is_refusal(exc: BaseException) -> bool:
     from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 
     seen: BaseException | None = exc
-    while seen is not None:
+    for _ in range(10):  # a cause chain can loop back on itself
+        if seen is None:
+            break
         if isinstance(seen, (OutOfMemoryError, ReadOnlyError)):
             return False  # a full broker, a replica after failover: wait, it passes
         if isinstance(seen, ResponseError):

@@ -2,7 +2,9 @@
 
 Order per batch: claim (a lease, committed), publish, mark published. A relay killed between the
 publish and the mark republishes that batch with the same task ids once the lease runs out; at
-any other point nothing is sent twice. Several relays (one per pod) take disjoint batches.
+any other point nothing is sent twice. Several relays (one per pod) take disjoint batches. The
+next batch is claimed while the broker takes the current one, so the outbox's SQL costs little
+next to the publishing.
 
 It wakes on NOTIFY from the writers, so a completion reaches the broker within about a second of
 its flush, and polls every RELAY_POLL_INTERVAL_SECONDS in case a notification was missed (LISTEN
