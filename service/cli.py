@@ -7,6 +7,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
@@ -70,7 +71,7 @@ def _dev(args: argparse.Namespace) -> int:
             os.environ["DATABASE_URL"] = pg.url("progress")
         if "CELERY_BROKER_URL" not in os.environ:
             # the monolith's broker, played by the embedded Valkey in a database of its own
-            os.environ["CELERY_BROKER_URL"] = os.environ["REDIS_URL"].rsplit("/", 1)[0] + "/2"
+            os.environ["CELERY_BROKER_URL"] = urlsplit(os.environ["REDIS_URL"])._replace(path="/2").geturl()
         _progress("applying migrations_ref/*.sql and dev seed data")
         applied = asyncio.run(embedded.prepare_database(os.environ["DATABASE_URL"], seed=True))
         _progress(f"applied {', '.join(applied)}")
