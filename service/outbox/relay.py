@@ -170,8 +170,9 @@ class Relay:
                 if result is not None and result.broker_unavailable is None:
                     backoff_s = 0.0
                     if result.did_something():
-                        log.info("outbox relay: published %s, republished %s, parked %s", result.published,
-                                 result.republished, result.failed)  # fmt: skip
+                        log.info("outbox relay: tasks published %s (republished %s, refused and parked %s)",
+                                 _counts(result.published), _counts(result.republished), _counts(result.failed),
+                                 extra={"count": sum(result.published.values())})  # fmt: skip
                     await self._sleep(stop, self._poll_s, wake_on_notify=True)
                 else:
                     backoff_s = min(self._max_backoff_s, max(0.5, backoff_s * 2))
@@ -212,3 +213,7 @@ class Relay:
 
     def _on_notify(self, *_: object) -> None:
         self._wake.set()
+
+
+def _counts(by_outbox: dict[str, int]) -> str:
+    return ", ".join(f"{name} {count}" for name, count in by_outbox.items())
