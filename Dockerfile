@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 
-# Build stage: the project and its runtime dependencies (no dev or test extras) in a virtualenv
+# Build stage: the project and its runtime dependencies (no dev or test extras; the sqs extra, for
+# the monolith's broker in production) in a virtualenv
 # that the runtime stage copies whole. Every dependency ships manylinux wheels: no compiler needed.
 FROM python:3.11-slim-bookworm AS build
 
@@ -13,7 +14,7 @@ WORKDIR /src
 COPY pyproject.toml ./
 RUN python -m venv /opt/venv \
     && mkdir service && touch service/__init__.py \
-    && /opt/venv/bin/pip install --no-cache-dir . \
+    && /opt/venv/bin/pip install --no-cache-dir '.[sqs]' \
     && /opt/venv/bin/pip uninstall --yes progress-service \
     && rm -r service
 COPY service ./service

@@ -17,10 +17,14 @@ from service.api.openapi import build_openapi
 from service.auth import Authenticator
 from service.clients import connect_redis, create_db_pool, key_layout
 from service.config import Settings, load_settings
+from service.delivery import relay_routes
 from service.logs import RequestIdMiddleware, configure_logging
+from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
+from service.outbox.relay import Relay
 from service.progress.buffer import WRITE_SCRIPT, PositionWriter
 from service.progress.flusher import Flusher
 from service.progress.sink import DirectWriter, HeartbeatSink
+from service.trial_emails.queue import build_email_queue
 from service.trial_emails.sweep import run_periodic_sweep
 
 log = logging.getLogger(__name__)
@@ -76,9 +80,18 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             if settings.progress_flusher_enabled:
                 flusher = Flusher(redis=redis, pool=pool, settings=settings)
                 background.start("progress-flusher", flusher.run(background.stop))
+            publisher: CeleryPublisher | None = None
+            if settings.celery_broker_url:
+                publisher = publisher_from_settings(settings)
+                # off the loop: closing waits for a publish in flight
+                resources.push_async_callback(asyncio.to_thread, publisher.close)
             if settings.trial_journey_interval_seconds > 0:
+                queue = build_email_queue(settings, redis, publisher)
                 background.start("trial-journey-sweep", run_periodic_sweep(
-                    pool=pool, redis=redis, settings=settings, stop=background.stop))  # fmt: skip
+                    pool=pool, redis=redis, settings=settings, stop=background.stop, queue=queue))  # fmt: skip
+            if settings.relay_enabled and publisher is not None:
+                relay = Relay(pool=pool, settings=settings, routes=relay_routes(settings, redis, publisher))
+                background.start("outbox-relay", relay.run(background.stop))
         # the final flush must see every write acknowledged before shutdown: stop the loops after the writes
         resources.push_async_callback(background.aclose, settings.progress_shutdown_timeout_seconds + 5)
         direct = None

@@ -7,6 +7,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
@@ -68,6 +69,9 @@ def _dev(args: argparse.Namespace) -> int:
             servers.append(pg)
             pg.create_database("progress")
             os.environ["DATABASE_URL"] = pg.url("progress")
+        if "CELERY_BROKER_URL" not in os.environ:
+            # the monolith's broker, played by the embedded Valkey in a database of its own
+            os.environ["CELERY_BROKER_URL"] = urlsplit(os.environ["REDIS_URL"])._replace(path="/2").geturl()
         _progress("applying migrations_ref/*.sql and dev seed data")
         applied = asyncio.run(embedded.prepare_database(os.environ["DATABASE_URL"], seed=True))
         _progress(f"applied {', '.join(applied)}")
@@ -77,11 +81,17 @@ def _dev(args: argparse.Namespace) -> int:
         token = make_token(settings, 1)
         print(
             f"\nprogress-service dev is ready on http://{args.host}:{args.port}\n"
-            f"REDIS_URL={settings.redis_url}\nDATABASE_URL={settings.database_url}\n\n"
+            f"REDIS_URL={settings.redis_url}\nDATABASE_URL={settings.database_url}\n"
+            f"CELERY_BROKER_URL={settings.celery_broker_url}\n\n"
             "Try it (user 1, lesson 1):\n"
             f"  curl -i -X POST http://{args.host}:{args.port}/engagements/progress/lesson \\\n"
             f"    -H 'Authorization: Bearer {token}' \\\n"
             "    -H 'Content-Type: application/json' -d '{\"lesson_id\": 1, \"position\": 42.5}'\n\n"
+            "Lesson 1 lasts 600 s: send \"position\": 595 and it completes. After the next flush "
+            f"(every {settings.progress_flush_interval_seconds:g} s) its {settings.completion_task_name} task "
+            "waits in the broker:\n"
+            f"  python -c \"import redis; print(redis.Redis.from_url('{settings.celery_broker_url}')"
+            f".lrange('{settings.completion_task_queue}', 0, -1))\"\n\n"
             "Ctrl-C stops the service and the embedded servers.\n",
             flush=True,
         )
@@ -170,6 +180,9 @@ def _parser() -> argparse.ArgumentParser:
     flush.set_defaults(run=_flush)
 
     add_trial_email_commands(commands)
+    from service.delivery import add_commands as add_relay_commands
+
+    add_relay_commands(commands)
 
     openapi = commands.add_parser("openapi", help="print the OpenAPI document (YAML) the app serves")
     openapi.set_defaults(run=_openapi)

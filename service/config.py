@@ -1,7 +1,7 @@
 """All configuration, read once from the environment and validated at start-up."""
 
 import socket
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, model_validator
@@ -68,6 +68,27 @@ class Settings(BaseSettings):
     send_email: bool = True
     email_queue_stream: str = "emails:trial_journey"
     trial_journey_interval_seconds: float = Field(3600.0, ge=0)
+    email_publisher: Literal["celery", "redis-stream"] = "celery"
+
+    # the monolith's Celery broker (sqs:// in production, redis:// or amqp:// elsewhere)
+    celery_broker_url: str = ""
+    celery_broker_transport_options: dict[str, Any] = Field(default_factory=dict)  # JSON
+    completion_task_name: str = "apps.engagements.tasks.advance_user_journey"
+    completion_task_queue: str = "onion-progress"
+    email_task_name: str = "apps.emails.tasks.send_email"
+    email_task_queue: str = "emails"
+    celery_publish_timeout_seconds: float = Field(10.0, gt=0)
+
+    # the outbox relay (service.outbox.relay)
+    relay_enabled: bool = True
+    relay_batch_size: int = Field(500, ge=1, le=10_000)
+    relay_poll_interval_seconds: float = Field(5.0, gt=0)
+    relay_lease_seconds: float = Field(60.0, gt=0)
+    relay_max_backoff_seconds: float = Field(30.0, gt=0)
+    # LISTEN needs a real session: behind PgBouncer in transaction mode name the primary here, or
+    # leave it empty and set RELAY_LISTEN=false to poll only
+    relay_listen: bool = True
+    relay_listen_database_url: str = ""
 
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     pod_name: str = Field(default_factory=socket.gethostname)
@@ -76,7 +97,32 @@ class Settings(BaseSettings):
     def _pool_sizes_agree(self) -> "Settings":
         if self.database_pool_max_size < self.database_pool_min_size:
             raise ValueError("DATABASE_POOL_MAX_SIZE must be >= DATABASE_POOL_MIN_SIZE")
+        if self.relay_lease_seconds <= self.celery_publish_timeout_seconds:
+            # a lease shorter than a publish would let a second relay republish a batch in flight
+            raise ValueError("RELAY_LEASE_SECONDS must be > CELERY_PUBLISH_TIMEOUT_SECONDS")
         return self
+
+    @property
+    def needs_celery_broker(self) -> bool:
+        return self.email_publisher == "celery" or self.relay_enabled
+
+    def check_celery_broker(self) -> None:
+        """Refuse to start a process that would owe the monolith messages it cannot send."""
+        if self.celery_broker_url:
+            from service.outbox.celery_publisher import check_transport  # celery is imported only when used
+
+            check_transport(self.celery_broker_url)
+            return
+        if self.email_publisher == "celery":
+            raise ConfigError(
+                "EMAIL_PUBLISHER=celery needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or "
+                "amqp://); or set EMAIL_PUBLISHER=redis-stream"
+            )
+        if self.relay_enabled:
+            raise ConfigError(
+                "RELAY_ENABLED=true needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or amqp://) "
+                "to deliver completions; or set RELAY_ENABLED=false where another process runs the relay"
+            )
 
     @property
     def jwt_algorithm_list(self) -> list[str]:
@@ -109,6 +155,8 @@ class Settings(BaseSettings):
                 raise ConfigError("JWT_PUBLIC_KEY is set: set JWT_ALGORITHMS to RS256 or ES256")
             if self.jwt_secret and not self.jwt_public_key and len(self.jwt_secret) < 32:
                 raise ConfigError("JWT_SECRET is too short to be a real secret (at least 32 characters)")
+        if self.database_url and (self.relay_enabled or self.trial_journey_interval_seconds > 0):
+            self.check_celery_broker()
 
 
 def load_settings() -> Settings:

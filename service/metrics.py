@@ -98,11 +98,34 @@ TRIAL_EMAILS_ENQUEUED = Counter(
 )
 TRIAL_EMAIL_ORPHANS = Counter(
     "progress_trial_email_orphans_total",
-    "Trial-journey emails reserved but not known to be published: never sent unless re-enqueued "
-    "by hand (the log names each pair).",
+    "Trial-journey emails reserved but not published by their own batch: left to the outbox relay "
+    "(the log names each pair).",
 )
 TRIAL_JOURNEY_SWEEPS = Counter(
     "progress_trial_journey_sweeps_total",
     "Periodic trial-journey sweeps, by outcome (done, failed, locked: another pod was sweeping).",
     ["outcome"],
+)
+
+# outbox relay (service.outbox): label outbox = completion | email
+OUTBOX_PUBLISHED = Counter(
+    "progress_outbox_published_total", "Outbox messages the broker acknowledged (republishes included).", ["outbox"]
+)
+OUTBOX_REPUBLISHED = Counter(
+    "progress_outbox_republished_total",
+    "Outbox messages published again, same task id, after a relay or batch died before marking them.",
+    ["outbox"],
+)
+OUTBOX_FAILED = Counter(
+    "progress_outbox_failed_total",
+    "Outbox messages the broker refused for good, parked with publish_failed_at (the log names each row).",
+    ["outbox"],
+)
+OUTBOX_BROKER_UNAVAILABLE = Counter(
+    "progress_outbox_broker_unavailable_total", "Relay batches stopped because the broker was unreachable.",
+    ["outbox"],
+)
+OUTBOX_OLDEST_AGE = Gauge(
+    "progress_outbox_oldest_unpublished_age_seconds", "Age of the oldest outbox row still owed to the broker.",
+    ["outbox"], multiprocess_mode="max",
 )

@@ -27,7 +27,7 @@ TEST_JWT_SECRET = "test-secret-0123456789abcdef-0123456789"
 _TABLES = (
     "users_user", "courses_lesson", "audios_audio", "audios_meditation", "lives_live",
     "engagements_lessonprogress", "audios_audioprogress", "audios_meditationprogress", "lives_liveprogress",
-    "progress_completion_event",
+    "progress_completion_event", "trials_usertrial", "emails_emaildispatch", "trial_email_outbox",
 )  # fmt: skip
 
 
@@ -80,6 +80,9 @@ def settings(servers: Servers, migrated: str) -> Settings:
         # the API tests look at the pending sets; the flusher tests start their own flusher
         progress_flusher_enabled=False,
         trial_journey_interval_seconds=0,
+        # the tests of the outbox (tests/outbox) bring a broker and a worker; the others do without
+        relay_enabled=False,
+        email_publisher="redis-stream",
     )
 
 
@@ -140,3 +143,7 @@ async def seed(
             f"INSERT INTO {table} (id, title, duration) SELECT i, 'content ' || i, $2 FROM generate_series(1, $1) i",
             contents, duration_s,
         )  # fmt: skip
+
+
+# the monolith stand-in (broker, real Celery worker), started only by the tests that ask for it
+from tests.monolith.fixtures import broker, executions, monolith_table, worker  # noqa: E402, F401

@@ -13,9 +13,11 @@ import httpx
 from service.embedded import free_port
 
 
-def _start_dev(data_dir: Path, ports: tuple[int, int, int]) -> tuple[subprocess.Popen[str], str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL", "JWT_SECRET")}
+def _start_dev(data_dir: Path, ports: tuple[int, int, int], **extra: str) -> tuple[subprocess.Popen[str], str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("REDIS_URL", "DATABASE_URL", "JWT_SECRET", "CELERY_BROKER_URL")}  # fmt: skip
     env["DEV_DATA_DIR"] = str(data_dir)
+    env.update(extra)
     http_port, redis_port, pg_port = ports
     process = subprocess.Popen(
         [sys.executable, "-m", "service", "dev", "--port", str(http_port),
@@ -87,3 +89,30 @@ def test_dev_serves_the_printed_curl_stops_clean_and_keeps_data(tmp_path: Path) 
     finally:
         assert _stop(process) == 0
     assert _processes_using(data_dir) == []
+
+
+def test_dev_a_completion_from_the_printed_curl_lands_in_the_broker_after_one_flush(tmp_path: Path) -> None:
+    import base64
+    import json
+
+    from redis import Redis
+
+    ports = (free_port(), free_port(), free_port())
+    process, printed = _start_dev(tmp_path / "dev-data", ports, PROGRESS_FLUSH_INTERVAL_SECONDS="0.5")
+    broker_url = re.search(r"CELERY_BROKER_URL=(\S+)", printed)
+    assert broker_url and broker_url.group(1) == f"redis://127.0.0.1:{ports[1]}/2"
+    assert "lrange('onion-progress'" in printed
+    broker = Redis.from_url(broker_url.group(1))
+    try:
+        assert _post_printed_curl(printed, 595).status_code == 201
+        deadline = time.monotonic() + 20
+        while not broker.llen("onion-progress") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        messages = [json.loads(raw) for raw in broker.lrange("onion-progress", 0, -1)]
+    finally:
+        broker.close()
+        assert _stop(process) == 0
+    assert [message["headers"]["task"] for message in messages] == ["apps.engagements.tasks.advance_user_journey"]
+    kwargs = json.loads(base64.b64decode(messages[0]["body"]))[1]
+    assert {key: kwargs[key] for key in ("user_id", "content_type", "content_id")} == {
+        "user_id": 1, "content_type": "lesson", "content_id": 1}

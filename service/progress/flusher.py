@@ -77,6 +77,9 @@ class Flusher:
             try:
                 result = await self.flush_cycle(stop=stop)
                 failures = failures + 1 if result.failed_batches else 0
+                if result.batches:  # one line per cycle that did something: a heartbeat can be followed
+                    log.info("flush cycle: %d rows written, %d completion events", result.written,
+                             result.completions, extra={"count": result.written})  # fmt: skip
             except (RedisError, OSError) as exc:
                 failures += 1
                 log.warning("flush cycle failed: Redis unavailable (%s); retrying", exc)

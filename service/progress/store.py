@@ -67,6 +67,8 @@ WITH incoming AS (
 )
 SELECT
     (SELECT count(*) FROM upserted) AS written,
+    -- wakes the outbox relay (service.outbox) when events were written; delivered at commit only
+    (SELECT count(pg_notify('progress_outbox', 'completion')) FROM (SELECT 1 FROM events LIMIT 1) e) AS notified,
     (SELECT count(*) FROM events) AS completions,
     ARRAY(
         SELECT h.content_id || ':' || h.user_id FROM incoming h

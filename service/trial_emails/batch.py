@@ -1,13 +1,17 @@
 """One batch of trials: load, resolve every due email in memory, reserve in blocks, enqueue the winners.
 
-The order inside a block is write-ahead: reserve (committed), then publish. A crash between the
-two leaves orphans (reserved, never enqueued; a rerun skips them because the row exists), so a
-block is also the most that can be lost at once; every orphan this process can see is logged with
-its pair and counted in progress_trial_email_orphans_total.
+The order inside a block is write-ahead: reserve (committed, with an outbox row per winner in the
+same statement), publish, then mark the block's published rows in one statement. A crash, a
+cancellation or a broker outage between the reservation and the mark leaves the rest in the
+outbox: the relay (service.outbox.relay) publishes them once the batch's lease on them runs out.
+Nothing reserved is lost; what the batch could not publish itself is logged and counted in
+progress_trial_email_orphans_total (now "left to the relay", no longer lost).
 """
 
 import asyncio
 import logging
+import os
+import signal
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from functools import partial
@@ -17,9 +21,11 @@ import asyncpg
 
 from service import metrics
 from service.config import Settings
+from service.outbox.outboxes import EMAILS, mark_published
 from service.trial_emails.journey import SOURCE
-from service.trial_emails.queue import EmailQueue, QueuedEmail
+from service.trial_emails.queue import EmailQueue, MessageRefusedError, QueuedEmail
 from service.trial_emails.reservations import (
+    DEFAULT_LEASE_S,
     Pair,
     load_sent_keys,
     load_trials,
@@ -30,11 +36,11 @@ from service.trial_emails.reservations import (
 log = logging.getLogger(__name__)
 
 # reservations whose caller was cancelled, kept referenced until they finish and are reported
-_abandoned: set["asyncio.Task[set[Pair]]"] = set()
+_abandoned: set["asyncio.Task[dict[Pair, int]]"] = set()
 
 
 class BatchResult(TypedDict):
-    status: Literal["ok", "disabled"]
+    status: Literal["ok", "disabled", "stopped"]  # stopped: run-once got SIGTERM and left the rest
     user_trials: int
     sent: int
 
@@ -64,38 +70,47 @@ async def send_trial_journey_emails_batch(
         sent_keys = await load_sent_keys(conn, (trial.user_id for trial in trials)) if trials else {}
     pairs = pending_reservations(trials, sent_keys, now)
     block_size = settings.reservation_block_size
-    sent = await reserve_and_enqueue(pairs, pool=pool, queue=queue, block_size=block_size)
+    sent = await reserve_and_enqueue(pairs, pool=pool, queue=queue, block_size=block_size,
+                                     lease_s=settings.relay_lease_seconds)  # fmt: skip
     return {"status": "ok", "user_trials": len(trials), "sent": sent}
 
 
-async def reserve_and_enqueue(pairs: Sequence[Pair], *, pool: asyncpg.Pool, queue: EmailQueue, block_size: int) -> int:
+async def reserve_and_enqueue(
+    pairs: Sequence[Pair], *, pool: asyncpg.Pool, queue: EmailQueue, block_size: int,
+    lease_s: float = DEFAULT_LEASE_S,
+) -> int:  # fmt: skip
     """Reserve `pairs` block by block; publish what each block won before reserving the next."""
     sent = 0
     for start in range(0, len(pairs), block_size):
         block = pairs[start : start + block_size]
         reserved_at = datetime.now(UTC)
-        won = await _reserve_shielded(pool, block, reserved_at)
+        won = await _reserve_shielded(pool, block, reserved_at, lease_s)
         metrics.TRIAL_EMAILS_RESERVED.inc(len(won))
+        if os.environ.get("PROGRESS_TRIAL_EMAIL_FAILPOINT") == "after_reserve":
+            # test-only: die between the reservation (committed) and its publish
+            os.kill(os.getpid(), signal.SIGKILL)
         emails = _winners(block, won, reserved_at)
-        await publish_all(queue, emails)
-        sent += len(emails)
+        sent += await publish_all(queue, emails, pool=pool)
     return sent
 
 
-def _winners(block: Sequence[Pair], won: set[Pair], reserved_at: datetime) -> list[QueuedEmail]:
-    return [QueuedEmail(user_id, key, SOURCE, reserved_at) for user_id, key in block if (user_id, key) in won]
+def _winners(block: Sequence[Pair], won: dict[Pair, int], reserved_at: datetime) -> list[QueuedEmail]:
+    return [QueuedEmail(user_id, key, SOURCE, reserved_at, won[(user_id, key)])
+            for user_id, key in block if (user_id, key) in won]  # fmt: skip
 
 
-async def _reserve(pool: asyncpg.Pool, block: Sequence[Pair], reserved_at: datetime) -> set[Pair]:
+async def _reserve(pool: asyncpg.Pool, block: Sequence[Pair], reserved_at: datetime, lease_s: float) -> dict[Pair, int]:
     # a connection per block, not per batch: none is held while a slow broker takes the publishes
     async with pool.acquire() as conn:
-        return await reserve_block(conn, block, reserved_at)
+        return await reserve_block(conn, block, reserved_at, lease_s=lease_s)
 
 
-async def _reserve_shielded(pool: asyncpg.Pool, block: Sequence[Pair], reserved_at: datetime) -> set[Pair]:
+async def _reserve_shielded(
+    pool: asyncpg.Pool, block: Sequence[Pair], reserved_at: datetime, lease_s: float
+) -> dict[Pair, int]:
     # Shield: a caller cancelled mid-statement cannot know whether it committed. The statement
-    # finishes on its own, and whatever it reserved is reported as orphans instead of vanishing.
-    reservation = asyncio.create_task(_reserve(pool, block, reserved_at))
+    # finishes on its own, and whatever it reserved is reported as left to the relay.
+    reservation = asyncio.create_task(_reserve(pool, block, reserved_at, lease_s))
     try:
         return await asyncio.shield(reservation)
     except asyncio.CancelledError:
@@ -104,7 +119,9 @@ async def _reserve_shielded(pool: asyncpg.Pool, block: Sequence[Pair], reserved_
         raise
 
 
-def _report_abandoned(block: Sequence[Pair], reserved_at: datetime, reservation: "asyncio.Task[set[Pair]]") -> None:
+def _report_abandoned(
+    block: Sequence[Pair], reserved_at: datetime, reservation: "asyncio.Task[dict[Pair, int]]"
+) -> None:
     _abandoned.discard(reservation)
     if reservation.cancelled():
         return
@@ -120,17 +137,33 @@ def _report_abandoned(block: Sequence[Pair], reserved_at: datetime, reservation:
     report_orphans(_winners(block, won, reserved_at), why="cancelled after reserving")
 
 
-async def publish_all(queue: EmailQueue, emails: Sequence[QueuedEmail]) -> None:
-    published = 0
+async def publish_all(queue: EmailQueue, emails: Sequence[QueuedEmail], *, pool: asyncpg.Pool | None = None) -> int:
+    """Publish a block's winners, then mark them published in the outbox (one statement); return how many."""
+    published: list[QueuedEmail] = []
+    refused: list[QueuedEmail] = []
     try:
         for email in emails:
-            await queue.publish(email)
-            published += 1
+            try:
+                await queue.publish(email)
+            except MessageRefusedError as exc:
+                # this message only: the relay parks it once the lease runs out; the others go on
+                log.error("trial-journey email %d:%s refused by the broker: %s", email.user_id, email.email_key, exc,
+                          extra={"pairs": [f"{email.user_id}:{email.email_key}"]})  # fmt: skip
+                refused.append(email)
+                continue
+            published.append(email)
             metrics.TRIAL_EMAILS_ENQUEUED.inc()
     finally:
-        # an error or a cancellation stopped the loop: the rest are reserved and will never be sent
-        if published < len(emails):
-            report_orphans(emails[published:], why="publishing stopped")
+        if pool is not None and published:
+            # Shielded: the broker has these; unmarked, the relay would send them again after the lease.
+            # If the mark itself fails they are republished with the same task id: a duplicate the
+            # monolith recognises, never a loss.
+            await asyncio.shield(mark_published(pool, EMAILS, [email.dispatch_id for email in published]))
+        # an error or a cancellation stopped the loop: the rest wait in the outbox for the relay
+        done = len(published) + len(refused)
+        if done < len(emails):
+            report_orphans(emails[done:], why="publishing stopped")
+    return len(published)
 
 
 def report_orphans(emails: Sequence[QueuedEmail], *, why: str) -> None:
@@ -138,9 +171,9 @@ def report_orphans(emails: Sequence[QueuedEmail], *, why: str) -> None:
         return
     pairs = [f"{email.user_id}:{email.email_key}" for email in emails]
     metrics.TRIAL_EMAIL_ORPHANS.inc(len(pairs))
-    log.error(
-        "%d trial-journey emails reserved at %s but not confirmed published (%s; one interrupted mid-publish "
-        "may have gone out): check the stream before re-enqueuing: %s",
+    log.warning(
+        "%d trial-journey emails reserved at %s not published by their batch (%s; one interrupted mid-publish "
+        "may have gone out): left to the outbox relay: %s",
         len(pairs), emails[0].reserved_at.isoformat(), why, " ".join(pairs),
         extra={"pairs": pairs, "count": len(pairs)},
     )  # fmt: skip

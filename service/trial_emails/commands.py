@@ -1,8 +1,14 @@
-"""`progress-service trial-emails run-once`: one sweep, progress on stderr, the summed result on stdout."""
+"""`progress-service trial-emails run-once`: one sweep, progress on stderr, the summed result on stdout.
+
+SIGTERM (or Ctrl-C) stops it cleanly: the batch in hand finishes (its blocks are reserved and their
+outbox rows written in one statement each, so whatever it could not publish is the relay's), no
+new batch starts, the partial result is printed with "status": "stopped", and the exit code is 0.
+"""
 
 import argparse
 import asyncio
 import json
+import signal
 import sys
 
 import asyncpg
@@ -11,8 +17,9 @@ from redis.exceptions import RedisError
 from service.clients import connect_redis, create_db_pool
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
+from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
 from service.trial_emails.batch import BatchResult
-from service.trial_emails.queue import RedisStreamQueue
+from service.trial_emails.queue import build_email_queue
 from service.trial_emails.sweep import sweep_journeys
 
 
@@ -31,6 +38,8 @@ def run_once_command(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level)
     if not settings.database_url:
         raise ConfigError("DATABASE_URL is required (the primary: reservations never go to a replica)")
+    if settings.email_publisher == "celery" and settings.send_email:
+        settings.check_celery_broker()
     try:
         result = asyncio.run(run_once(settings))
     except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, RedisError) as exc:
@@ -41,16 +50,28 @@ def run_once_command(args: argparse.Namespace) -> int:
 
 
 async def run_once(settings: Settings) -> BatchResult:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    publisher: CeleryPublisher | None = None
+    if settings.email_publisher == "celery" and settings.send_email:
+        publisher = publisher_from_settings(settings)
     pool = await create_db_pool(settings)
     redis = connect_redis(settings)
     try:
-        return await sweep_journeys(
-            pool=pool, queue=RedisStreamQueue(redis, settings.email_queue_stream), settings=settings,
-            on_batch=_show_progress,
+        result = await sweep_journeys(
+            pool=pool, queue=build_email_queue(settings, redis, publisher), settings=settings,
+            on_batch=_show_progress, should_stop=stop.is_set,
         )  # fmt: skip
+        if stop.is_set():
+            result["status"] = "stopped"
+        return result
     finally:
         await redis.aclose()
         await pool.close()
+        if publisher is not None:
+            await asyncio.to_thread(publisher.close)
 
 
 def _show_progress(done: int, in_journey: int, batch: BatchResult) -> None:

@@ -61,22 +61,40 @@ def pending_reservations(
 
 # ON CONFLICT DO NOTHING + RETURNING tells exactly which rows this statement inserted: a pair
 # reserved earlier (a retry, a redelivery, another worker) is not returned and so not enqueued.
+# Each won pair writes its outbox row (service.outbox) in the same statement, so no reservation can
+# commit without the message it owes: a process that dies before publishing leaves the row to the
+# relay. The row starts claimed by this batch for a lease ($5 s), so the relay does not race the
+# batch's own publish of its winners, and takes it over only if the batch never marks it published.
 RESERVE_BLOCK_SQL = """
-INSERT INTO emails_emaildispatch (user_id, source, email_key, sent_at, created_at)
-SELECT pair.user_id, $3::text, pair.email_key, $4::timestamptz, $4::timestamptz
-  FROM unnest($1::bigint[], $2::text[]) AS pair (user_id, email_key)
-    ON CONFLICT (user_id, source, email_key) DO NOTHING
-RETURNING user_id, email_key
+WITH reserved AS (
+    INSERT INTO emails_emaildispatch (user_id, source, email_key, sent_at, created_at)
+    SELECT pair.user_id, $3::text, pair.email_key, $4::timestamptz, $4::timestamptz
+      FROM unnest($1::bigint[], $2::text[]) AS pair (user_id, email_key)
+        ON CONFLICT (user_id, source, email_key) DO NOTHING
+    RETURNING id, user_id, source, email_key
+), owed AS (
+    INSERT INTO trial_email_outbox (dispatch_id, user_id, source, email_key, reserved_at, claimed_until,
+                                    publish_attempts)
+    SELECT id, user_id, source, email_key, $4::timestamptz, now() + make_interval(secs => $5::float8), 1
+      FROM reserved
+    RETURNING dispatch_id, user_id, email_key
+)
+SELECT dispatch_id, user_id, email_key FROM owed
 """
+# how long a batch keeps its winners from the relay when the caller does not say (RELAY_LEASE_SECONDS)
+DEFAULT_LEASE_S = 60.0
 
 
-async def reserve_block(conn: asyncpg.Connection, pairs: Sequence[Pair], reserved_at: datetime) -> set[Pair]:
-    """Reserve a block in one statement and return the pairs it inserted.
+async def reserve_block(
+    conn: asyncpg.Connection, pairs: Sequence[Pair], reserved_at: datetime, *, lease_s: float = DEFAULT_LEASE_S
+) -> dict[Pair, int]:
+    """Reserve a block in one statement; return the pairs it inserted with their dispatch row ids.
 
     Run outside a transaction: the statement commits on its own, so when this returns the
-    reservations are durable, and when it raises (deferred foreign keys fail here too) none is.
+    reservations and their outbox rows are durable, and when it raises (deferred foreign keys fail
+    here too) none is.
     """
     rows = await conn.fetch(
-        RESERVE_BLOCK_SQL, [user_id for user_id, _ in pairs], [key for _, key in pairs], SOURCE, reserved_at
+        RESERVE_BLOCK_SQL, [user_id for user_id, _ in pairs], [key for _, key in pairs], SOURCE, reserved_at, lease_s
     )
-    return {(row["user_id"], row["email_key"]) for row in rows}
+    return {(row["user_id"], row["email_key"]): row["dispatch_id"] for row in rows}

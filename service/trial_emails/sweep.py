@@ -93,7 +93,8 @@ async def sweep_if_no_other_pod_is(
 
 
 async def run_periodic_sweep(
-    *, pool: asyncpg.Pool, redis: RedisClient, settings: Settings, stop: asyncio.Event
+    *, pool: asyncpg.Pool, redis: RedisClient, settings: Settings, stop: asyncio.Event,
+    queue: EmailQueue | None = None,
 ) -> None:
     """Sweep at start, then every TRIAL_JOURNEY_INTERVAL_SECONDS, until `stop` is set (0 disables it).
 
@@ -104,7 +105,7 @@ async def run_periodic_sweep(
     if interval_s <= 0:
         log.info("trial-journey sweep disabled (TRIAL_JOURNEY_INTERVAL_SECONDS=0)")
         return
-    queue = RedisStreamQueue(redis, settings.email_queue_stream)
+    queue = queue or RedisStreamQueue(redis, settings.email_queue_stream)
     while not stop.is_set():
         try:
             result = await sweep_if_no_other_pod_is(pool=pool, queue=queue, settings=settings, stop=stop)

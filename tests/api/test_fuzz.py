@@ -83,6 +83,8 @@ def live_service(servers: Servers, migrated: str) -> Iterator[LiveService]:
         "DATABASE_URL": migrated,
         "JWT_SECRET": TEST_JWT_SECRET,
         "PROGRESS_FLUSHER_ENABLED": "false",  # pending members stay put, so each case can see its own
+        "RELAY_ENABLED": "false",
+        "EMAIL_PUBLISHER": "redis-stream",
         "LOG_LEVEL": "WARNING",
     }
     command = [str(Path(sys.executable).with_name("progress-service")), "serve", "--host", "127.0.0.1",

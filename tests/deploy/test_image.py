@@ -40,6 +40,8 @@ def image_environment(servers: Servers, port: int) -> dict[str, str]:
         REDIS_URL=servers.redis_url,
         DATABASE_URL=servers.database_url,
         JWT_SECRET=TEST_JWT_SECRET,
+        # the monolith's broker; a Valkey database of its own stands in for it
+        CELERY_BROKER_URL=servers.redis_url.rsplit("/", 1)[0] + "/3",
         LOG_LEVEL="INFO",
     )
     return env

@@ -1,6 +1,9 @@
 """The flusher behind PgBouncer in transaction pooling mode, over TLS, as ops run it in front of the
 monolith's Postgres: DATABASE_STATEMENT_CACHE_SIZE=0 and a verify-full DATABASE_URL."""
 
+import asyncio
+import json
+
 import asyncpg
 import httpx
 import pytest
@@ -9,10 +12,14 @@ from redis.asyncio import Redis
 from service.auth import make_token
 from service.clients import connect_redis, create_db_pool
 from service.config import Settings
+from service.outbox.celery_publisher import publisher_from_settings
+from service.outbox.outboxes import COMPLETIONS
+from service.outbox.relay import Relay, Route
 from service.progress.content import CONTENT_KINDS
 from service.progress.flusher import Flusher
 from tests.conftest import auth, seed
 from tests.deploy.conftest import PgBouncer, Tls
+from tests.monolith.fixtures import Broker, Executions
 
 USERS = CONTENTS = 3
 
@@ -87,3 +94,38 @@ async def test_statement_cache_is_what_breaks_transaction_pooling(
     finally:
         await client.close()
         await other.close()
+
+
+async def test_the_relay_behind_pgbouncer_listens_on_its_direct_url_and_otherwise_polls(
+    settings: Settings, db: asyncpg.Pool, redis: Redis, pgbouncer: PgBouncer, tls: Tls, broker: Broker,
+    executions: Executions,
+) -> None:  # fmt: skip
+    await seed(db, users=2, contents=1, duration_s=600)
+    through_pgbouncer = settings.model_copy(update={
+        "database_url": pgbouncer.url(sslmode="verify-full", sslrootcert=str(tls.ca)),
+        "database_statement_cache_size": 0, "celery_broker_url": broker.url, "relay_enabled": True,
+        # a poll a minute: only a notification can bring the event out within seconds
+        "relay_poll_interval_seconds": 60, "relay_listen_database_url": settings.database_url,
+    })  # fmt: skip
+    polling = through_pgbouncer.model_copy(update={"relay_listen": False, "relay_poll_interval_seconds": 0.3})
+    for user_id, relay_settings in ((1, through_pgbouncer), (2, polling)):
+        pool = await create_db_pool(relay_settings)
+        publisher = publisher_from_settings(relay_settings)
+        stop = asyncio.Event()
+        relay = asyncio.create_task(Relay(pool=pool, routes=[Route(COMPLETIONS, publisher)],
+                                          settings=relay_settings).run(stop))  # fmt: skip
+        try:
+            await asyncio.sleep(0.5)  # past the relay's first pass
+            # as the flush writes it, through PgBouncer: the NOTIFY goes out at its commit
+            await pool.execute(
+                "WITH e AS (INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
+                "VALUES ('lesson', 1, $1, now()) RETURNING 1) SELECT pg_notify('progress_outbox', 'completion')",
+                user_id,
+            )  # fmt: skip
+            rows = await executions.wait_for(user_id, timeout_s=5, settle_s=0)
+            assert [json.loads(row["kwargs"])["user_id"] for row in rows] == list(range(1, user_id + 1))
+        finally:
+            stop.set()
+            await relay
+            await pool.close()
+            await asyncio.to_thread(publisher.close)

@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from service.config import Settings
+from service.outbox.outboxes import MARK_EMAILS_SQL
 from service.trial_emails.batch import reserve_and_enqueue, send_trial_journey_emails_batch
 from service.trial_emails.journey import JOURNEY
 from service.trial_emails.queue import QueuedEmail, RedisStreamQueue
@@ -39,7 +40,8 @@ async def test_several_due_emails_per_trial_are_reserved_in_one_statement_and_al
     result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, settings=settings, now=NOW)
 
     assert result == {"status": "ok", "user_trials": 3, "sent": 9}
-    assert await statements.settled() == [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL, RESERVE_BLOCK_SQL]
+    # the reservation writes the outbox rows too; the mark records what the block published (one each)
+    assert await statements.settled() == [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL, RESERVE_BLOCK_SQL, MARK_EMAILS_SQL]
     expected = {(user, key) for user in (1, 2, 3) for key in ("trial_welcome", "trial_tips", "trial_midpoint")}
     assert await reserved(pool) == expected
     assert await enqueued(redis, queue.stream) == dict.fromkeys(expected, 1)
@@ -59,7 +61,9 @@ async def test_200_trials_owing_6_emails_take_6_reservation_statements(
     result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, settings=settings, now=NOW)
 
     assert result == {"status": "ok", "user_trials": 200, "sent": 1200}
-    assert await statements.settled() == [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL] + [RESERVE_BLOCK_SQL] * 6
+    # six reservation statements, each followed by the one that marks its block published
+    expected = [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL] + [RESERVE_BLOCK_SQL, MARK_EMAILS_SQL] * 6
+    assert await statements.settled() == expected
     assert len(await reserved(pool)) == 1200
     counts = await enqueued(redis, queue.stream)
     assert len(counts) == 1200 and set(counts.values()) == {1}
@@ -173,7 +177,7 @@ class BrokerDownAfter:
         await self.inner.publish(email)
 
 
-async def test_a_publish_failure_mid_block_logs_and_counts_the_orphans_and_stops_at_that_block(
+async def test_a_publish_failure_mid_block_leaves_the_rest_to_the_relay_and_stops_at_that_block(
     trials_db: asyncpg.Pool, redis: Redis, queue: RedisStreamQueue, settings: Settings,
     caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
@@ -181,7 +185,7 @@ async def test_a_publish_failure_mid_block_logs_and_counts_the_orphans_and_stops
     orphans_before = metric("progress_trial_email_orphans_total")
     broker = BrokerDownAfter(queue, limit=3)
 
-    with caplog.at_level(logging.ERROR), pytest.raises(RedisConnectionError):
+    with caplog.at_level(logging.WARNING), pytest.raises(RedisConnectionError):
         await send_trial_journey_emails_batch(ids, pool=trials_db, queue=broker, settings=with_blocks(settings, 5),
                                               now=NOW)  # fmt: skip
 
@@ -192,8 +196,12 @@ async def test_a_publish_failure_mid_block_logs_and_counts_the_orphans_and_stops
     orphan_logs = [record for record in caplog.records if getattr(record, "pairs", None)]
     assert [record.pairs for record in orphan_logs] == [[f"{u}:{k}" for u, k in first_block[3:]]]  # type: ignore[attr-defined]
     assert metric("progress_trial_email_orphans_total") == orphans_before + 2
+    # the three published are marked; the two left wait in the outbox for the relay (tests/outbox)
+    outbox = await trials_db.fetch("SELECT user_id, email_key, published_at FROM trial_email_outbox")
+    assert {(row["user_id"], row["email_key"]) for row in outbox if row["published_at"] is None} == set(first_block[3:])
+    assert len(outbox) == 5
 
-    # a rerun sends the rest and never the orphans: their rows exist
+    # a rerun sends the rest and not the two: their rows exist, and their messages are the relay's
     rerun = await send_trial_journey_emails_batch(ids, pool=trials_db, queue=queue, settings=settings, now=NOW)
     assert rerun["sent"] == 7
     counts = await enqueued(redis, queue.stream)
@@ -245,7 +253,7 @@ async def test_a_batch_cancelled_mid_reservation_reports_what_the_statement_rese
         batch.cancel()
         with pytest.raises(asyncio.CancelledError):
             await batch
-        with caplog.at_level(logging.ERROR):
+        with caplog.at_level(logging.WARNING):
             await transaction.rollback()  # the batch's statement now wins the pair, with nobody to publish it
             await wait_for(lambda: orphan_count_above(orphans_before))
 

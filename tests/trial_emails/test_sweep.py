@@ -50,7 +50,7 @@ async def test_run_once_prints_progress_on_stderr_and_the_summed_result_last_on_
 ) -> None:
     await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=5)
     env = {**os.environ, "DATABASE_URL": settings.database_url, "REDIS_URL": settings.redis_url,
-           "JOURNEY_BATCH_SIZE": "2", "LOG_LEVEL": "WARNING"}  # fmt: skip
+           "JOURNEY_BATCH_SIZE": "2", "LOG_LEVEL": "WARNING", "EMAIL_PUBLISHER": "redis-stream"}  # fmt: skip
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "service", "trial-emails", "run-once", env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,

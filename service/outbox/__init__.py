@@ -1,0 +1,9 @@
+"""Delivering what this service owes the monolith's Celery workers: a transactional outbox and its relay.
+
+outboxes          the two outbox tables (completion events, trial emails): claim, mark, park SQL; task ids
+celery_publisher  Celery's own client, off the event loop, bounded and with a deadline
+relay             claims unpublished rows, publishes, marks them; LISTEN/NOTIFY wake-up, polling, backoff
+
+The writers (the flush upsert, the email reservation) write the rows in their own statements and
+may call into this package; it never imports them.
+"""

@@ -1,0 +1,198 @@
+"""Publishing to the monolith's Celery broker with Celery's own client, off the event loop.
+
+The monolith's unchanged workers must run what we send, so the messages are Celery's: protocol 2,
+JSON, an explicit queue and a stable task id. This module never imports the monolith: it knows
+task names, not functions. Celery's client blocks on the network, so every publish runs in a small
+thread pool, one batch per call, with a deadline; the loop that awaits it stays free.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from service.config import ConfigError, Settings
+
+log = logging.getLogger(__name__)
+
+# scheme -> the extra that installs its transport (the transports celery needs nothing more for are absent)
+_TRANSPORT_EXTRAS = {"sqs": "sqs"}
+_BUILT_IN_SCHEMES = {"redis", "rediss", "amqp", "amqps", "pyamqp", "memory"}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One Celery task owed to the monolith; `row_id` is its outbox row."""
+
+    row_id: int
+    task_name: str
+    queue: str
+    task_id: str
+    kwargs: dict[str, Any]
+    # what a publisher other than Celery may need besides the kwargs (the email stream: reserved_at)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class PublishResult:
+    sent: list[int] = field(default_factory=list)  # row ids the broker acknowledged
+    refused: dict[int, str] = field(default_factory=dict)  # row id -> why the broker will never take it
+    # the broker could not be reached: the rows neither sent nor refused were not published
+    unavailable: str | None = None
+    # the call outlived its deadline: whether the rest went out is unknown
+    timed_out: bool = False
+
+
+def check_transport(broker_url: str) -> None:
+    """Fail at start-up, naming the extra to install, rather than at the first publish."""
+    scheme = urlsplit(broker_url).scheme.split("+")[0]
+    if scheme in _BUILT_IN_SCHEMES:
+        return
+    if scheme not in _TRANSPORT_EXTRAS:
+        raise ConfigError(f"CELERY_BROKER_URL: unsupported transport {scheme!r} (use sqs://, redis:// or amqp://)")
+    try:
+        import boto3  # noqa: F401  # what kombu's SQS transport needs
+    except ImportError:
+        raise ConfigError(
+            f"CELERY_BROKER_URL uses {scheme}://, whose transport is not installed: "
+            f"pip install 'progress-service[{_TRANSPORT_EXTRAS[scheme]}]'"
+        ) from None
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """What says "the broker is not reachable now" rather than "this message is refused"."""
+    from kombu.exceptions import OperationalError
+
+    errors: list[type[BaseException]] = [OperationalError, OSError]
+    try:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
+        errors += [RedisConnectionError, RedisTimeoutError]
+    except ImportError:  # pragma: no cover - redis is a dependency of the service
+        pass
+    try:
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import EndpointConnectionError
+
+        errors += [BotoConnectionError, EndpointConnectionError]
+    except ImportError:  # the SQS extra is not installed
+        pass
+    return tuple(errors)
+
+
+# SQS error codes that say "not now" rather than "never": the relay waits and retries them
+_SQS_TRANSIENT_CODES = {"RequestThrottled", "ThrottlingException", "ServiceUnavailable", "InternalError",
+                        "InternalFailure", "KmsThrottled", "RequestExpired"}  # fmt: skip
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    """The broker answered, and said no to this message: an error reply, not a lost connection.
+
+    kombu wraps a Redis error reply (NOPERM, WRONGTYPE, ...) in its OperationalError, the type it also
+    uses for lost connections: the cause chain tells them apart.
+    """
+    from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+
+    seen: BaseException | None = exc
+    for _ in range(10):  # a cause chain can loop back on itself
+        if seen is None:
+            break
+        if isinstance(seen, (OutOfMemoryError, ReadOnlyError)):
+            return False  # a full broker, a replica after failover: wait, it passes
+        if isinstance(seen, ResponseError):
+            return True
+        if type(seen).__name__ == "ClientError" and hasattr(seen, "response"):  # botocore, without importing it
+            code = str(seen.response.get("Error", {}).get("Code", ""))
+            return code not in _SQS_TRANSIENT_CODES
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class Publisher(Protocol):
+    async def publish(self, messages: Sequence[Message]) -> PublishResult:
+        """Send in order; report what the broker took, refused, or could not be asked."""
+
+
+class CeleryPublisher:
+    """Owns the Celery app object and the threads that publish with it."""
+
+    def __init__(
+        self, broker_url: str, transport_options: dict[str, Any], *, timeout_s: float, max_threads: int = 2
+    ) -> None:
+        from celery import Celery
+
+        check_transport(broker_url)
+        self.timeout_s = timeout_s
+        self.app = Celery("progress-service", broker=broker_url, set_as_current=False)
+        self.app.conf.update(
+            broker_transport_options=_transport_defaults(broker_url) | transport_options,
+            task_serializer="json",
+            accept_content=["json"],
+            task_protocol=2,
+            # one quick retry covers a pooled connection gone stale (broker restarted); an outage is
+            # the relay's to wait out, with backoff, not a thread's
+            task_publish_retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
+            broker_connection_timeout=min(timeout_s, 4.0),
+        )
+        self._connection_errors = _connection_errors()
+        self._executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="celery-publish")
+
+    async def publish(self, messages: Sequence[Message]) -> PublishResult:
+        """Send `messages` in order; stop at the first connection error or at the deadline."""
+        if not messages:
+            return PublishResult()
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.timeout_s
+        call = loop.run_in_executor(self._executor, self._publish_blocking, list(messages), deadline)
+        try:
+            # shield: a cancelled caller must not drop the result of sends already made
+            return await asyncio.wait_for(asyncio.shield(call), timeout=self.timeout_s + 1.0)
+        except TimeoutError:
+            # a send stuck in the network: the thread is still in it, so none of the batch is known
+            return PublishResult(unavailable=f"no answer from the broker in {self.timeout_s:g}s", timed_out=True)
+
+    def _publish_blocking(self, messages: list[Message], deadline: float) -> PublishResult:
+        result = PublishResult()
+        try:
+            with self.app.producer_or_acquire() as producer:
+                for message in messages:
+                    if time.monotonic() > deadline:
+                        result.unavailable = "deadline reached mid-batch"
+                        return result
+                    try:
+                        self.app.send_task(
+                            message.task_name, kwargs=message.kwargs, task_id=message.task_id,
+                            queue=message.queue, serializer="json", producer=producer, retry=True,
+                        )  # fmt: skip
+                    except Exception as exc:  # sorted below: refused (this message) or unreachable (all)
+                        if not _is_refusal(exc) and isinstance(exc, self._connection_errors):
+                            raise
+                        result.refused[message.row_id] = f"{type(exc).__name__}: {exc}"[:1000]
+                    else:
+                        result.sent.append(message.row_id)
+        except self._connection_errors as exc:
+            result.unavailable = f"{type(exc).__name__}: {exc}"
+        return result
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.app.close()
+
+
+def _transport_defaults(broker_url: str) -> dict[str, Any]:
+    # without timeouts a blackholed Redis broker holds a publishing thread for minutes
+    if urlsplit(broker_url).scheme in ("redis", "rediss"):
+        return {"socket_timeout": 5.0, "socket_connect_timeout": 3.0}
+    return {}
+
+
+def publisher_from_settings(settings: Settings) -> CeleryPublisher:
+    return CeleryPublisher(
+        settings.celery_broker_url, settings.celery_broker_transport_options,
+        timeout_s=settings.celery_publish_timeout_seconds,
+    )  # fmt: skip

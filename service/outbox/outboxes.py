@@ -1,0 +1,145 @@
+"""The two outboxes and their SQL: which rows are owed, how a relay claims, marks and parks them.
+
+A claim is one statement that leases a batch (claimed_until) under FOR UPDATE SKIP LOCKED, so
+relays racing on the same table take disjoint rows, and commits at once: no transaction stays open
+while the broker is slow. A relay killed after publishing and before marking leaves its lease to
+expire: the rows are claimed again and republished with the same task id (publish_attempts > 1
+says so). Marks and parks are one statement per batch.
+"""
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import asyncpg
+
+from service.config import Settings
+from service.outbox.celery_publisher import Message
+
+# the writers NOTIFY this channel in the statement that writes outbox rows (delivered at commit)
+NOTIFY_CHANNEL = "progress_outbox"
+
+# uuid5 namespace of every task id this service sends: a republish is recognisably the same message
+TASK_ID_NAMESPACE = uuid.UUID("6f1d2c4e-8a57-4b0e-9d3a-2f6b1c9e7a41")
+
+
+def completion_task_id(content_type: str, content_id: int, user_id: int) -> str:
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"completion:{content_type}:{content_id}:{user_id}"))
+
+
+def email_task_id(dispatch_id: int) -> str:
+    return str(uuid.uuid5(TASK_ID_NAMESPACE, f"email-dispatch:{dispatch_id}"))
+
+
+@dataclass(frozen=True, slots=True)
+class Outbox:
+    name: str  # the metrics label: completion | email
+    claim_sql: str  # $1 batch size, $2 lease (s); returns the rows with publish_attempts
+    mark_sql: str  # $1 row ids
+    release_sql: str  # $1 row ids: claimed, not published, no harm done (the broker was unreachable)
+    park_sql: str  # $1 row ids, $2 errors
+    oldest_sql: str  # age (s) of the oldest row still owed, or NULL
+    to_message: Callable[[asyncpg.Record, Settings], Message]
+
+
+# The lease, not an open transaction, keeps other relays off a claimed batch: the claim commits at
+# once, so a slow broker holds no row lock and no PgBouncer server connection. Rows the broker refused
+# for good (publish_failed_at) are never claimed again: no hot retry loop.
+CLAIM_COMPLETIONS_SQL = """
+UPDATE progress_completion_event e
+   SET claimed_until = now() + make_interval(secs => $2::float8), publish_attempts = e.publish_attempts + 1
+ WHERE e.id IN (
+        SELECT id FROM progress_completion_event
+         WHERE published_at IS NULL AND publish_failed_at IS NULL
+           AND (claimed_until IS NULL OR claimed_until < now())
+         ORDER BY id
+         LIMIT $1
+           FOR UPDATE SKIP LOCKED)
+RETURNING e.id, e.content_type, e.content_id, e.user_id, e.completed_at, e.publish_attempts
+"""
+MARK_COMPLETIONS_SQL = """
+UPDATE progress_completion_event SET published_at = now(), claimed_until = NULL WHERE id = ANY($1::bigint[])
+"""
+# the claim counted an attempt that never reached the broker: take it back so a later publish is not
+# reported as a republish
+RELEASE_COMPLETIONS_SQL = """
+UPDATE progress_completion_event SET claimed_until = NULL, publish_attempts = publish_attempts - 1
+ WHERE id = ANY($1::bigint[]) AND published_at IS NULL
+"""
+PARK_COMPLETIONS_SQL = """
+UPDATE progress_completion_event e SET publish_failed_at = now(), publish_error = r.error, claimed_until = NULL
+  FROM unnest($1::bigint[], $2::text[]) AS r (id, error)
+ WHERE e.id = r.id
+"""
+OLDEST_COMPLETION_SQL = """
+SELECT extract(epoch FROM now() - min(created_at))::float8 FROM progress_completion_event
+ WHERE published_at IS NULL AND publish_failed_at IS NULL
+"""
+
+
+def completion_message(row: asyncpg.Record, settings: Settings) -> Message:
+    kwargs = {
+        "user_id": row["user_id"],
+        "content_type": row["content_type"],
+        "content_id": row["content_id"],
+        "completed_at": row["completed_at"].isoformat(),
+    }
+    task_id = completion_task_id(row["content_type"], row["content_id"], row["user_id"])
+    return Message(row["id"], settings.completion_task_name, settings.completion_task_queue, task_id, kwargs)
+
+
+# Same shape as the completions. A row is written already claimed by the batch that reserved it
+# (see service.trial_emails.reservations): the relay takes it only once that lease has run out,
+# so it does not race the batch's own publish of its winners.
+CLAIM_EMAILS_SQL = """
+UPDATE trial_email_outbox o
+   SET claimed_until = now() + make_interval(secs => $2::float8), publish_attempts = o.publish_attempts + 1
+ WHERE o.dispatch_id IN (
+        SELECT dispatch_id FROM trial_email_outbox
+         WHERE published_at IS NULL AND publish_failed_at IS NULL
+           AND (claimed_until IS NULL OR claimed_until < now())
+         ORDER BY dispatch_id
+         LIMIT $1
+           FOR UPDATE SKIP LOCKED)
+RETURNING o.dispatch_id AS id, o.user_id, o.source, o.email_key, o.reserved_at, o.publish_attempts
+"""
+MARK_EMAILS_SQL = """
+UPDATE trial_email_outbox SET published_at = now(), claimed_until = NULL WHERE dispatch_id = ANY($1::bigint[])
+"""
+RELEASE_EMAILS_SQL = """
+UPDATE trial_email_outbox SET claimed_until = NULL, publish_attempts = publish_attempts - 1
+ WHERE dispatch_id = ANY($1::bigint[]) AND published_at IS NULL
+"""
+PARK_EMAILS_SQL = """
+UPDATE trial_email_outbox o SET publish_failed_at = now(), publish_error = r.error, claimed_until = NULL
+  FROM unnest($1::bigint[], $2::text[]) AS r (id, error)
+ WHERE o.dispatch_id = r.id
+"""
+OLDEST_EMAIL_SQL = """
+SELECT extract(epoch FROM now() - min(created_at))::float8 FROM trial_email_outbox
+ WHERE published_at IS NULL AND publish_failed_at IS NULL
+"""
+
+
+def email_kwargs(dispatch_id: int, user_id: int, email_key: str, source: str) -> dict[str, object]:
+    return {"dispatch_id": dispatch_id, "user_id": user_id, "email_key": email_key, "source": source}
+
+
+def email_message(row: asyncpg.Record, settings: Settings) -> Message:
+    kwargs = email_kwargs(row["id"], row["user_id"], row["email_key"], row["source"])
+    return Message(row["id"], settings.email_task_name, settings.email_task_queue, email_task_id(row["id"]), kwargs,
+                   extra={"reserved_at": row["reserved_at"]})  # fmt: skip
+
+
+COMPLETIONS = Outbox(
+    "completion", CLAIM_COMPLETIONS_SQL, MARK_COMPLETIONS_SQL, RELEASE_COMPLETIONS_SQL, PARK_COMPLETIONS_SQL,
+    OLDEST_COMPLETION_SQL, completion_message,
+)  # fmt: skip
+EMAILS = Outbox(
+    "email", CLAIM_EMAILS_SQL, MARK_EMAILS_SQL, RELEASE_EMAILS_SQL, PARK_EMAILS_SQL, OLDEST_EMAIL_SQL, email_message
+)
+
+
+async def mark_published(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox, row_ids: list[int]) -> None:
+    if row_ids:
+        await conn.execute(outbox.mark_sql, row_ids)

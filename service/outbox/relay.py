@@ -1,0 +1,219 @@
+"""The relay: every committed outbox row reaches the broker, once unless a crash forces a republish.
+
+Order per batch: claim (a lease, committed), publish, mark published. A relay killed between the
+publish and the mark republishes that batch with the same task ids once the lease runs out; at
+any other point nothing is sent twice. Several relays (one per pod) take disjoint batches. The
+next batch is claimed while the broker takes the current one, so the outbox's SQL costs little
+next to the publishing.
+
+It wakes on NOTIFY from the writers, so a completion reaches the broker within about a second of
+its flush, and polls every RELAY_POLL_INTERVAL_SECONDS in case a notification was missed (LISTEN
+needs a real session: behind PgBouncer in transaction mode point RELAY_LISTEN_DATABASE_URL at
+the primary, or poll only). Broker unreachable: rows wait, the relay backs off exponentially,
+the age of the oldest owed row shows the lag. A row the broker refuses for good is parked.
+"""
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import asyncpg
+
+from service import metrics
+from service.config import Settings
+from service.outbox.celery_publisher import Publisher, PublishResult
+from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox
+
+log = logging.getLogger(__name__)
+
+_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """An outbox and the publisher its messages go to."""
+
+    outbox: Outbox
+    publisher: Publisher
+
+
+@dataclass(slots=True)
+class RelayResult:
+    published: dict[str, int] = field(default_factory=dict)  # by outbox
+    republished: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)  # refused for good, parked
+    broker_unavailable: str | None = None
+
+    def did_something(self) -> bool:
+        return any(self.published.values()) or any(self.failed.values())
+
+
+class Relay:
+    def __init__(self, *, pool: asyncpg.Pool, routes: Sequence[Route], settings: Settings) -> None:
+        self._pool = pool
+        self._settings = settings
+        self._routes = list(routes)
+        self._batch_size = settings.relay_batch_size
+        self._lease_s = settings.relay_lease_seconds
+        self._poll_s = settings.relay_poll_interval_seconds
+        self._max_backoff_s = settings.relay_max_backoff_seconds
+        listen_dsn = settings.relay_listen_database_url or settings.database_url
+        self._listen_dsn = listen_dsn if settings.relay_listen else ""
+        self._connect_timeout_s = settings.database_connect_timeout_seconds
+        self._wake = asyncio.Event()
+        # Test-only failpoint: SIGKILL itself after a claim (after_claim) or after a batch is published
+        # and before it is marked (after_publish), so the crash tests hit the moments they claim to.
+        self._failpoint = os.environ.get("PROGRESS_RELAY_FAILPOINT", "")
+
+    async def relay_once(self, *, stop: asyncio.Event | None = None) -> RelayResult:
+        """Publish everything owed now, batch by batch; stop early if the broker cannot be reached."""
+        result = RelayResult()
+        for route in self._routes:
+            name = route.outbox.name
+            result.published.setdefault(name, 0)
+            result.republished.setdefault(name, 0)
+            result.failed.setdefault(name, 0)
+            # once the broker is known down, the other outboxes only report their lag
+            if result.broker_unavailable is None:
+                await self._drain(route, result, stop)
+            await self._report_oldest(route.outbox)
+        return result
+
+    async def _drain(self, route: Route, result: RelayResult, stop: asyncio.Event | None) -> None:
+        """Claim, publish, mark, batch after batch; the next claim runs while the broker takes a batch."""
+        rows = await self._claim(route.outbox)
+        while rows:
+            publishing = asyncio.ensure_future(route.publisher.publish(
+                [route.outbox.to_message(row, self._settings) for row in rows]))  # fmt: skip
+            more = len(rows) == self._batch_size and (stop is None or not stop.is_set())
+            claiming = asyncio.ensure_future(self._claim(route.outbox)) if more else None
+            try:
+                sent = await publishing
+            finally:
+                # the next claim is awaited whatever happens: never left running unowned (a claim
+                # cancelled after it committed only delays its rows until their lease runs out)
+                next_rows = await claiming if claiming is not None else []
+            await self._record(route.outbox, rows, sent, result)
+            if sent.unavailable is not None:
+                await self._release(route.outbox, rows, sent, next_rows)
+                return
+            rows = next_rows
+
+    async def _claim(self, outbox: Outbox) -> list[asyncpg.Record]:
+        rows: list[asyncpg.Record] = await self._pool.fetch(outbox.claim_sql, self._batch_size, self._lease_s)
+        if rows and self._failpoint == "after_claim":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return rows
+
+    async def _record(
+        self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult, result: RelayResult
+    ) -> None:
+        if self._failpoint == "after_publish" and sent.sent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        # One statement for the batch's marks. Shielded: once the broker has the messages, a
+        # cancelled relay must still record it, or they would all go out again.
+        await asyncio.shield(self._settle(outbox, sent.sent, sent.refused))
+        attempts = {row["id"]: row["publish_attempts"] for row in rows}
+        republished = sum(1 for row_id in sent.sent if attempts[row_id] > 1)
+        name = outbox.name
+        result.published[name] += len(sent.sent)
+        result.republished[name] += republished
+        result.failed[name] += len(sent.refused)
+        metrics.OUTBOX_PUBLISHED.labels(name).inc(len(sent.sent))
+        metrics.OUTBOX_REPUBLISHED.labels(name).inc(republished)
+        metrics.OUTBOX_FAILED.labels(name).inc(len(sent.refused))
+        for row_id, error in sent.refused.items():
+            log.error("%s outbox row %d refused by the broker, parked (publish_failed_at set): %s",
+                      name, row_id, error, extra={"outbox": name, "row_id": row_id})  # fmt: skip
+        if sent.unavailable is not None:
+            result.broker_unavailable = sent.unavailable
+            metrics.OUTBOX_BROKER_UNAVAILABLE.labels(name).inc()
+
+    async def _release(
+        self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult, next_rows: list[asyncpg.Record]
+    ) -> None:
+        """The broker is unreachable: give back what was claimed and not sent, so it waits unleased."""
+        done = set(sent.sent) | set(sent.refused)
+        # after a timeout the thread may still be sending this batch: leave it to its lease
+        unsent = [] if sent.timed_out else [row["id"] for row in rows if row["id"] not in done]
+        unsent += [row["id"] for row in next_rows]
+        if unsent:
+            await self._pool.execute(outbox.release_sql, unsent)
+
+    async def _settle(self, outbox: Outbox, sent: list[int], refused: dict[int, str]) -> None:
+        if sent:
+            await self._pool.execute(outbox.mark_sql, sent)
+        if refused:
+            await self._pool.execute(outbox.park_sql, list(refused), list(refused.values()))
+
+    async def _report_oldest(self, outbox: Outbox) -> None:
+        age_s = await self._pool.fetchval(outbox.oldest_sql)
+        metrics.OUTBOX_OLDEST_AGE.labels(outbox.name).set(age_s or 0.0)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Relay until `stop`: on each NOTIFY, every poll interval, and after a backoff while the broker is down."""
+        backoff_s = 0.0
+        listener: asyncpg.Connection | None = None
+        try:
+            while not stop.is_set():
+                listener = await self._ensure_listener(listener)
+                self._wake.clear()
+                try:
+                    result = await self.relay_once(stop=stop)
+                except _DB_ERRORS as exc:
+                    result = None
+                    log.warning("outbox relay: database error, retrying: %r", exc, extra={"error": repr(exc)})
+                if result is not None and result.broker_unavailable is None:
+                    backoff_s = 0.0
+                    if result.did_something():
+                        log.info("outbox relay: tasks published %s (republished %s, refused and parked %s)",
+                                 _counts(result.published), _counts(result.republished), _counts(result.failed),
+                                 extra={"count": sum(result.published.values())})  # fmt: skip
+                    await self._sleep(stop, self._poll_s, wake_on_notify=True)
+                else:
+                    backoff_s = min(self._max_backoff_s, max(0.5, backoff_s * 2))
+                    if result is not None:
+                        log.warning("outbox relay: broker unavailable (%s); next try in %.1fs",
+                                    result.broker_unavailable, backoff_s)  # fmt: skip
+                    await self._sleep(stop, backoff_s, wake_on_notify=False)
+        finally:
+            if listener is not None:
+                with contextlib.suppress(*_DB_ERRORS):
+                    await listener.close(timeout=2)
+
+    async def _sleep(self, stop: asyncio.Event, seconds: float, *, wake_on_notify: bool) -> None:
+        waits = [asyncio.ensure_future(stop.wait())]
+        if wake_on_notify:
+            waits.append(asyncio.ensure_future(self._wake.wait()))
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    async def _ensure_listener(self, listener: asyncpg.Connection | None) -> asyncpg.Connection | None:
+        """A connection LISTENing on the writers' channel, reopened when lost; None means poll only."""
+        if not self._listen_dsn:
+            return None
+        if listener is not None and not listener.is_closed():
+            return listener
+        try:
+            listener = await asyncpg.connect(self._listen_dsn, timeout=self._connect_timeout_s,
+                                             statement_cache_size=0)  # fmt: skip
+            await listener.add_listener(NOTIFY_CHANNEL, self._on_notify)
+        except _DB_ERRORS as exc:
+            log.warning("outbox relay: cannot LISTEN (%r); polling every %.1fs", exc, self._poll_s)
+            return None
+        return listener
+
+    def _on_notify(self, *_: object) -> None:
+        self._wake.set()
+
+
+def _counts(by_outbox: dict[str, int]) -> str:
+    return ", ".join(f"{name} {count}" for name, count in by_outbox.items())

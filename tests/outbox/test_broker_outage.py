@@ -1,0 +1,69 @@
+"""The broker stopped for ten seconds while completions and emails keep coming: all delivered, none twice."""
+
+import asyncio
+import time
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from service.app import create_app
+from service.config import Settings
+from service.outbox.celery_publisher import publisher_from_settings
+from service.progress.flusher import Flusher
+from service.trial_emails.batch import send_trial_journey_emails_batch
+from service.trial_emails.queue import BrokerUnavailableError, CeleryEmailQueue
+from tests.conftest import seed
+from tests.monolith.fixtures import Broker, Executions
+from tests.outbox.test_completions import post_near_end
+from tests.trial_emails.conftest import add_trials
+
+OUTAGE_S = 10.0
+
+
+async def test_a_broker_outage_delays_delivery_and_loses_or_repeats_nothing(
+    relay_settings: Settings, broker: Broker, redis: Redis, db: asyncpg.Pool, executions: Executions
+) -> None:
+    await seed(db, users=10, contents=4, duration_s=600)
+    now = datetime.now(UTC)
+    await add_trials(db, 30, started_at=now - timedelta(hours=1), ends_at=now + timedelta(days=7), first_user=1001)
+    trial_ids = [row["id"] for row in await db.fetch("SELECT id FROM trials_usertrial ORDER BY id")]
+    flusher = Flusher(redis=redis, pool=db, settings=relay_settings)
+    publisher = publisher_from_settings(relay_settings)
+    emails = CeleryEmailQueue(publisher, relay_settings)
+    app = create_app(relay_settings)
+    try:
+        async with app.app.router.lifespan_context(app.app):
+            await post_near_end(app, relay_settings, users=5, lessons=2)
+            await flusher.flush_cycle()
+            await executions.wait_for(10, settle_s=0)
+
+            broker.stop()
+            stopped_at = time.monotonic()
+            try:
+                await post_near_end(app, relay_settings, users=10, lessons=4)  # 30 new completions
+                await flusher.flush_cycle()
+                with pytest.raises(BrokerUnavailableError):
+                    await send_trial_journey_emails_batch(trial_ids[:20], pool=db, queue=emails,
+                                                          settings=relay_settings)  # fmt: skip
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                    assert (await client.get("/health/ready")).status_code == 200  # heartbeats are still safe
+                await asyncio.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped_at)))
+                owed = await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL")
+                assert owed == 30  # waiting, not dropped
+            finally:
+                broker.start()
+
+            more = await send_trial_journey_emails_batch(trial_ids[20:], pool=db, queue=emails,
+                                                         settings=relay_settings)  # fmt: skip
+            assert more["sent"] == 10
+            await executions.wait_for(10 + 30 + 20 + 10, timeout_s=60, settle_s=1.0)
+    finally:
+        await asyncio.to_thread(publisher.close)
+
+    counts = await executions.by_task_id()
+    assert len(counts) == 70 and set(counts.values()) == {1}
+    assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
+    assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 0

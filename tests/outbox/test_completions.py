@@ -1,0 +1,72 @@
+"""Completions reach the monolith's advance_user_journey: HTTP -> flush -> outbox -> broker -> real worker."""
+
+import asyncio
+import uuid
+from datetime import datetime
+
+import asyncpg
+import httpx
+from redis.asyncio import Redis
+
+from service.app import create_app
+from service.auth import make_token
+from service.config import Settings
+from service.progress.flusher import Flusher
+from tests.conftest import auth, seed
+from tests.monolith.fixtures import Executions, kwargs_of
+
+USERS, LESSONS = 20, 10  # 200 keys
+
+
+async def post_near_end(app: object, settings: Settings, users: int = USERS, lessons: int = LESSONS) -> None:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:  # type: ignore[arg-type]
+        for user_id in range(1, users + 1):
+            headers = auth(make_token(settings, user_id))
+            for lesson_id in range(1, lessons + 1):
+                response = await client.post("/engagements/progress/lesson", headers=headers,
+                                             json={"lesson_id": lesson_id, "position": 595})  # fmt: skip
+                assert response.status_code == 201
+
+
+async def test_200_completions_in_one_flush_run_advance_user_journey_once_each_with_the_contract_kwargs(
+    relay_settings: Settings, redis: Redis, db: asyncpg.Pool, executions: Executions
+) -> None:
+    await seed(db, users=USERS, contents=LESSONS, duration_s=600)
+    app = create_app(relay_settings)
+    async with app.app.router.lifespan_context(app.app):
+        await post_near_end(app, relay_settings)
+        result = await Flusher(redis=redis, pool=db, settings=relay_settings).flush_cycle()
+        assert result.failed_batches == 0
+        assert await db.fetchval("SELECT count(*) FROM progress_completion_event") == 200
+        rows = await executions.wait_for(200)
+
+    assert len(rows) == 200
+    assert {row["task_name"] for row in rows} == {"apps.engagements.tasks.advance_user_journey"}
+    assert {row["queue"] for row in rows} == {"onion-progress"}
+    assert set((await executions.by_task_id()).values()) == {1}
+    events = {(e["content_id"], e["user_id"]): e for e in await db.fetch("SELECT * FROM progress_completion_event")}
+    for row in rows:
+        kwargs = kwargs_of(row)
+        assert set(kwargs) == {"user_id", "content_type", "content_id", "completed_at"}
+        event = events[(kwargs["content_id"], kwargs["user_id"])]
+        assert kwargs["content_type"] == "lesson"
+        assert datetime.fromisoformat(kwargs["completed_at"]) == event["completed_at"]
+        expected_id = uuid.uuid5(uuid.UUID("6f1d2c4e-8a57-4b0e-9d3a-2f6b1c9e7a41"),
+                                 f"completion:lesson:{kwargs['content_id']}:{kwargs['user_id']}")  # fmt: skip
+        assert row["task_id"] == str(expected_id)
+    assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
+    assert await db.fetchval("SELECT max(publish_attempts) FROM progress_completion_event") == 1
+
+
+async def test_the_flush_notifies_the_relay_so_it_does_not_wait_for_a_poll(
+    relay_settings: Settings, redis: Redis, db: asyncpg.Pool, executions: Executions
+) -> None:
+    await seed(db, users=2, contents=2, duration_s=600)
+    # a poll every minute: only the NOTIFY of the flush statement can bring the event out in time
+    app = create_app(relay_settings.model_copy(update={"relay_poll_interval_seconds": 60}))
+    async with app.app.router.lifespan_context(app.app):
+        await asyncio.sleep(0.5)  # the relay's first pass (at start) is done and it waits
+        await post_near_end(app, relay_settings, users=1, lessons=1)
+        await Flusher(redis=redis, pool=db, settings=relay_settings).flush_cycle()
+        rows = await executions.wait_for(1, timeout_s=5)
+    assert [kwargs_of(row)["user_id"] for row in rows] == [1]

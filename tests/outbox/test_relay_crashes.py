@@ -1,0 +1,137 @@
+"""The relay as its own process (`relay --once`): killed at named points, and three of them racing."""
+
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+import asyncpg
+from redis.asyncio import Redis
+
+from service.embedded import free_port
+from tests.conftest import Servers, seed
+from tests.monolith.fixtures import Broker, Executions
+from tests.outbox.conftest import LEASE_S
+
+
+def relay_env(servers: Servers, broker: Broker, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROGRESS_", "REDIS_", "DATABASE_", "RELAY_"))}
+    env.update(REDIS_URL=servers.redis_url, DATABASE_URL=servers.database_url, CELERY_BROKER_URL=broker.url,
+               LOG_LEVEL="WARNING", RELAY_LEASE_SECONDS=str(LEASE_S), CELERY_PUBLISH_TIMEOUT_SECONDS="2",
+               RELAY_BATCH_SIZE="50")  # fmt: skip
+    env.update(extra)
+    return env
+
+
+async def relay_once(servers: Servers, broker: Broker, **extra: str) -> tuple[int, dict[str, Any] | None]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "service", "relay", "--once", env=relay_env(servers, broker, **extra),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode is not None
+    summary = json.loads(stdout.decode().splitlines()[-1]) if stdout.strip() else None
+    if process.returncode not in (0, 1, -9):
+        raise AssertionError(f"relay exited {process.returncode}: {stderr.decode()[-2000:]}")
+    return process.returncode, summary
+
+
+async def add_events(db: asyncpg.Pool, count: int) -> None:
+    """`count` completion events as the flush writes them (users 1..count, lesson 1), none published."""
+    await seed(db, users=count, contents=1)
+    await db.execute(
+        "INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
+        "SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i", count,
+    )  # fmt: skip
+
+
+async def test_killed_after_publish_before_the_mark_republishes_with_the_same_task_ids(
+    servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
+) -> None:
+    await add_events(db, 50)
+
+    code, _ = await relay_once(servers, broker, PROGRESS_RELAY_FAILPOINT="after_publish")
+
+    assert code == -9
+    first = await executions.wait_for(50)
+    assert len(first) == 50
+    assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 50
+    await asyncio.sleep(LEASE_S)  # the dead relay's lease runs out
+    code, summary = await relay_once(servers, broker)
+    assert code == 0 and summary is not None
+    assert summary["published"]["completion"] == 50 and summary["republished"]["completion"] == 50
+    await executions.wait_for(100)
+    counts = await executions.by_task_id()
+    assert len(counts) == 50 and set(counts.values()) == {2}  # each republished once, same task id
+    assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
+
+
+async def test_killed_after_the_claim_publishes_each_once_after_the_lease(
+    servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
+) -> None:
+    await add_events(db, 30)
+
+    code, _ = await relay_once(servers, broker, PROGRESS_RELAY_FAILPOINT="after_claim")
+    assert code == -9
+    await asyncio.sleep(LEASE_S)
+    code, summary = await relay_once(servers, broker)
+
+    assert code == 0 and summary is not None and summary["published"]["completion"] == 30
+    await executions.wait_for(30)
+    counts = await executions.by_task_id()
+    assert len(counts) == 30 and set(counts.values()) == {1}
+
+
+async def test_three_relays_racing_publish_each_event_exactly_once(
+    servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
+) -> None:
+    await add_events(db, 600)
+
+    results = await asyncio.gather(*(relay_once(servers, broker) for _ in range(3)))
+
+    assert [code for code, _ in results] == [0, 0, 0]
+    assert sum(summary["published"]["completion"] for _, summary in results if summary) == 600
+    await executions.wait_for(600, timeout_s=60)
+    counts = await executions.by_task_id()
+    assert len(counts) == 600 and set(counts.values()) == {1}
+    assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
+
+
+async def test_relay_once_with_the_broker_down_exits_1_and_leaves_every_row_owed(
+    servers: Servers, broker: Broker, db: asyncpg.Pool
+) -> None:
+    await add_events(db, 5)
+
+    code, summary = await relay_once(servers, broker, CELERY_BROKER_URL=f"redis://127.0.0.1:{free_port()}/0")
+
+    assert code == 1 and summary is not None and summary["broker_unavailable"]
+    assert summary["published"]["completion"] == 0
+    # released, not left leased: the next relay takes them at once, and not as a republish
+    rows = await db.fetch("SELECT claimed_until, publish_attempts, published_at FROM progress_completion_event")
+    assert [tuple(row) for row in rows] == [(None, 0, None)] * 5
+
+
+async def limited_broker_user(broker: Broker) -> str:
+    """The URL of a broker user that may not write the queue "forbidden": a publish there gets NOPERM."""
+    admin = Redis.from_url(broker.url)
+    await admin.execute_command("ACL", "SETUSER", "relay-limited", "on", ">limited-password", "resetkeys",
+                                "~onion-progress", "~emails", "~_kombu.*", "+@all")  # fmt: skip
+    await admin.aclose()
+    return broker.url.replace("redis://", "redis://relay-limited:limited-password@")
+
+
+async def test_a_message_the_broker_refuses_for_good_is_parked_and_counted_once_not_retried(
+    servers: Servers, broker: Broker, db: asyncpg.Pool
+) -> None:
+    await add_events(db, 3)
+    limited_url = await limited_broker_user(broker)
+
+    first = await relay_once(servers, broker, CELERY_BROKER_URL=limited_url, COMPLETION_TASK_QUEUE="forbidden")
+    again = await relay_once(servers, broker, CELERY_BROKER_URL=limited_url, COMPLETION_TASK_QUEUE="forbidden")
+
+    assert first[0] == 0 and first[1] is not None and first[1]["failed"]["completion"] == 3, first
+    assert again[0] == 0 and again[1] is not None and again[1]["failed"]["completion"] == 0
+    rows = await db.fetch("SELECT published_at, publish_failed_at, publish_error FROM progress_completion_event")
+    assert all(row["published_at"] is None and row["publish_failed_at"] is not None for row in rows)
+    assert all("NOPERM" in row["publish_error"] or "permission" in row["publish_error"].lower() for row in rows)

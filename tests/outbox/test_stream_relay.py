@@ -1,0 +1,43 @@
+"""EMAIL_PUBLISHER=redis-stream: what a batch could not publish reaches the stream through the relay."""
+
+import asyncio
+from datetime import UTC, datetime
+
+import asyncpg
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from service.config import Settings
+from service.outbox.outboxes import EMAILS
+from service.outbox.relay import Relay, Route
+from service.trial_emails.batch import reserve_and_enqueue
+from service.trial_emails.queue import QueuedEmail, RedisStreamQueue, StreamPublisher
+from tests.conftest import seed
+from tests.trial_emails.conftest import enqueued, stream_entries
+
+
+class DownQueue:
+    async def publish(self, email: QueuedEmail) -> None:
+        raise RedisConnectionError(f"stream down, {email.user_id}:{email.email_key} not published")
+
+
+async def test_the_relay_puts_what_the_batch_left_on_the_stream_once(
+    settings: Settings, redis: Redis, db: asyncpg.Pool
+) -> None:
+    await seed(db, users=3, contents=1)
+    pairs = [(1, "trial_welcome"), (2, "trial_welcome"), (3, "trial_tips")]
+    with pytest.raises(RedisConnectionError):
+        await reserve_and_enqueue(pairs, pool=db, queue=DownQueue(), block_size=200, lease_s=0.2)
+    await asyncio.sleep(0.3)  # the batch's lease on its winners runs out
+
+    queue = RedisStreamQueue(redis, settings.email_queue_stream)
+    relay = Relay(pool=db, routes=[Route(EMAILS, StreamPublisher(queue))], settings=settings)
+    first, second = await relay.relay_once(), await relay.relay_once()
+
+    assert (first.published["email"], second.published["email"]) == (3, 0)
+    assert await enqueued(redis, queue.stream) == dict.fromkeys(pairs, 1)
+    sent_at = await db.fetchval("SELECT sent_at FROM emails_emaildispatch WHERE user_id = 1")
+    entry = (await stream_entries(redis, queue.stream))[0]
+    assert entry["reserved_at"] == sent_at.isoformat() and entry["source"] == "trial_journey"
+    assert sent_at <= datetime.now(UTC)

@@ -1,0 +1,222 @@
+"""Trial emails reach the monolith's send_email task through a real worker: once each, whatever dies when."""
+
+import asyncio
+import json
+import signal
+import sys
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+
+from service.app import create_app
+from service.config import Settings
+from service.embedded import free_port
+from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
+from service.outbox.outboxes import email_task_id
+from service.trial_emails.batch import send_trial_journey_emails_batch
+from service.trial_emails.queue import CeleryEmailQueue
+from tests.conftest import Servers
+from tests.monolith.fixtures import Broker, Executions, kwargs_of
+from tests.outbox.conftest import LEASE_S
+from tests.outbox.test_relay_crashes import limited_broker_user, relay_env, relay_once
+from tests.trial_emails.conftest import add_trials
+
+NOW = datetime.now(UTC)
+SEND_EMAIL = "apps.emails.tasks.send_email"
+
+
+async def mixed_trials(db: asyncpg.Pool, now: datetime) -> int:
+    """Trials at every stage of the journey, some with keys already dispatched; returns the emails owed."""
+    day = timedelta(days=1)
+    await add_trials(db, 7, started_at=now - timedelta(hours=1), ends_at=now + 20 * day)  # welcome: 7
+    await add_trials(db, 5, started_at=now - 10 * day, ends_at=now + 10 * day, first_user=101)  # 3 each: 15
+    await add_trials(db, 4, started_at=now - 10 * day, ends_at=now - timedelta(hours=2), first_user=201)  # 6: 24
+    await add_trials(db, 2, started_at=now + day, ends_at=now + 8 * day, first_user=301)  # not started: 0
+    await add_trials(db, 2, started_at=now - 20 * day, ends_at=now - 3 * day, first_user=401)  # over: 0
+    # user 101 already had welcome and tips from an earlier run
+    await db.execute(
+        "INSERT INTO emails_emaildispatch (user_id, source, email_key, sent_at, created_at) "
+        "VALUES (101, 'trial_journey', 'trial_welcome', $1, $1), (101, 'trial_journey', 'trial_tips', $1, $1)",
+        now - day,
+    )  # fmt: skip
+    return 7 + 15 - 2 + 24
+
+
+async def trial_ids(db: asyncpg.Pool) -> list[int]:
+    return [row["id"] for row in await db.fetch("SELECT id FROM trials_usertrial ORDER BY id")]
+
+
+async def assert_each_reservation_delivered_once(db: asyncpg.Pool, executions: Executions) -> int:
+    dispatched = await db.fetch(
+        "SELECT id, user_id, email_key FROM emails_emaildispatch WHERE created_at > now() - interval '1 hour'"
+    )
+    rows = await executions.wait_for(len(dispatched), timeout_s=90)
+    by_id = {email_task_id(row["id"]): row for row in dispatched}
+    counts = await executions.by_task_id(SEND_EMAIL)
+    assert set(counts) == set(by_id) and set(counts.values()) == {1}
+    for row in rows:
+        kwargs = kwargs_of(row)
+        dispatch = by_id[row["task_id"]]
+        assert kwargs == {"dispatch_id": dispatch["id"], "user_id": dispatch["user_id"],
+                          "email_key": dispatch["email_key"], "source": "trial_journey"}  # fmt: skip
+        assert row["queue"] == "emails"
+    owed = await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL")
+    assert owed == 0, f"{owed} reserved emails never published"
+    return len(dispatched)
+
+
+async def test_the_mixed_trials_reach_the_worker_once_a_rerun_sends_none_and_send_email_false_nothing(
+    relay_settings: Settings, db: asyncpg.Pool, executions: Executions
+) -> None:
+    owed = await mixed_trials(db, NOW)
+    publisher = publisher_from_settings(relay_settings)
+    queue = CeleryEmailQueue(publisher, relay_settings)
+    try:
+        disabled = relay_settings.model_copy(update={"send_email": False})
+        off = await send_trial_journey_emails_batch(await trial_ids(db), pool=db, queue=queue,
+                                                    settings=disabled)  # fmt: skip
+        assert off["sent"] == 0 and await db.fetchval("SELECT count(*) FROM trial_email_outbox") == 0
+
+        first = await send_trial_journey_emails_batch(await trial_ids(db), pool=db, queue=queue,
+                                                      settings=relay_settings)  # fmt: skip
+        rerun = await send_trial_journey_emails_batch(await trial_ids(db), pool=db, queue=queue,
+                                                      settings=relay_settings)  # fmt: skip
+    finally:
+        await asyncio.to_thread(publisher.close)
+
+    assert (first["sent"], rerun["sent"]) == (owed, 0)
+    assert await assert_each_reservation_delivered_once(db, executions) == owed
+    # the batch marked its own winners: nothing is left for the relay to send again
+    assert await db.fetchval("SELECT max(publish_attempts) FROM trial_email_outbox") == 1
+
+
+async def test_three_concurrent_runners_deliver_each_email_once(
+    relay_settings: Settings, db: asyncpg.Pool, migrated: str, executions: Executions
+) -> None:
+    await add_trials(db, 60, started_at=NOW - timedelta(days=10), ends_at=NOW - timedelta(hours=1))
+    small_blocks = relay_settings.model_copy(update={"reservation_block_size": 16})
+    publishers: list[CeleryPublisher] = [publisher_from_settings(relay_settings) for _ in range(3)]
+    pools = [await asyncpg.create_pool(migrated, min_size=1, max_size=1) for _ in range(3)]
+    try:
+        ids = await trial_ids(db)
+        results = await asyncio.gather(*(
+            send_trial_journey_emails_batch(ids, pool=pool, queue=CeleryEmailQueue(publisher, small_blocks),
+                                            settings=small_blocks)
+            for pool, publisher in zip(pools, publishers, strict=True)
+        ))  # fmt: skip
+    finally:
+        await asyncio.gather(*(pool.close() for pool in pools))
+        for publisher in publishers:
+            await asyncio.to_thread(publisher.close)
+
+    assert sum(result["sent"] for result in results) == 360
+    assert await assert_each_reservation_delivered_once(db, executions) == 360
+
+
+async def run_once(servers: Servers, broker_url: str, **extra: str) -> asyncio.subprocess.Process:
+    env = relay_env(servers, type("B", (), {"url": broker_url})(), **extra)  # type: ignore[arg-type]
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "service", "trial-emails", "run-once", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+
+
+async def test_killed_between_reservation_and_publish_the_relay_publishes_the_rest(
+    servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
+) -> None:
+    await add_trials(db, 50, started_at=NOW - timedelta(days=10), ends_at=NOW - timedelta(hours=1))
+    process = await run_once(servers, broker.url, PROGRESS_TRIAL_EMAIL_FAILPOINT="after_reserve")
+    await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == -9
+    assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 200
+    assert await executions.count() == 0
+
+    await asyncio.sleep(LEASE_S)  # the dead batch's lease on its winners runs out
+    code, summary = await relay_once(servers, broker)
+
+    assert code == 0 and summary is not None and summary["published"]["email"] == 200
+    assert await assert_each_reservation_delivered_once(db, executions) == 200
+
+
+async def test_broker_down_during_run_once_every_reserved_email_is_delivered_once_it_is_back(
+    servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
+) -> None:
+    # the first review defect: each run reserved a block, published none, and those emails were lost
+    await add_trials(db, 1000, started_at=NOW - timedelta(hours=1), ends_at=NOW + timedelta(days=7))
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    for _ in range(2):
+        process = await run_once(servers, down)
+        _, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+        assert process.returncode == 1, stderr.decode()[-2000:]
+    reserved = await db.fetchval("SELECT count(*) FROM emails_emaildispatch")
+    assert reserved == 400  # a block per run, each committed with its outbox rows
+
+    await asyncio.sleep(LEASE_S)
+    code, summary = await relay_once(servers, broker)
+
+    assert code == 0 and summary is not None and summary["published"]["email"] == 400
+    assert await assert_each_reservation_delivered_once(db, executions) == 400
+
+
+async def test_sigterm_during_run_once_stops_cleanly_and_every_reserved_email_is_delivered(
+    servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
+) -> None:
+    # the second review defect: SIGTERM mid-run left reservations never published and no trace
+    await add_trials(db, 5000, started_at=NOW - timedelta(hours=1), ends_at=NOW + timedelta(days=7))
+    process = await run_once(servers, broker.url)
+    await asyncio.sleep(1.0)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    result = json.loads(stdout.decode().splitlines()[-1])
+    reserved = await db.fetchval("SELECT count(*) FROM emails_emaildispatch")
+    assert result["status"] == "stopped" and 0 < reserved < 5000
+    await asyncio.sleep(LEASE_S)
+    code, _ = await relay_once(servers, broker)
+    assert code == 0
+    assert await assert_each_reservation_delivered_once(db, executions) == reserved
+
+
+async def test_an_email_the_broker_refuses_is_not_marked_published_and_the_relay_parks_it(
+    relay_settings: Settings, servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
+) -> None:
+    await add_trials(db, 2, started_at=NOW - timedelta(hours=1), ends_at=NOW + timedelta(days=7))
+    refused = relay_settings.model_copy(update={"celery_broker_url": await limited_broker_user(broker),
+                                                "email_task_queue": "forbidden"})  # fmt: skip
+    publisher = publisher_from_settings(refused)
+    try:
+        result = await send_trial_journey_emails_batch(await trial_ids(db), pool=db,
+                                                       queue=CeleryEmailQueue(publisher, refused), settings=refused)
+    finally:
+        await asyncio.to_thread(publisher.close)
+    assert result["sent"] == 0
+    assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 2
+
+    await asyncio.sleep(LEASE_S)
+    code, summary = await relay_once(servers, broker, CELERY_BROKER_URL=refused.celery_broker_url,
+                                     EMAIL_TASK_QUEUE="forbidden")  # fmt: skip
+    assert code == 0 and summary is not None and summary["failed"]["email"] == 2
+    parked = await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE publish_failed_at IS NOT NULL")
+    assert parked == 2 and await executions.count() == 0
+
+
+async def test_the_serve_sweep_with_the_broker_down_loses_no_block(
+    relay_settings: Settings, servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
+) -> None:
+    # the serve side of the first review defect: a sweep reserved a block, could publish none, lost it
+    await add_trials(db, 30, started_at=NOW - timedelta(hours=1), ends_at=NOW + timedelta(days=7))
+    down = relay_settings.model_copy(update={"celery_broker_url": f"redis://127.0.0.1:{free_port()}/0",
+                                             "trial_journey_interval_seconds": 3600})  # fmt: skip
+    app = create_app(down)
+    async with app.app.router.lifespan_context(app.app):
+        deadline = asyncio.get_running_loop().time() + 10
+        while await db.fetchval("SELECT count(*) FROM trial_email_outbox") < 30:
+            assert asyncio.get_running_loop().time() < deadline, "the sweep did not reserve at start"
+            await asyncio.sleep(0.1)
+    assert await executions.count() == 0
+
+    await asyncio.sleep(LEASE_S)
+    code, summary = await relay_once(servers, broker)
+    assert code == 0 and summary is not None and summary["published"]["email"] == 30
+    assert await assert_each_reservation_delivered_once(db, executions) == 30
