@@ -1,7 +1,8 @@
 """One batch of trials: load, resolve every due email in memory, reserve in blocks, enqueue the winners.
 
 The order inside a block is write-ahead: reserve (committed, with an outbox row per winner in the
-same statement), publish, then mark the block's published rows in one statement. A crash, a
+same statement), then publish. What the broker took is marked published by the next block's
+reservation statement, and the last block's by one closing statement. A crash, a
 cancellation or a broker outage between the reservation and the mark leaves the rest in the
 outbox: the relay (service.outbox.relay) publishes them once the batch's lease on them runs out.
 Nothing reserved is lost; what the batch could not publish itself is logged and counted in
@@ -81,16 +82,25 @@ async def reserve_and_enqueue(
 ) -> int:  # fmt: skip
     """Reserve `pairs` block by block; publish what each block won before reserving the next."""
     sent = 0
-    for start in range(0, len(pairs), block_size):
-        block = pairs[start : start + block_size]
-        reserved_at = datetime.now(UTC)
-        won = await _reserve_shielded(pool, block, reserved_at, lease_s)
-        metrics.TRIAL_EMAILS_RESERVED.inc(len(won))
-        if os.environ.get("PROGRESS_TRIAL_EMAIL_FAILPOINT") == "after_reserve":
-            # test-only: die between the reservation (committed) and its publish
-            os.kill(os.getpid(), signal.SIGKILL)
-        emails = _winners(block, won, reserved_at)
-        sent += await publish_all(queue, emails, pool=pool)
+    published: list[int] = []  # dispatch ids the broker has and the outbox does not know yet
+    try:
+        for start in range(0, len(pairs), block_size):
+            block = pairs[start : start + block_size]
+            reserved_at = datetime.now(UTC)
+            won = await _reserve_shielded(pool, block, reserved_at, lease_s, published)
+            published = []  # marked by that statement
+            metrics.TRIAL_EMAILS_RESERVED.inc(len(won))
+            if os.environ.get("PROGRESS_TRIAL_EMAIL_FAILPOINT") == "after_reserve":
+                # test-only: die between the reservation (committed) and its publish
+                os.kill(os.getpid(), signal.SIGKILL)
+            await publish_all(queue, _winners(block, won, reserved_at), published)
+            sent += len(published)
+    finally:
+        if published:
+            # Shielded: the broker has these; unmarked, the relay would send them again after the lease.
+            # If the mark itself fails they are republished with the same task id: a duplicate the
+            # monolith recognises, never a loss. (Idempotent if an abandoned reservation marked them.)
+            await asyncio.shield(mark_published(pool, EMAILS, published))
     return sent
 
 
@@ -99,18 +109,20 @@ def _winners(block: Sequence[Pair], won: dict[Pair, int], reserved_at: datetime)
             for user_id, key in block if (user_id, key) in won]  # fmt: skip
 
 
-async def _reserve(pool: asyncpg.Pool, block: Sequence[Pair], reserved_at: datetime, lease_s: float) -> dict[Pair, int]:
+async def _reserve(
+    pool: asyncpg.Pool, block: Sequence[Pair], reserved_at: datetime, lease_s: float, published: Sequence[int]
+) -> dict[Pair, int]:
     # a connection per block, not per batch: none is held while a slow broker takes the publishes
     async with pool.acquire() as conn:
-        return await reserve_block(conn, block, reserved_at, lease_s=lease_s)
+        return await reserve_block(conn, block, reserved_at, lease_s=lease_s, published=published)
 
 
 async def _reserve_shielded(
-    pool: asyncpg.Pool, block: Sequence[Pair], reserved_at: datetime, lease_s: float
+    pool: asyncpg.Pool, block: Sequence[Pair], reserved_at: datetime, lease_s: float, published: Sequence[int]
 ) -> dict[Pair, int]:
     # Shield: a caller cancelled mid-statement cannot know whether it committed. The statement
     # finishes on its own, and whatever it reserved is reported as left to the relay.
-    reservation = asyncio.create_task(_reserve(pool, block, reserved_at, lease_s))
+    reservation = asyncio.create_task(_reserve(pool, block, reserved_at, lease_s, list(published)))
     try:
         return await asyncio.shield(reservation)
     except asyncio.CancelledError:
@@ -137,9 +149,12 @@ def _report_abandoned(
     report_orphans(_winners(block, won, reserved_at), why="cancelled after reserving")
 
 
-async def publish_all(queue: EmailQueue, emails: Sequence[QueuedEmail], *, pool: asyncpg.Pool | None = None) -> int:
-    """Publish a block's winners, then mark them published in the outbox (one statement); return how many."""
-    published: list[QueuedEmail] = []
+async def publish_all(queue: EmailQueue, emails: Sequence[QueuedEmail], published: list[int]) -> None:
+    """Publish a block's winners, appending each one the broker took to `published` (dispatch ids).
+
+    `published` is the caller's, so what went out before an error or a cancellation still gets marked.
+    """
+    done = 0
     refused: list[QueuedEmail] = []
     try:
         for email in emails:
@@ -151,19 +166,14 @@ async def publish_all(queue: EmailQueue, emails: Sequence[QueuedEmail], *, pool:
                           extra={"pairs": [f"{email.user_id}:{email.email_key}"]})  # fmt: skip
                 refused.append(email)
                 continue
-            published.append(email)
+            published.append(email.dispatch_id)
+            done += 1
             metrics.TRIAL_EMAILS_ENQUEUED.inc()
     finally:
-        if pool is not None and published:
-            # Shielded: the broker has these; unmarked, the relay would send them again after the lease.
-            # If the mark itself fails they are republished with the same task id: a duplicate the
-            # monolith recognises, never a loss.
-            await asyncio.shield(mark_published(pool, EMAILS, [email.dispatch_id for email in published]))
         # an error or a cancellation stopped the loop: the rest wait in the outbox for the relay
-        done = len(published) + len(refused)
+        done += len(refused)
         if done < len(emails):
             report_orphans(emails[done:], why="publishing stopped")
-    return len(published)
 
 
 def report_orphans(emails: Sequence[QueuedEmail], *, why: str) -> None:

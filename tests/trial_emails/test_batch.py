@@ -61,10 +61,14 @@ async def test_200_trials_owing_6_emails_take_6_reservation_statements(
     result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, settings=settings, now=NOW)
 
     assert result == {"status": "ok", "user_trials": 200, "sent": 1200}
-    # six reservation statements, each followed by the one that marks its block published
-    expected = [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL] + [RESERVE_BLOCK_SQL, MARK_EMAILS_SQL] * 6
+    # six reservation statements, each marking the previous block's published winners, and one closing mark
+    expected = [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL] + [RESERVE_BLOCK_SQL] * 6 + [MARK_EMAILS_SQL]
     assert await statements.settled() == expected
     assert len(await reserved(pool)) == 1200
+    # every block's winners marked published (by the next block's statement, the last by the closing mark):
+    # nothing is left for the relay to send again
+    assert await pool.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 0
+    assert await pool.fetchval("SELECT count(*) FROM trial_email_outbox") == 1200
     counts = await enqueued(redis, queue.stream)
     assert len(counts) == 1200 and set(counts.values()) == {1}
 
