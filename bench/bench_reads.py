@@ -7,8 +7,10 @@ buffer with heartbeats and flushes them once (so reads meet both rows and newer 
 then loads it with wrk (bench/reads.lua), one kind of request per run:
 heartbeat POST, GET of one position, heartbeat POST again, GET of one again (the comparison of the
 issue, twice, interleaved), GET of 100 ids and a 500-item sync at 64 connections, then both again at
-2 connections (the latency of one request without a queue in front of it). Prints req/s, latencies
-and server CPU per request, and PASS/MISS per target.
+2 connections (the latency of one request without a queue in front of it). Last, the heartbeat POST
+and the GET of one again, through the ASGI app in this process (no HTTP, no wrk), to compare what
+the service itself spends on each. Prints req/s, latencies and CPU per request, and PASS/MISS per
+target.
 
     .venv/bin/python bench/bench_reads.py [--duration 15] [--connections 64]
 """
@@ -16,14 +18,21 @@ and server CPU per request, and PASS/MISS per target.
 import argparse
 import asyncio
 import os
+import random
+import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import asyncpg
+import uvloop
 from bench_ingest import (
     BENCH_DIR,
     JWT_SECRET,
@@ -77,6 +86,63 @@ def load(wrk: str, child: Child, redis_pid: int | None, url: str, tokens: Path, 
     return result
 
 
+async def in_process(redis_url: str, database_url: str, users: int, contents: int,
+                     rounds: int = 3) -> list[tuple[str, float, float]]:  # fmt: skip
+    """The same two requests through the ASGI app in this process, 64 at a time: no HTTP parsing, no wrk.
+
+    What the service itself spends per heartbeat and per read, apart from what the machine's
+    other load does to an HTTP run. Returns (name, wall µs, CPU µs of this process) per request.
+    """
+    from service.app import create_app
+    from service.auth import make_token
+    from service.config import Settings
+
+    settings = Settings(redis_url=redis_url, database_url=database_url, jwt_secret=JWT_SECRET,
+                        progress_flusher_enabled=False, trial_journey_interval_seconds=0)  # fmt: skip
+    app = create_app(settings)
+    authorizations = [f"Bearer {make_token(settings, user_id)}".encode() for user_id in range(1, users + 1)]
+
+    async def call(method: str, path: str, body: bytes = b"") -> None:
+        scope = {"type": "http", "method": method, "path": path, "query_string": b"",
+                 "headers": [(b"authorization", random.choice(authorizations)),
+                             (b"content-length", str(len(body)).encode())]}  # fmt: skip
+        statuses: list[int] = []
+
+        async def receive() -> dict[str, object]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+
+        await app(scope, receive, send)
+        if statuses[0] not in (200, 201, 404):
+            raise RuntimeError(f"{method} {path}: {statuses[0]}")
+
+    async def heartbeat() -> None:
+        body = b'{"lesson_id":%d,"position":%.1f}' % (random.randint(1, contents), random.random() * 600)
+        await call("POST", "/engagements/progress/lesson", body)
+
+    async def read() -> None:
+        await call("GET", f"/progress/lesson/{random.randint(1, contents)}")
+
+    async def loop(request: Callable[[], Awaitable[None]], times: int) -> None:
+        for _ in range(times):
+            await request()
+
+    measured: list[tuple[str, float, float]] = []
+    async with app.app.router.lifespan_context(app.app):
+        for request in (heartbeat, read):
+            await asyncio.gather(*(loop(request, 20) for _ in range(64)))
+        for _ in range(rounds):
+            for name, request in (("heartbeat POST", heartbeat), ("GET one", read)):
+                wall, cpu = time.perf_counter(), time.process_time()
+                await asyncio.gather(*(loop(request, 100) for _ in range(64)))
+                measured.append((name, (time.perf_counter() - wall) / 6400 * 1e6,
+                                 (time.process_time() - cpu) / 6400 * 1e6))  # fmt: skip
+    return measured
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=15.0, help="seconds of each measured run (15)")
@@ -93,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     wrk = ensure_wrk()
     work_dir = Path(tempfile.mkdtemp(prefix="progress-bench-reads-"))
     with ExitStack() as stack:
+        stack.callback(shutil.rmtree, work_dir, True)
         redis_url, redis_pid = stack.enter_context(redis_server(work_dir))
         database_url = os.environ.get("DATABASE_URL")
         if database_url:
@@ -134,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             wait_until_idle(args.wait_idle)
             result = load(wrk, child, redis_pid, url, tokens, args, mode, args.duration, "measured", connections)
             results.append((name, connections, result))
+        say("in-process: the heartbeat POST and the GET of one through the ASGI app, 64 at a time")
+        wait_until_idle(args.wait_idle)
+        direct = uvloop.run(in_process(redis_url, database_url, args.users, args.contents))
 
     print()
     print(f"wrk {args.threads} threads, {args.connections} connections, {args.duration:.0f}s per run; {args.users} "
@@ -151,6 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     if busy > 0.2:
         print(f"WARNING: other processes used up to {busy:.2f} cores during a run: the figures are low")
     print()
+    print("in-process, through the ASGI app, 64 concurrent (6,400 requests each; CPU of this process):")
+    for name, wall_us, cpu_us in direct:
+        print(f"  {name:<16}{wall_us:>8.1f} us wall {cpu_us:>8.1f} us CPU per request")
+    post_us = statistics.median(cpu for name, _, cpu in direct if name == "heartbeat POST")
+    get_us = statistics.median(cpu for name, _, cpu in direct if name == "GET one")
+    verdict = "PASS" if get_us <= post_us else "MISS"
+    print(f"target: GET one costs the service no more than the heartbeat POST (in-process CPU, median of "
+          f"{len(direct) // 2}): {get_us:.1f} vs {post_us:.1f} us {verdict}")  # fmt: skip
     heartbeats = [r for name, _, r in results if name == "heartbeat POST"]
     reads = [r for name, _, r in results if name == "GET one"]
     for i, (post, get) in enumerate(zip(heartbeats, reads, strict=True), 1):
