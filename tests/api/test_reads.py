@@ -1,6 +1,8 @@
 """GET /progress/...: the freshest position, from the buffer before the flush and from the row after it."""
 
 
+from datetime import UTC, datetime, timedelta
+
 import asyncpg
 import httpx
 import pytest
@@ -193,3 +195,19 @@ async def test_a_store_that_fails_is_503_not_500(
     finally:
         await db.execute("ALTER TABLE engagements_lessonprogress_away RENAME TO engagements_lessonprogress")
     assert response.status_code == 503
+
+
+async def test_an_unreachable_redis_is_503_for_reads_and_sync(settings: Settings, db: asyncpg.Pool, token: str) -> None:
+    from service.embedded import free_port
+
+    await seed(db, users=7)
+    app = create_app(settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"}))
+    async with app.app.router.lifespan_context(app.app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            assert (await client.get("/progress/lesson/1", headers=auth(token))).status_code == 503
+            assert (await client.get("/progress/lesson?ids=1,2", headers=auth(token))).status_code == 503
+            listened_at = (datetime.now(UTC) - timedelta(minutes=1)).isoformat()
+            body = {"items": [{"content_type": "lesson", "content_id": 1, "position": 3.0, "listened_at": listened_at}]}
+            response = await client.post("/progress/sync", json=body, headers=auth(token))
+            assert response.status_code == 503, response.text
+            assert "retry later" in response.json()["detail"]
