@@ -243,10 +243,12 @@ class WrkResult:
 
 
 def run_wrk(wrk: str, url: str, tokens_file: Path, args: argparse.Namespace, duration_s: float,
-            meter: CpuMeter) -> WrkResult:  # fmt: skip
+            meter: CpuMeter, *, script: Path = LUA_SCRIPT, script_args: tuple[str, ...] = (),
+            connections: int | None = None, timeout_s: int = 2) -> WrkResult:  # fmt: skip
     command = [
-        wrk, f"-t{args.threads}", f"-c{args.connections}", f"-d{max(1, round(duration_s))}s", "--latency",
-        "--timeout", "2s", "-s", str(LUA_SCRIPT), url, "--", str(tokens_file), str(args.contents),
+        wrk, f"-t{args.threads}", f"-c{connections or args.connections}", f"-d{max(1, round(duration_s))}s",
+        "--latency", "--timeout", f"{timeout_s}s", "-s", str(script), url, "--", str(tokens_file), str(args.contents),
+        *script_args,
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=duration_s + 60, check=False,
                           preexec_fn=_dying_with_us)  # fmt: skip

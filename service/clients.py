@@ -115,6 +115,19 @@ async def execute_by_node(
     return results
 
 
+async def get_many(redis: RedisClient, keys: Sequence[str]) -> list[bytes | str | None]:
+    """The values of `keys`, in order: one MGET on a server; on a cluster, where a MGET must stay in
+    one slot, a GET per key in one pipeline per node (still one round trip per node, all at once)."""
+    if not isinstance(redis, RedisCluster):
+        values: list[bytes | str | None] = await redis.mget(keys)
+        return values
+    results = await execute_by_node(redis, [("GET", key) for key in keys], key_index=1)
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return results  # type: ignore[return-value]
+
+
 async def ping(redis: RedisClient) -> None:
     """Raise unless Redis answers: on a cluster, every master (each holds a share of the heartbeats)."""
     if isinstance(redis, RedisCluster):

@@ -58,6 +58,11 @@ class Settings(BaseSettings):
     progress_completion_margin_seconds: float = Field(10.0, ge=0)
     progress_shutdown_timeout_seconds: float = Field(20.0, gt=0)
 
+    # POST /progress/sync: positions listened offline, uploaded later
+    sync_max_body_bytes: int = Field(262_144, ge=4096, le=4_194_304)
+    sync_max_clock_skew_seconds: float = Field(300.0, ge=0)
+    sync_max_age_days: float = Field(30.0, gt=0)
+
     degraded_max_concurrency: int = Field(4, ge=1)
     degraded_max_waiting: int = Field(2000, ge=1)
     degraded_redis_retry_seconds: float = Field(1.0, gt=0)

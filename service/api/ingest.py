@@ -65,10 +65,13 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
 
 
 class ProgressIngest:
-    """ASGI middleware: POSTs to the four progress routes end here; anything else goes to `app`."""
+    """ASGI middleware: POSTs to the four progress routes end here; anything else goes on to `reads`, then `app`."""
 
-    def __init__(self, app: ASGIApp, *, authenticator: Authenticator, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, authenticator: Authenticator, max_body_bytes: int,
+                 reads: ASGIApp | None = None) -> None:  # fmt: skip
         self.app = app
+        # the progress reads and sync (service/api/reads.py), in front of `app` for what they do not serve
+        self._next = reads or app
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.sink: HeartbeatSink | None = None  # set by the lifespan once its clients exist
@@ -83,7 +86,7 @@ class ProgressIngest:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = KIND_BY_PATH.get(scope["path"]) if scope["type"] == "http" else None
         if kind is None:
-            await self.app(scope, receive, send)
+            await self._next(scope, receive, send)
             return
         try:
             status, body = await self._handle(kind, scope, receive)

@@ -1,11 +1,13 @@
-"""The OpenAPI document: FastAPI's own routes plus the four progress POSTs served in `ingest.py`."""
+"""The OpenAPI document: FastAPI's own routes plus the routes served as plain ASGI in `ingest.py` and `reads.py`."""
 
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from service.progress.content import CONTENT_KINDS
+from service.api.reads import MANY_ROUTE, MAX_IDS, ONE_ROUTE, SYNC_ROUTE
+from service.progress.content import CONTENT_KINDS, MAX_ID
+from service.progress.sync import SYNC_MAX_ITEMS, SyncRequest
 
 
 def _error_response(description: str) -> dict[str, Any]:
@@ -40,6 +42,105 @@ def _progress_operation(name: str, body_schema: str) -> dict[str, Any]:
     }
 
 
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json_content(schema_name: str, example: object) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(schema_name), "example": example}}
+
+
+_PROGRESS_EXAMPLE = {
+    "content_type": "lesson", "content_id": 42, "position": 318.5,
+    "updated_at": "2026-11-30T09:27:51.123000+00:00", "completed_at": None,
+}  # fmt: skip
+_CONTENT_TYPE_PARAMETER = {
+    "name": "content_type", "in": "path", "required": True,
+    "schema": {"type": "string", "enum": [kind.name for kind in CONTENT_KINDS]},
+}  # fmt: skip
+_READ_ERRORS = {
+    "401": _error_response("Missing, malformed, expired or wrongly signed token."),
+    "422": _error_response("Unknown content type or ids that are not integers from 1 to 2^63-1; `detail` says which."),
+    "503": _error_response("Redis or Postgres cannot be read now (or no database is configured); retry later."),
+}
+
+
+def _read_operations() -> dict[str, Any]:
+    one = {
+        "get": {
+            "operationId": "get_progress",
+            "summary": "The token's user's progress on one content, at its freshest",
+            "description": "The buffered heartbeat when it is newer than the row in Postgres, else the row; "
+            "`completed_at` as the next flush will set it. No lag behind the flush.",
+            "security": [{"bearerAuth": []}],
+            "parameters": [
+                _CONTENT_TYPE_PARAMETER,
+                {"name": "content_id", "in": "path", "required": True,
+                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_ID}},
+            ],
+            "responses": {
+                "200": {"description": "The freshest position.",
+                        "content": _json_content("Progress", _PROGRESS_EXAMPLE)},
+                "404": _error_response("No progress of this user on this content (or no such content)."),
+                **_READ_ERRORS,
+            },
+        }
+    }
+    many = {
+        "get": {
+            "operationId": "get_progress_list",
+            "summary": "The token's user's progress on up to 100 contents of one type, at its freshest",
+            "description": "One entry per id that has progress, in the order asked; ids without progress are left out.",
+            "security": [{"bearerAuth": []}],
+            "parameters": [
+                _CONTENT_TYPE_PARAMETER,
+                {"name": "ids", "in": "query", "required": True, "style": "form", "explode": False,
+                 "description": "Comma-separated content ids: `ids=1,2,3`.",
+                 "schema": {"type": "array", "minItems": 1, "maxItems": MAX_IDS,
+                            "items": {"type": "integer", "minimum": 1, "maximum": MAX_ID}}},
+            ],
+            "responses": {
+                "200": {"description": "The freshest positions.",
+                        "content": _json_content("ProgressList", {"data": [_PROGRESS_EXAMPLE]})},
+                **_READ_ERRORS,
+            },
+        }
+    }
+    sync = {
+        "post": {
+            "operationId": "post_progress_sync",
+            "summary": "Positions listened offline, uploaded later",
+            "description": "Each item goes through the heartbeat buffer with `listened_at` as its time: applied "
+            "only if no later position is stored. Items are refused one by one (applied false, with a reason) "
+            "when their time is too far in the future or too old, or their content is unknown.",
+            "security": [{"bearerAuth": []}],
+            "requestBody": {
+                "required": True,
+                "content": _json_content("SyncRequest", {"items": [
+                    {"content_type": "audio", "content_id": 7, "position": 95.0,
+                     "listened_at": "2026-11-29T21:04:00+01:00"},
+                    {"content_type": "meditation", "content_id": 3, "position": 600.0,
+                     "listened_at": "2026-11-29T21:30:12Z"},
+                ]}),
+            },
+            "responses": {
+                "200": {"description": "One result per item, in request order.",
+                        "content": _json_content("SyncResult", {"items": [
+                            {"applied": True, "reason": None},
+                            {"applied": False, "reason": "older than the stored position"},
+                        ]})},
+                "400": _error_response("Malformed JSON."),
+                "401": _error_response("Missing, malformed, expired or wrongly signed token."),
+                "413": _error_response("Body larger than SYNC_MAX_BODY_BYTES."),
+                "422": _error_response(f"Invalid fields (1 to {SYNC_MAX_ITEMS} items); `detail` names them."),
+                "429": _error_response("Too many requests for this user; wait `Retry-After` seconds."),
+                "503": _error_response("Redis or Postgres cannot take the items now; nothing to lose, retry later."),
+            },
+        }
+    }
+    return {ONE_ROUTE: one, MANY_ROUTE: many, SYNC_ROUTE: sync}
+
+
 def build_openapi(api: FastAPI) -> dict[str, Any]:
     if api.openapi_schema:
         return api.openapi_schema
@@ -50,6 +151,44 @@ def build_openapi(api: FastAPI) -> dict[str, Any]:
         model_schema = kind.body.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas[kind.body.__name__] = model_schema
         schema["paths"][kind.path] = _progress_operation(kind.name, kind.body.__name__)
+    sync_schema = SyncRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(sync_schema.pop("$defs"))
+    schemas["SyncRequest"] = sync_schema
+    schemas["Progress"] = {
+        "type": "object",
+        "properties": {
+            "content_type": {"type": "string", "enum": [kind.name for kind in CONTENT_KINDS]},
+            "content_id": {"type": "integer", "minimum": 1, "maximum": MAX_ID},
+            "position": {"type": "number", "description": "Seconds from the start."},
+            "updated_at": {"type": "string", "format": "date-time", "description": "When this position was heard."},
+            "completed_at": {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "null"}]},
+        },
+        "required": ["content_type", "content_id", "position", "updated_at", "completed_at"],
+    }
+    schemas["ProgressList"] = {
+        "type": "object",
+        "properties": {"data": {"type": "array", "items": _ref("Progress")}},
+        "required": ["data"],
+    }
+    schemas["SyncResult"] = {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "applied": {"type": "boolean"},
+                        "reason": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                                   "description": "Why not applied; null when applied."},
+                    },
+                    "required": ["applied", "reason"],
+                },
+            }
+        },
+        "required": ["items"],
+    }
+    schema["paths"].update(_read_operations())
     schemas["Created"] = {
         "type": "object",
         "properties": {"data": {"type": "boolean", "const": True}},

@@ -103,7 +103,23 @@ class PositionWriter:
         except REDIS_UNAVAILABLE:
             return "?"
 
+    async def write_all(self, commands: list[tuple[object, ...]]) -> list[bool]:
+        """Many `write_args` in one pipeline of their own, in order; for each, whether its value was stored.
+
+        False: the stored value was received later, so it stays (only its peak may rise). An error
+        of any command raises: the caller answers for the whole set, which is safe to send again.
+        """
+        results = await self._send_pipeline(commands)
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return [result == 1 for result in results]
+
     async def _send(self, commands: list[tuple[object, ...]]) -> list[BaseException | None]:
+        results = await self._send_pipeline(commands)
+        return [result if isinstance(result, Exception) else None for result in results]
+
+    async def _send_pipeline(self, commands: list[tuple[object, ...]]) -> list[object]:
         started = time.perf_counter()
         results = await self._execute(commands)
         if any(isinstance(result, NoScriptError) for result in results):
@@ -112,7 +128,7 @@ class PositionWriter:
             results = await self._execute(commands)
         metrics.REDIS_WRITE_SECONDS.observe(time.perf_counter() - started)
         metrics.REDIS_WRITE_BATCH_SIZE.observe(len(commands))
-        return [result if isinstance(result, Exception) else None for result in results]
+        return results
 
     async def _execute(self, commands: list[tuple[object, ...]]) -> list[object]:
         # the 4th argument is the value key: on a cluster, the node of its slot takes the command

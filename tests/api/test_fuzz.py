@@ -9,7 +9,9 @@ and body schema; schemathesis's other default checks run too (valid data accepte
 refused, a request without credentials refused, undocumented methods answered 405 with `Allow`).
 
 On the progress routes every case also looks at Redis around the request: a 201 added exactly its
-own pending member and value key, any other answer changed nothing.
+own pending member and value key; a 200 of the offline sync added only members and value keys of
+the token's user for the items it was sent (user 7 and contents 1..100 of every type exist, so
+generated items can be applied); the reads and any other answer changed nothing.
 
 Generation is derandomized with a fixed seed and bounded, so CI sends the same requests every
 time in well under a minute; a failure reproduces with the curl command in its report.
@@ -20,10 +22,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import asyncpg
 import httpx
 import pytest
 import schemathesis
@@ -32,7 +35,7 @@ from redis import Redis
 from service.auth import make_token
 from service.config import Settings
 from service.embedded import free_port
-from service.progress.content import KIND_BY_PATH, ContentKind
+from service.progress.content import CONTENT_KINDS, KIND_BY_PATH
 from service.progress.keys import latest_position_key, pending_flush_key, pending_member
 from tests.conftest import TEST_JWT_SECRET, Servers
 
@@ -75,7 +78,26 @@ def _wait_ready(process: "subprocess.Popen[bytes]", base_url: str, timeout_s: fl
 
 
 @pytest.fixture(scope="module")
-def live_service(servers: Servers, migrated: str) -> Iterator[LiveService]:
+async def fuzz_content(migrated: str) -> AsyncIterator[None]:
+    """User 7 and contents 1..100 of every type, so that generated sync items can be applied; removed after."""
+    conn = await asyncpg.connect(migrated)
+    tables = [kind.content_table for kind in CONTENT_KINDS]
+    try:
+        await conn.execute("INSERT INTO users_user (id, email) VALUES ($1, 'fuzz@example.com') ON CONFLICT DO NOTHING",
+                           USER_ID)  # fmt: skip
+        for table in tables:
+            await conn.execute(f"INSERT INTO {table} (id, title, duration) SELECT i, 'fuzz', 600 "
+                               "FROM generate_series(1, 100) i ON CONFLICT DO NOTHING")  # fmt: skip
+        yield
+    finally:
+        for table in tables:
+            await conn.execute(f"DELETE FROM {table} WHERE id <= 100 AND title = 'fuzz'")
+        await conn.execute("DELETE FROM users_user WHERE email = 'fuzz@example.com'")
+        await conn.close()
+
+
+@pytest.fixture(scope="module")
+def live_service(servers: Servers, migrated: str, fuzz_content: None) -> Iterator[LiveService]:
     port = free_port()
     env = {
         **os.environ,
@@ -106,29 +128,48 @@ def live_service(servers: Servers, migrated: str) -> Iterator[LiveService]:
             process.wait()
 
 
-def _redis_state(redis: "Redis[str]", kind: ContentKind) -> tuple[int, set[str]]:
-    return redis.dbsize(), redis.smembers(pending_flush_key(kind.name))
+RedisState = tuple[int, dict[str, set[str]]]
+
+
+def _redis_state(redis: "Redis[str]") -> RedisState:
+    return redis.dbsize(), {kind.name: redis.smembers(pending_flush_key(kind.name)) for kind in CONTENT_KINDS}
+
+
+def _check_sync_writes(case: schemathesis.Case, redis: "Redis[str]", before: RedisState, after: RedisState) -> None:
+    assert isinstance(case.body, dict)
+    sent: dict[str, set[str]] = {kind.name: set() for kind in CONTENT_KINDS}
+    for item in case.body["items"]:
+        sent[item["content_type"]].add(pending_member(int(item["content_id"]), USER_ID))
+    for name, members in after[1].items():
+        added = members - before[1][name]
+        assert added <= sent[name], f"the sync added members it was not sent: {added - sent[name]}"
+        for member in added:
+            content_id = int(member.split(":")[0])
+            assert redis.exists(latest_position_key(name, content_id, USER_ID))
+    # value keys of the items, and a pending set the first time
+    assert after[0] - before[0] <= sum(len(members) for members in sent.values()) + len(CONTENT_KINDS)
 
 
 @schema.parametrize()
 def test_every_answer_is_documented_and_only_a_201_writes(case: schemathesis.Case, live_service: LiveService) -> None:
     kind = KIND_BY_PATH.get(case.path)  # with any method: schemathesis also tries undocumented ones
-    before = _redis_state(live_service.redis, kind) if kind else None
+    before = _redis_state(live_service.redis)
 
     # the valid token replaces any generated Authorization; negative cases that drop it still go without
     response = case.call_and_validate(base_url=live_service.base_url, headers=live_service.headers)
 
-    if kind is None or before is None:
+    after = _redis_state(live_service.redis)
+    if case.path == "/progress/sync" and case.method.upper() == "POST" and response.status_code == 200:
+        _check_sync_writes(case, live_service.redis, before, after)
         return
-    keys, members = _redis_state(live_service.redis, kind)
-    if response.status_code != 201:
-        assert (keys, members) == before, f"a {response.status_code} answer wrote to Redis"
+    if kind is None or response.status_code != 201:
+        assert after == before, f"a {response.status_code} answer to {case.method} {case.path} wrote to Redis"
         return
     assert isinstance(case.body, dict)
     content_id = int(case.body[kind.id_column])  # 42.0 is the integer 42 for JSON Schema, and for the service
-    assert members == before[1] | {pending_member(content_id, USER_ID)}
+    assert after[1][kind.name] == before[1][kind.name] | {pending_member(content_id, USER_ID)}
     assert live_service.redis.exists(latest_position_key(kind.name, content_id, USER_ID))
-    assert keys - before[0] in (0, 1, 2)  # its value key, and the pending set the first time
+    assert after[0] - before[0] in (0, 1, 2)  # its value key, and the pending set the first time
 
 
 @schema.include(method="POST").parametrize()
@@ -136,11 +177,10 @@ def test_without_a_valid_token_every_progress_post_is_401_and_writes_nothing(
     case: schemathesis.Case, live_service: LiveService
 ) -> None:
     """The generated Authorization values as they are: empty, random, malformed, or none at all."""
-    kind = KIND_BY_PATH[case.path]
-    before = _redis_state(live_service.redis, kind)
+    before = _redis_state(live_service.redis)
 
     response = case.call_and_validate(base_url=live_service.base_url)
 
     # the method is checked first: the undocumented ones schemathesis also tries get 405 whatever the token
     assert response.status_code == (401 if case.method.upper() == "POST" else 405), response.text
-    assert _redis_state(live_service.redis, kind) == before
+    assert _redis_state(live_service.redis) == before

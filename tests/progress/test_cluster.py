@@ -155,6 +155,35 @@ async def test_heartbeats_through_http_land_in_every_table(
     assert await all_keys(cluster_redis, "progress:in_flight:*") == []
 
 
+async def test_reads_and_offline_sync_span_shards_on_the_cluster(
+    cluster_settings: Settings, cluster_redis: RedisCluster, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7, contents=40)
+    app = create_app(cluster_settings)
+    async with app.app.router.lifespan_context(app.app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            for content_id in range(1, 21):
+                response = await client.post(LESSON_PATH, json={"lesson_id": content_id, "position": content_id + 0.5},
+                                             headers=auth(token))  # fmt: skip
+                assert response.status_code == 201
+            now = datetime.now(UTC).isoformat()
+            items = [{"content_type": "lesson", "content_id": c, "position": 7.0, "listened_at": now}
+                     for c in range(21, 41)]  # fmt: skip
+            synced = await client.post("/progress/sync", json={"items": items}, headers=auth(token))
+            assert synced.status_code == 200
+            assert [item["applied"] for item in synced.json()["items"]] == [True] * 20
+            one = await client.get("/progress/lesson/3", headers=auth(token))
+            assert one.status_code == 200 and one.json()["position"] == 3.5
+            ids = ",".join(str(c) for c in range(1, 41))
+            many = await client.get(f"/progress/lesson?ids={ids}", headers=auth(token))
+            assert many.status_code == 200
+    # the 40 values live in many shards (so many slots): the read gathered them all before any flush
+    positions = {entry["content_id"]: entry["position"] for entry in many.json()["data"]}
+    assert positions == {**{c: c + 0.5 for c in range(1, 21)}, **{c: 7.0 for c in range(21, 41)}}
+    assert len(await all_keys(cluster_redis, "progress:pending_flush:*")) > 1
+    assert await lesson_rows(db) == {}
+
+
 async def test_last_heartbeat_wins_and_completion_is_recorded_once(
     cluster_settings: Settings, cluster_redis: RedisCluster, cluster_layout: KeyLayout, db: asyncpg.Pool
 ) -> None:

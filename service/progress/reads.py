@@ -1,0 +1,171 @@
+"""Reading progress back at its freshest: the buffered value when it is newer than the row.
+
+A read costs one Redis MGET of the value keys and one query of the rows, whatever the number of
+ids (and the reads of one event-loop turn share both: one MGET for all of them, one query per
+content type). The answer is what the next flush will leave in Postgres, before it runs:
+- the position and `updated_at` of the buffered value when it was received after the row's
+  `updated_at` (the flush's upsert only moves forward the same way), else the row's;
+- `completed_at`: the row's, or, when the buffered peak reached `duration - margin` and the row
+  has none yet, the buffered value's receive time (what the flush will write);
+- nothing for content or a user the database does not have: the flush drops those values.
+"""
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+from redis.exceptions import RedisError
+
+from service.clients import RedisClient, get_many
+from service.progress.batching import TurnBatcher
+from service.progress.buffer import StoredPosition, decode_value
+from service.progress.content import ContentKind
+from service.progress.keys import STANDALONE, KeyLayout
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRow:
+    """What Postgres knows of one (user, content): its duration, and the progress row if there is one."""
+
+    duration_s: int
+    position: float | None
+    updated_at: datetime | None
+    completed_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    content_id: int
+    position: float
+    updated_at: datetime
+    completed_at: datetime | None
+
+
+# One row per asked (user, content) that exists, with its progress row if any. Inner joins on the
+# content and the user: a value for either that does not exist is dropped by the flush, so it is
+# not progress to show. The content's duration comes along to judge a completion not flushed yet.
+_ROWS_SQL = """
+SELECT q.user_id, q.content_id, c.duration, p.position, p.updated_at, p.completed_at
+FROM unnest($1::bigint[], $2::bigint[]) AS q(user_id, content_id)
+JOIN {content_table} c ON c.id = q.content_id
+JOIN users_user u ON u.id = q.user_id
+LEFT JOIN {progress_table} p ON p.user_id = q.user_id AND p.{id_column} = q.content_id
+"""
+
+
+def rows_sql(kind: ContentKind) -> str:
+    return _ROWS_SQL.format(
+        content_table=kind.content_table, progress_table=kind.progress_table, id_column=kind.id_column
+    )
+
+
+def value_keys(
+    kind: ContentKind, user_id: int, content_ids: Iterable[int], layout: KeyLayout = STANDALONE
+) -> list[str]:
+    """Every value key a read names goes through here (and through keys.py)."""
+    return [layout.value_key(kind.name, content_id, user_id) for content_id in content_ids]
+
+
+def as_ms(moment: datetime) -> int:
+    return (moment - EPOCH) // timedelta(milliseconds=1)
+
+
+def from_ms(ms: int) -> datetime:
+    return EPOCH + timedelta(milliseconds=ms)
+
+
+async def fetch_rows(
+    db: asyncpg.Pool | asyncpg.Connection, kind: ContentKind, pairs: Sequence[tuple[int, int]]
+) -> dict[tuple[int, int], StoredRow]:
+    """(user_id, content_id) -> what Postgres has, for the pairs whose user and content exist."""
+    records = await db.fetch(rows_sql(kind), [user_id for user_id, _ in pairs], [cid for _, cid in pairs])
+    return {
+        (r["user_id"], r["content_id"]): StoredRow(r["duration"], r["position"], r["updated_at"], r["completed_at"])
+        for r in records
+    }
+
+
+def decode_values(raw_values: Sequence[bytes | str | None]) -> list[StoredPosition | None]:
+    decoded: list[StoredPosition | None] = []
+    for raw in raw_values:
+        try:
+            decoded.append(decode_value(raw) if raw is not None else None)
+        except ValueError:
+            decoded.append(None)  # not written by this service's script: the flush drops it too
+    return decoded
+
+
+def freshest(content_id: int, buffered: StoredPosition | None, row: StoredRow | None, *,
+             margin_s: float) -> Progress | None:  # fmt: skip
+    if row is None:
+        return None  # unknown content or user: nothing the flush would keep
+    completed_at = row.completed_at
+    if completed_at is None and buffered is not None and buffered.peak >= row.duration_s - margin_s:
+        completed_at = from_ms(buffered.received_ms)  # the time the flush will set
+    if buffered is not None and (row.updated_at is None or buffered.received_ms > as_ms(row.updated_at)):
+        return Progress(content_id, buffered.position, from_ms(buffered.received_ms), completed_at)
+    if row.updated_at is None or row.position is None:
+        return None
+    return Progress(content_id, row.position, row.updated_at, completed_at)
+
+
+@dataclass(slots=True)
+class _Lookup:
+    kind: ContentKind
+    user_id: int
+    content_ids: Sequence[int]
+    found: list[Progress] = field(default_factory=list)
+
+
+class ProgressReader:
+    """Freshest progress of one user for some ids of one content type; concurrent reads share round trips."""
+
+    def __init__(self, redis: RedisClient, pool: asyncpg.Pool, *, margin_s: float,
+                 layout: KeyLayout = STANDALONE) -> None:  # fmt: skip
+        self._redis = redis
+        self._layout = layout
+        self._pool = pool
+        self._margin_s = margin_s
+        self._batcher: TurnBatcher[_Lookup] = TurnBatcher(
+            self._send, interrupted=lambda: RedisError("the read was interrupted before it finished")
+        )
+
+    async def read(self, kind: ContentKind, user_id: int, content_ids: Sequence[int]) -> list[Progress]:
+        """In the order of `content_ids`, one entry per id that has progress."""
+        lookup = _Lookup(kind, user_id, content_ids)
+        await self._batcher.submit(lookup)
+        return lookup.found
+
+    async def _send(self, lookups: list[_Lookup]) -> list[BaseException | None]:
+        keys = [key for lookup in lookups
+                for key in value_keys(lookup.kind, lookup.user_id, lookup.content_ids, self._layout)]  # fmt: skip
+        pairs_by_kind: dict[ContentKind, list[tuple[int, int]]] = {}
+        for lookup in lookups:
+            pairs_by_kind.setdefault(lookup.kind, []).extend((lookup.user_id, cid) for cid in lookup.content_ids)
+        kinds = list(pairs_by_kind)
+        # both stores at once; every call is awaited to its end before an error goes up
+        answers = await asyncio.gather(
+            get_many(self._redis, keys), *(fetch_rows(self._pool, kind, pairs_by_kind[kind]) for kind in kinds),
+            return_exceptions=True,
+        )  # fmt: skip
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        raw_values: list[bytes | None] = answers[0]  # type: ignore[assignment]
+        rows: dict[ContentKind, dict[tuple[int, int], StoredRow]] = dict(zip(kinds, answers[1:], strict=True))  # type: ignore[arg-type]
+        buffered = iter(decode_values(raw_values))
+        for lookup in lookups:
+            kind_rows = rows[lookup.kind]
+            for content_id in lookup.content_ids:
+                progress = freshest(content_id, next(buffered), kind_rows.get((lookup.user_id, content_id)),
+                                    margin_s=self._margin_s)  # fmt: skip
+                if progress is not None:
+                    lookup.found.append(progress)
+        return [None] * len(lookups)
+
+    async def aclose(self) -> None:
+        await self._batcher.aclose()

@@ -1,0 +1,151 @@
+"""Positions listened offline, uploaded later: through the same buffer, with the time they were heard.
+
+Each accepted item is one WRITE_SCRIPT call with `listened_at` as its receive time, so the buffer
+settles an offline position and a live heartbeat the way it settles two heartbeats: the later one
+stands whichever arrives last, and the furthest position heard still raises the peak that decides
+completion (judged by the flush as for any heartbeat). The whole request is one pipeline (one
+Redis round trip) after one query per content type present.
+
+`applied` is true only when the item's position is the one that now stands: written to the buffer
+as no older than its value (the script says so) and no older than the row (`updated_at`), whose
+value may have expired after its flush (the same time counts as applied: a retried request gets
+the same answer). An item older than either is still written, so its peak can complete
+the content, but reported `applied: false`.
+"""
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Literal, get_args
+
+import asyncpg
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+
+from service.progress.buffer import PositionWriter, write_args
+from service.progress.content import CONTENT_KINDS, ContentId, ContentKind, Position
+from service.progress.reads import StoredRow, as_ms, fetch_rows
+
+SYNC_MAX_ITEMS = 500
+
+ContentType = Literal["lesson", "audio", "meditation", "live"]
+assert set(get_args(ContentType)) == {kind.name for kind in CONTENT_KINDS}
+KIND_BY_NAME = {kind.name: kind for kind in CONTENT_KINDS}
+
+SUPERSEDED = "superseded by a later item for the same content in this request"
+OLDER_THAN_STORED = "older than the stored position"
+UNKNOWN_CONTENT = "unknown content"
+
+
+class SyncItem(BaseModel):
+    # strict like the heartbeats: "12" or true is not an id; unknown fields are ignored
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    content_type: ContentType
+    content_id: ContentId
+    position: Position
+    listened_at: Annotated[
+        AwareDatetime, Field(description="When the position was heard, ISO-8601 with a time zone.")
+    ]
+
+
+class SyncRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+    items: list[SyncItem] = Field(min_length=1, max_length=SYNC_MAX_ITEMS)
+
+
+@dataclass(frozen=True, slots=True)
+class SyncOutcome:
+    applied: bool
+    reason: str | None = None
+
+
+_Rows = dict[tuple[int, int], StoredRow]
+
+
+@dataclass(frozen=True, slots=True)
+class _Accepted:
+    index: int  # in the request
+    kind: ContentKind
+    content_id: int
+    position: float
+    listened_ms: int
+
+
+def _all_set(outcomes: list[SyncOutcome | None]) -> list[SyncOutcome]:
+    settled = [outcome for outcome in outcomes if outcome is not None]
+    assert len(settled) == len(outcomes), "every item gets an outcome"
+    return settled
+
+
+class OfflineSync:
+    def __init__(self, writer: PositionWriter, pool: asyncpg.Pool, *, ttl_s: int, max_skew_s: float,
+                 max_age_s: float) -> None:  # fmt: skip
+        self._writer = writer
+        self._pool = pool
+        self._ttl_s = ttl_s
+        self._max_skew_ms = int(max_skew_s * 1000)
+        self._max_age_ms = int(max_age_s * 1000)
+
+    def check_time(self, listened_at: datetime, now_ms: int) -> str | None:
+        """Why an item's time is refused, or None."""
+        listened_ms = as_ms(listened_at)
+        if listened_ms > now_ms + self._max_skew_ms:
+            return f"listened_at is more than {self._max_skew_ms / 1000:g} s in the future"
+        if listened_ms < now_ms - self._max_age_ms:
+            return f"listened_at is older than {self._max_age_ms / 86_400_000:g} days"
+        return None
+
+    async def apply(self, user_id: int, items: Sequence[SyncItem], *, now_ms: int) -> list[SyncOutcome]:
+        outcomes: list[SyncOutcome | None] = [None] * len(items)
+        accepted: list[_Accepted] = []
+        for index, item in enumerate(items):
+            refusal = self.check_time(item.listened_at, now_ms)
+            if refusal is not None:
+                outcomes[index] = SyncOutcome(False, refusal)
+                continue
+            # a clock a little ahead is tolerated, but its time must not hold off the live heartbeats to come
+            listened_ms = min(as_ms(item.listened_at), now_ms)
+            accepted.append(_Accepted(index, KIND_BY_NAME[item.content_type], item.content_id, item.position,
+                                      listened_ms))  # fmt: skip
+        if not accepted:
+            return _all_set(outcomes)
+        rows = await self._rows(user_id, accepted)
+        known = [a for a in accepted if (user_id, a.content_id) in rows[a.kind]]
+        for a in accepted:
+            if (user_id, a.content_id) not in rows[a.kind]:
+                outcomes[a.index] = SyncOutcome(False, UNKNOWN_CONTENT)  # the flush would drop it
+        # oldest first: for one content the later item is written last and stands, the script keeps
+        # the furthest position of all of them as the peak (an offline listen to the end completes)
+        known.sort(key=lambda a: a.listened_ms)
+        latest: dict[tuple[str, int], _Accepted] = {}
+        for a in known:
+            latest[(a.kind.name, a.content_id)] = a
+        written = await self._writer.write_all([
+            write_args(a.kind.name, a.content_id, user_id, a.position, a.listened_ms, self._ttl_s, self._writer.layout)
+            for a in known
+        ])  # fmt: skip
+        for a, stored in zip(known, written, strict=True):
+            row = rows[a.kind][(user_id, a.content_id)]
+            if latest[(a.kind.name, a.content_id)] is not a:
+                outcomes[a.index] = SyncOutcome(False, SUPERSEDED)
+            elif not stored or (row.updated_at is not None and as_ms(row.updated_at) > a.listened_ms):
+                outcomes[a.index] = SyncOutcome(False, OLDER_THAN_STORED)
+            else:
+                outcomes[a.index] = SyncOutcome(True)
+        return _all_set(outcomes)
+
+    async def _rows(self, user_id: int, accepted: list[_Accepted]) -> dict[ContentKind, _Rows]:
+        ids_by_kind: dict[ContentKind, set[int]] = {}
+        for a in accepted:
+            ids_by_kind.setdefault(a.kind, set()).add(a.content_id)
+        kinds = list(ids_by_kind)
+        answers = await asyncio.gather(
+            *(fetch_rows(self._pool, kind, [(user_id, cid) for cid in sorted(ids_by_kind[kind])]) for kind in kinds),
+            return_exceptions=True,
+        )  # fmt: skip
+        found: dict[ContentKind, _Rows] = {}
+        for kind, answer in zip(kinds, answers, strict=True):
+            if isinstance(answer, BaseException):
+                raise answer  # every query was awaited to its end first
+            found[kind] = answer
+        return found

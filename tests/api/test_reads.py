@@ -1,0 +1,213 @@
+"""GET /progress/...: the freshest position, from the buffer before the flush and from the row after it."""
+
+
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from service.app import create_app
+from service.config import Settings
+from service.progress.buffer import decode_value
+from service.progress.flusher import Flusher
+from service.progress.reads import from_ms
+from tests.conftest import auth, seed
+
+
+async def heartbeat(client: httpx.AsyncClient, token: str, lesson_id: int, position: float) -> None:
+    response = await client.post("/engagements/progress/lesson", json={"lesson_id": lesson_id, "position": position},
+                                 headers=auth(token))  # fmt: skip
+    assert response.status_code == 201
+
+
+async def stored_ms(redis: Redis, lesson_id: int, user_id: int = 7) -> int:
+    return decode_value(await redis.get(f"progress:latest_position:lesson:{lesson_id}:{user_id}")).received_ms
+
+
+@pytest.fixture
+async def flusher(settings: Settings, redis: Redis, db: asyncpg.Pool) -> Flusher:
+    return Flusher(redis=redis, pool=db, settings=settings)
+
+
+async def test_a_heartbeat_is_read_back_at_once_then_from_the_row_after_flush_and_expiry(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
+) -> None:
+    await seed(db, users=7)
+    await heartbeat(client, token, 2, 40.5)
+    received_ms = await stored_ms(redis, 2)
+
+    response = await client.get("/progress/lesson/2", headers=auth(token))  # before any flush: no row yet
+    assert response.status_code == 200
+    assert response.headers["cache-control"] == "no-store"
+    expected = {"content_type": "lesson", "content_id": 2, "position": 40.5,
+                "updated_at": from_ms(received_ms).isoformat(), "completed_at": None}  # fmt: skip
+    assert response.json() == expected
+    assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 0
+
+    assert (await flusher.flush_cycle()).written == 1
+    assert (await client.get("/progress/lesson/2", headers=auth(token))).json() == expected
+
+    await redis.delete("progress:latest_position:lesson:2:7")  # the value's TTL passed
+    assert (await client.get("/progress/lesson/2", headers=auth(token))).json() == expected
+
+    # the next heartbeat is newer than the row: it is the answer until the next flush
+    await heartbeat(client, token, 2, 41.0)
+    answer = (await client.get("/progress/lesson/2", headers=auth(token))).json()
+    assert (answer["position"], answer["updated_at"]) == (41.0, from_ms(await stored_ms(redis, 2)).isoformat())
+
+
+async def test_a_row_newer_than_the_buffered_value_wins(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7)
+    await heartbeat(client, token, 1, 10.0)
+    # written since by degraded mode (or another device's flushed heartbeat): newer than the buffer
+    await db.execute("INSERT INTO engagements_lessonprogress (user_id, lesson_id, position, created_at, updated_at) "
+                     "VALUES (7, 1, 99.0, now() + interval '1 minute', now() + interval '1 minute')")  # fmt: skip
+    answer = (await client.get("/progress/lesson/1", headers=auth(token))).json()
+    assert answer["position"] == 99.0
+
+
+async def test_a_completion_not_flushed_yet_is_read_as_the_flush_will_write_it(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
+) -> None:
+    await seed(db, users=7, duration_s=600)
+    await heartbeat(client, token, 3, 595.0)  # within the 10 s margin
+    await heartbeat(client, token, 3, 4.0)  # and restarted: the peak still completes it
+    received_ms = await stored_ms(redis, 3)
+    answer = (await client.get("/progress/lesson/3", headers=auth(token))).json()
+    assert (answer["position"], answer["completed_at"]) == (4.0, from_ms(received_ms).isoformat())
+
+    await flusher.flush_cycle()
+    completed_at = await db.fetchval("SELECT completed_at FROM engagements_lessonprogress WHERE lesson_id = 3")
+    assert completed_at.isoformat() == answer["completed_at"]  # the read said what the flush wrote
+    assert (await client.get("/progress/lesson/3", headers=auth(token))).json() == answer
+
+
+async def test_another_users_token_never_sees_it(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, settings: Settings, token: str, flusher: Flusher
+) -> None:
+    from service.auth import make_token
+
+    await seed(db, users=8)
+    await heartbeat(client, token, 1, 12.0)
+    other = auth(make_token(settings, 8))
+    response = await client.get("/progress/lesson/1", headers=other)
+    assert response.status_code == 404
+    assert "lesson 1" in response.json()["detail"]
+    assert (await client.get("/progress/lesson?ids=1", headers=other)).json() == {"data": []}
+    await flusher.flush_cycle()
+    assert (await client.get("/progress/lesson/1", headers=other)).status_code == 404
+    assert (await client.get("/progress/lesson/1", headers=auth(token))).status_code == 200
+
+
+async def test_nothing_known_is_404_and_a_value_for_unknown_content_is_not_progress(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7, contents=2)
+    assert (await client.get("/progress/audio/1", headers=auth(token))).status_code == 404
+    await client.post("/audios/progress", json={"audio_id": 99, "position": 5}, headers=auth(token))
+    assert await redis.exists("progress:latest_position:audio:99:7")  # the flush will drop it: no such audio
+    assert (await client.get("/progress/audio/99", headers=auth(token))).status_code == 404
+
+
+async def test_batch_read_returns_an_entry_per_id_with_progress_in_the_order_asked(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
+) -> None:
+    await seed(db, users=7, contents=5)
+    await heartbeat(client, token, 4, 44.0)
+    await flusher.flush_cycle()
+    await redis.delete("progress:latest_position:lesson:4:7")  # 4: only in the row
+    await heartbeat(client, token, 2, 22.0)  # 2: only in the buffer
+    response = await client.get("/progress/lesson?ids=5,4,3,2,4,1000", headers=auth(token))
+    assert response.status_code == 200
+    assert [(e["content_id"], e["position"]) for e in response.json()["data"]] == [(4, 44.0), (2, 22.0)]
+    assert all(e["content_type"] == "lesson" for e in response.json()["data"])
+
+
+BAD_READS = [
+    pytest.param("/progress/podcast/1", 422, "content_type", id="unknown-type"),
+    pytest.param("/progress/podcast?ids=1", 422, "content_type", id="unknown-type-batch"),
+    pytest.param("/progress/lesson/abc", 422, "content_id", id="id-not-integer"),
+    pytest.param("/progress/lesson/1.0", 422, "content_id", id="id-float"),
+    pytest.param("/progress/lesson/0", 422, "content_id", id="id-zero"),
+    pytest.param("/progress/lesson/-1", 422, "content_id", id="id-negative"),
+    pytest.param("/progress/lesson/9223372036854775808", 422, "content_id", id="id-beyond-64-bit"),
+    pytest.param("/progress/lesson", 422, "ids", id="ids-missing"),
+    pytest.param("/progress/lesson?ids=", 422, "ids", id="ids-empty"),
+    pytest.param("/progress/lesson?ids=1,x", 422, "ids", id="ids-not-integer"),
+    pytest.param("/progress/lesson?ids=1,,2", 422, "ids", id="ids-empty-item"),
+    pytest.param("/progress/lesson?ids=1&ids=2", 422, "ids", id="ids-repeated"),
+    pytest.param("/progress/lesson?ids=" + ",".join(str(i) for i in range(1, 102)), 422, "100", id="101-ids"),
+]
+
+
+@pytest.mark.parametrize(("url", "status", "named"), BAD_READS)
+async def test_bad_reads_get_a_clear_4xx_and_write_nothing(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, url: str, status: int, named: str
+) -> None:
+    await seed(db, users=7)
+    await heartbeat(client, token, 1, 5.0)
+    keys = sorted(await redis.keys("*"))
+    response = await client.get(url, headers=auth(token))
+    assert response.status_code == status
+    assert named in response.text
+    assert sorted(await redis.keys("*")) == keys
+    assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 0
+
+
+async def test_100_ids_are_accepted(client: httpx.AsyncClient, db: asyncpg.Pool, token: str) -> None:
+    await seed(db, users=7)
+    ids = ",".join(str(i) for i in range(1, 101))
+    assert (await client.get(f"/progress/audio?ids={ids}", headers=auth(token))).json() == {"data": []}
+
+
+async def test_reads_need_a_token_and_get(client: httpx.AsyncClient, redis: Redis, token: str) -> None:
+    response = await client.get("/progress/lesson/1")
+    assert (response.status_code, "Authorization" in response.json()["detail"]) == (401, True)
+    assert (await client.get("/progress/lesson?ids=1", headers=auth("x.y.z"))).status_code == 401
+    response = await client.post("/progress/lesson/1", headers=auth(token))
+    assert (response.status_code, response.headers["allow"]) == (405, "GET")
+    response = await client.get("/progress/sync", headers=auth(token))
+    assert (response.status_code, response.headers["allow"]) == (405, "POST")
+    assert (await client.get("/progress/lesson/1/more", headers=auth(token))).status_code == 404  # not a route
+    assert await redis.keys("*") == []
+
+
+async def test_without_a_database_reads_answer_503(settings: Settings, redis: Redis, token: str) -> None:
+    app = create_app(settings.model_copy(update={"database_url": ""}))
+    async with app.app.router.lifespan_context(app.app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            response = await client.get("/progress/lesson/1", headers=auth(token))
+            assert response.status_code == 503
+            assert "DATABASE_URL" in response.json()["detail"]
+
+
+async def test_a_store_that_fails_is_503_not_500(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7)
+    await db.execute("ALTER TABLE engagements_lessonprogress RENAME TO engagements_lessonprogress_away")
+    try:
+        response = await client.get("/progress/lesson/1", headers=auth(token))
+    finally:
+        await db.execute("ALTER TABLE engagements_lessonprogress_away RENAME TO engagements_lessonprogress")
+    assert response.status_code == 503
+
+
+async def test_an_unreachable_redis_is_503_for_reads_and_sync(settings: Settings, db: asyncpg.Pool, token: str) -> None:
+    from service.embedded import free_port
+
+    await seed(db, users=7)
+    app = create_app(settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"}))
+    async with app.app.router.lifespan_context(app.app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            assert (await client.get("/progress/lesson/1", headers=auth(token))).status_code == 503
+            assert (await client.get("/progress/lesson?ids=1,2", headers=auth(token))).status_code == 503
+            listened_at = (datetime.now(UTC) - timedelta(minutes=1)).isoformat()
+            body = {"items": [{"content_type": "lesson", "content_id": 1, "position": 3.0, "listened_at": listened_at}]}
+            response = await client.post("/progress/sync", json=body, headers=auth(token))
+            assert response.status_code == 503, response.text
+            assert "retry later" in response.json()["detail"]

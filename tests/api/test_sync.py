@@ -1,0 +1,208 @@
+"""POST /progress/sync: offline positions through the buffer with their own time, against real Redis and Postgres."""
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+
+import asyncpg
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from service.config import Settings
+from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
+from service.progress.flusher import Flusher
+from service.progress.sync import OLDER_THAN_STORED, SUPERSEDED, UNKNOWN_CONTENT
+from tests.conftest import auth, seed
+
+VALUE = "progress:latest_position:{}:{}:7"
+
+
+def ago(seconds: float) -> datetime:
+    return datetime.now(UTC) - timedelta(seconds=seconds)
+
+
+def item(content_id: int, position: float, listened_at: datetime, content_type: str = "audio") -> dict[str, object]:
+    return {"content_type": content_type, "content_id": content_id, "position": position,
+            "listened_at": listened_at.isoformat()}  # fmt: skip
+
+
+async def sync(client: httpx.AsyncClient, token: str, *items: dict[str, object]) -> list[tuple[bool, str | None]]:
+    response = await client.post("/progress/sync", json={"items": list(items)}, headers=auth(token))
+    assert response.status_code == 200, response.text
+    return [(outcome["applied"], outcome["reason"]) for outcome in response.json()["items"]]
+
+
+async def live_heartbeat(redis: Redis, content_id: int, position: float, received_ms: int) -> None:
+    """A heartbeat the request path stored at `received_ms`, through its own script."""
+    await redis.script_load(WRITE_SCRIPT)
+    await redis.execute_command(*write_args("audio", content_id, 7, position, received_ms, 3600))
+
+
+def ms(moment: datetime) -> int:
+    return int(moment.timestamp() * 1000)
+
+
+@pytest.fixture
+async def flusher(settings: Settings, redis: Redis, db: asyncpg.Pool) -> Flusher:
+    return Flusher(redis=redis, pool=db, settings=settings)
+
+
+async def test_newer_items_are_applied_and_older_ones_are_not(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7, contents=3)
+    await live_heartbeat(redis, 1, 100.0, ms(ago(60)))  # a live heartbeat a minute ago
+    await live_heartbeat(redis, 2, 100.0, ms(ago(60)))
+    newer, older = ago(30), ago(120)
+    outcomes = await sync(client, token, item(1, 130.0, newer), item(2, 50.0, older), item(3, 7.0, older))
+    assert outcomes == [(True, None), (False, OLDER_THAN_STORED), (True, None)]
+    assert decode_value(await redis.get(VALUE.format("audio", 1))).position == 130.0
+    assert decode_value(await redis.get(VALUE.format("audio", 1))).received_ms == ms(newer)
+    assert decode_value(await redis.get(VALUE.format("audio", 2))).position == 100.0  # the live one stands
+    assert await redis.smembers("progress:pending_flush:audio") == {"1:7", "2:7", "3:7"}
+    assert (await client.get("/progress/audio/2", headers=auth(token))).json()["position"] == 100.0
+    # and the other way round: a live heartbeat after the offline item replaces it
+    await live_heartbeat(redis, 3, 9.0, ms(ago(1)))
+    assert (await client.get("/progress/audio/3", headers=auth(token))).json()["position"] == 9.0
+
+
+async def test_an_item_older_than_the_row_is_not_applied_even_once_the_value_expired(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
+) -> None:
+    await seed(db, users=7)
+    await live_heartbeat(redis, 1, 100.0, ms(ago(60)))
+    await flusher.flush_cycle()
+    await redis.delete(VALUE.format("audio", 1))  # its TTL passed after the flush: only the row knows
+    assert await sync(client, token, item(1, 50.0, ago(600))) == [(False, OLDER_THAN_STORED)]
+    await flusher.flush_cycle()
+    assert await db.fetchval("SELECT position FROM audios_audioprogress WHERE user_id = 7") == 100.0
+    assert (await client.get("/progress/audio/1", headers=auth(token))).json()["position"] == 100.0
+    # newer than the row: applied, and the flush moves the row forward
+    assert await sync(client, token, item(1, 120.0, ago(30))) == [(True, None)]
+    await flusher.flush_cycle()
+    assert await db.fetchval("SELECT position FROM audios_audioprogress WHERE user_id = 7") == 120.0
+
+
+async def test_an_offline_listen_to_the_end_completes_once(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
+) -> None:
+    await seed(db, users=7, duration_s=600)
+    listened_at = ago(300).replace(microsecond=250_000)
+    assert await sync(client, token, item(1, 595.0, listened_at, "meditation")) == [(True, None)]
+    answer = (await client.get("/progress/meditation/1", headers=auth(token))).json()
+    assert answer["completed_at"] == listened_at.isoformat()  # before the flush, as the flush will write it
+
+    assert (await flusher.flush_cycle()).completions == 1
+    # the app uploads the same batch again (it never saw the answer), and a later one
+    assert await sync(client, token, item(1, 595.0, listened_at, "meditation")) == [(True, None)]
+    assert await sync(client, token, item(1, 600.0, ago(10), "meditation")) == [(True, None)]
+    assert (await flusher.flush_cycle()).completions == 0
+    events = await db.fetch("SELECT content_type, content_id, user_id, completed_at FROM progress_completion_event")
+    assert [tuple(e) for e in events] == [("meditation", 1, 7, listened_at)]
+    assert await db.fetchval("SELECT completed_at FROM audios_meditationprogress") == listened_at
+
+
+async def test_duplicates_in_one_request_the_latest_wins_and_the_furthest_still_completes(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
+) -> None:
+    await seed(db, users=7, duration_s=600)
+    end, restart = ago(120), ago(60)
+    # out of order on purpose: the device listened to the end, then restarted
+    outcomes = await sync(client, token, item(2, 5.0, restart), item(2, 598.0, end), item(1, 3.0, restart))
+    assert outcomes == [(True, None), (False, SUPERSEDED), (True, None)]
+    stored = decode_value(await redis.get(VALUE.format("audio", 2)))
+    assert (stored.position, stored.received_ms, stored.peak) == (5.0, ms(restart), 598.0)
+    assert (await flusher.flush_cycle()).completions == 1
+    row = await db.fetchrow("SELECT position, completed_at FROM audios_audioprogress WHERE audio_id = 2")
+    assert row["position"] == 5.0
+    assert row["completed_at"] == datetime.fromtimestamp(ms(restart) / 1000, UTC)
+
+
+async def test_refused_items_are_reported_one_by_one_and_not_written(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7, contents=3)
+    outcomes = await sync(
+        client, token,
+        item(1, 10.0, ago(-3600)),  # an hour in the future: a wrong clock
+        item(2, 10.0, ago(31 * 86_400)),  # older than SYNC_MAX_AGE_DAYS
+        item(999, 10.0, ago(5)),  # no such audio: the flush would drop it
+        item(3, 10.0, ago(-60)),  # a clock a minute ahead: tolerated, stored as now
+    )  # fmt: skip
+    assert [applied for applied, _ in outcomes] == [False, False, False, True]
+    assert "future" in str(outcomes[0][1])
+    assert "30 days" in str(outcomes[1][1])
+    assert outcomes[2][1] == UNKNOWN_CONTENT
+    assert await redis.smembers("progress:pending_flush:audio") == {"3:7"}
+    assert sorted(await redis.keys("progress:latest_position:*")) == [VALUE.format("audio", 3)]
+    assert decode_value(await redis.get(VALUE.format("audio", 3))).received_ms <= time.time_ns() // 1_000_000
+
+
+def _body(items: int) -> bytes:
+    return json.dumps({"items": [item(1, 1.0, ago(5)) for _ in range(items)]}).encode()
+
+
+BAD_SYNCS = [
+    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "content_type": "podcast"}]}).encode(), 422,
+                 "content_type", id="unknown-type"),
+    pytest.param(_body(501), 422, "500", id="501-items"),
+    pytest.param(b'{"items": []}', 422, "items", id="no-items"),
+    pytest.param(b"{}", 422, "items", id="no-items-field"),
+    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "content_id": "1"}]}).encode(), 422,
+                 "content_id", id="id-as-string"),
+    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "content_id": 1.5}]}).encode(), 422,
+                 "content_id", id="id-float"),
+    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "position": -1}]}).encode(), 422,
+                 "position", id="position-negative"),
+    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "listened_at": "2026-01-01T10:00:00"}]}).encode(),
+                 422, "listened_at", id="listened-at-without-zone"),
+    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "listened_at": 1700000000}]}).encode(), 422,
+                 "listened_at", id="listened-at-number"),
+    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "listened_at": "yesterday"}]}).encode(), 422,
+                 "listened_at", id="listened-at-text"),
+    pytest.param(b'{"items": [', 400, "JSON", id="malformed-json"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "status", "named"), BAD_SYNCS)
+async def test_bad_syncs_get_a_clear_4xx_and_write_nothing(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, body: bytes, status: int, named: str
+) -> None:
+    await seed(db, users=7)
+    response = await client.post("/progress/sync", content=body,
+                                 headers={**auth(token), "Content-Type": "application/json"})  # fmt: skip
+    assert response.status_code == status
+    assert named in response.text
+    assert await redis.keys("*") == []
+
+
+async def test_a_sync_needs_a_token_post_and_a_body_within_the_limit(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7)
+    assert (await client.post("/progress/sync", content=_body(1))).status_code == 401
+    assert (await client.put("/progress/sync", content=_body(1), headers=auth(token))).status_code == 405
+    padded = json.dumps({"items": [item(1, 1.0, ago(5))], "pad": "x" * 300_000}).encode()
+    response = await client.post("/progress/sync", content=padded, headers=auth(token))
+    assert (response.status_code, "262144" in response.text) == (413, True)
+    assert await redis.keys("*") == []
+    assert (await client.post("/progress/sync", content=_body(500), headers=auth(token))).status_code == 200
+
+
+async def test_the_rate_limit_seam_refuses_before_anything_is_written(
+    app, client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str  # type: ignore[no-untyped-def]
+) -> None:
+    await seed(db, users=7)
+    calls: list[tuple[int, int]] = []
+
+    def limit(user_id: int, items: int) -> float | None:
+        calls.append((user_id, items))
+        return 2.4 if items > 1 else None
+
+    app.app.state.reads.sync_limit = limit
+    response = await client.post("/progress/sync", content=_body(3), headers=auth(token))
+    assert (response.status_code, response.headers["retry-after"]) == (429, "2")
+    assert await redis.keys("*") == []
+    assert (await client.post("/progress/sync", content=_body(1), headers=auth(token))).status_code == 200
+    assert calls == [(7, 3), (7, 1)]

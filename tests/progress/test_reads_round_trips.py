@@ -1,0 +1,124 @@
+"""Round trips of the reads and the sync, counted on real connections: one to Redis, one query per type."""
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+import pytest
+from redis.asyncio import ConnectionPool, Redis
+from redis.asyncio.connection import Connection
+
+from service.progress.buffer import WRITE_SCRIPT, PositionWriter
+from service.progress.content import CONTENT_KINDS
+from service.progress.reads import ProgressReader, rows_sql
+from service.progress.sync import OfflineSync, SyncItem
+from tests.conftest import Servers, seed
+
+KINDS = {kind.name: kind for kind in CONTENT_KINDS}
+
+
+class CountingConnection(Connection):
+    """A real Redis connection that counts what it sends: one send per round trip (a pipeline is one)."""
+
+    sends = 0
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountingConnection.sends += 1
+        await super().send_packed_command(command, check_health)
+
+
+@dataclass
+class Counted:
+    redis: Redis
+    pool: asyncpg.Pool
+    statements: list[str] = field(default_factory=list)
+
+    async def reset(self) -> None:
+        await asyncio.sleep(0)  # the query logger runs in a call_soon after each statement
+        self.statements.clear()
+        CountingConnection.sends = 0
+
+    async def round_trips(self) -> tuple[int, list[str]]:
+        await asyncio.sleep(0)
+        return CountingConnection.sends, list(self.statements)
+
+
+@pytest.fixture
+async def counted(servers: Servers, migrated: str, db: asyncpg.Pool, redis: Redis) -> AsyncIterator[Counted]:
+    statements: list[str] = []
+
+    async def log_statements(conn: asyncpg.Connection) -> None:
+        await conn.fetch("SELECT $1::bigint[]", [1])  # asyncpg's one-off type introspection, not ours
+        conn.add_query_logger(lambda record: statements.append(record.query))
+
+    async def no_reset(conn: asyncpg.Connection) -> None:
+        return None
+
+    pool = await asyncpg.create_pool(migrated, min_size=1, max_size=2, init=log_statements, reset=no_reset)
+    client = Redis(connection_pool=ConnectionPool.from_url(servers.redis_url, connection_class=CountingConnection))
+    await client.script_load(WRITE_SCRIPT)  # the connection is open and the script known before counting
+    try:
+        yield Counted(client, pool, statements)
+    finally:
+        await client.aclose()
+        await pool.close()
+
+
+async def calls(redis: Redis, command: str) -> int:
+    """How many times the server ran `command`, from its own statistics."""
+    stats = await redis.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+async def test_a_batch_read_of_100_ids_is_one_redis_round_trip_and_one_query(
+    counted: Counted, db: asyncpg.Pool, redis: Redis
+) -> None:
+    await seed(db, users=7, contents=100)
+    writer = PositionWriter(counted.redis, ttl_s=3600)
+    for content_id in range(1, 51):
+        await writer.write(content_type="audio", content_id=content_id, user_id=7, position=content_id,
+                           received_ms=1_700_000_000_000)  # fmt: skip
+    reader = ProgressReader(counted.redis, counted.pool, margin_s=10)
+    await counted.reset()
+    mgets = await calls(redis, "mget")
+
+    found = await reader.read(KINDS["audio"], 7, list(range(1, 101)))
+
+    assert [p.content_id for p in found] == list(range(1, 51))
+    sends, statements = await counted.round_trips()
+    assert (sends, await calls(redis, "mget") - mgets) == (1, 1)
+    assert statements == [rows_sql(KINDS["audio"])]
+
+
+async def test_concurrent_reads_of_one_turn_share_the_mget_and_the_query(counted: Counted, db: asyncpg.Pool) -> None:
+    await seed(db, users=20, contents=3)
+    reader = ProgressReader(counted.redis, counted.pool, margin_s=10)
+    await counted.reset()
+    await asyncio.gather(*(reader.read(KINDS["lesson"], user_id, [1, 2, 3]) for user_id in range(1, 21)))
+    sends, statements = await counted.round_trips()
+    assert (sends, statements) == (1, [rows_sql(KINDS["lesson"])])
+
+
+async def test_500_items_in_one_sync_are_one_redis_round_trip(counted: Counted, db: asyncpg.Pool,
+                                                              redis: Redis) -> None:  # fmt: skip
+    await seed(db, users=7, contents=125)
+    sync = OfflineSync(PositionWriter(counted.redis, ttl_s=3600), counted.pool, ttl_s=3600, max_skew_s=300,
+                       max_age_s=30 * 86_400)  # fmt: skip
+    listened_at = datetime.now(UTC) - timedelta(minutes=5)
+    items = [SyncItem(content_type=kind.name, content_id=cid, position=float(cid), listened_at=listened_at)
+             for kind in CONTENT_KINDS for cid in range(1, 126)]  # fmt: skip
+    assert len(items) == 500
+    await counted.reset()
+    scripts = await calls(redis, "evalsha")
+
+    outcomes = await sync.apply(7, items, now_ms=int(datetime.now(UTC).timestamp() * 1000))
+
+    assert all(outcome.applied for outcome in outcomes) and len(outcomes) == 500
+    sends, statements = await counted.round_trips()
+    assert (sends, await calls(redis, "evalsha") - scripts) == (1, 500)  # 500 script calls, one round trip
+    assert sorted(statements) == sorted(rows_sql(kind) for kind in CONTENT_KINDS)  # one query per type present
+    for kind in CONTENT_KINDS:
+        assert await redis.scard(f"progress:pending_flush:{kind.name}") == 125
