@@ -12,14 +12,17 @@ from fastapi import FastAPI
 from redis.exceptions import RedisError
 
 from service.api import health
+from service.api.catalog import CATALOG_MAX_ANSWERS, CATALOG_MAX_LOOKUPS, ContentCatalog
 from service.api.ingest import ProgressIngest
 from service.api.openapi import build_openapi
+from service.api.ratelimit import RateLimiter
 from service.auth import Authenticator
 from service.clients import connect_redis, create_db_pool
 from service.config import Settings, load_settings
 from service.logs import RequestIdMiddleware, configure_logging
 from service.progress.buffer import WRITE_SCRIPT, PositionWriter
 from service.progress.flusher import Flusher
+from service.progress.redis_memory import run_redis_memory_sampler
 from service.progress.sink import DirectWriter, HeartbeatSink
 from service.trial_emails.sweep import run_periodic_sweep
 
@@ -90,6 +93,17 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
                              redis_retry_s=settings.degraded_redis_retry_seconds,
                              direct_timeout_s=settings.degraded_write_timeout_seconds)  # fmt: skip
         resources.push_async_callback(sink.aclose)
+        # the door and Redis memory (hostile clients): the first catalog snapshot is loaded before serving
+        if settings.content_catalog_enabled and pool is not None:
+            catalog = ContentCatalog(pool, lookup_timeout_s=settings.content_catalog_lookup_timeout_seconds,
+                                     answer_ttl_s=settings.content_catalog_cache_seconds,
+                                     max_answers=CATALOG_MAX_ANSWERS, max_lookups=CATALOG_MAX_LOOKUPS)  # fmt: skip
+            await catalog.try_refresh()
+            resources.push_async_callback(catalog.aclose)
+            background.start("content-catalog", catalog.run_refresh(background.stop,
+                                                                    settings.content_catalog_refresh_seconds))
+            ingest.catalog = catalog
+        background.start("redis-memory", run_redis_memory_sampler(redis, background.stop))
         ingest.sink = sink
         # Everything alive now lives as long as the process: moved out of the collector's sight,
         # a full collection under load scans ~1 k objects instead of ~80 k (a 37 ms pause at p99.9).
@@ -100,6 +114,7 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             yield
         finally:
             ingest.sink = None
+            ingest.catalog = None
             log.info("progress-service stopping", extra={"pod": settings.pod_name})
 
 
@@ -117,7 +132,11 @@ def create_app(settings: Settings | None = None) -> ProgressIngest:
     api.include_router(health.router)
     api.add_middleware(RequestIdMiddleware)  # the FastAPI routes only: the heartbeat path stays lean
     api.openapi = partial(build_openapi, api)  # type: ignore[method-assign]
-    app = ProgressIngest(api, authenticator=Authenticator(settings), max_body_bytes=settings.max_body_bytes)
+    limiter = None
+    if settings.rate_limit_per_user_per_second > 0:
+        limiter = RateLimiter(per_second=settings.rate_limit_per_user_per_second, burst=settings.rate_limit_burst)
+    app = ProgressIngest(api, authenticator=Authenticator(settings), max_body_bytes=settings.max_body_bytes,
+                         body_read_timeout_s=settings.body_read_timeout_seconds, limiter=limiter)  # fmt: skip
     api.state.settings = settings
     api.state.ingest = app
     return app

@@ -138,7 +138,8 @@ def _openapi(args: argparse.Namespace) -> int:
 
     from service.app import create_app
 
-    api = create_app(Settings(jwt_secret=DEV_JWT_SECRET, progress_flusher_enabled=False)).app
+    api = create_app(Settings(jwt_secret=DEV_JWT_SECRET, progress_flusher_enabled=False,
+                              content_catalog_enabled=False)).app
     assert isinstance(api, FastAPI)
     print(yaml.safe_dump(api.openapi(), sort_keys=False, allow_unicode=True), end="")
     return 0

@@ -80,6 +80,9 @@ def settings(servers: Servers, migrated: str) -> Settings:
         # the API tests look at the pending sets; the flusher tests start their own flusher
         progress_flusher_enabled=False,
         trial_journey_interval_seconds=0,
+        # the door's own tests (tests/api/test_door.py) turn these on; elsewhere ids need not exist
+        content_catalog_enabled=False,
+        rate_limit_per_user_per_second=0,
     )
 
 

@@ -1,0 +1,35 @@
+"""Redis memory use as a metric: the buffer runs with maxmemory and noeviction, so a full Redis
+refuses writes (degraded mode takes them) instead of silently dropping positions; the alert fires
+well before that (deploy/prometheus/alerts.yml, 80 %)."""
+
+import asyncio
+import logging
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from service import metrics
+
+log = logging.getLogger(__name__)
+
+SAMPLE_INTERVAL_S = 15.0
+
+
+async def sample_redis_memory(redis: Redis) -> None:
+    info = await redis.info("memory")
+    metrics.REDIS_USED_MEMORY.set(int(info["used_memory"]))
+    metrics.REDIS_MAX_MEMORY.set(int(info.get("maxmemory", 0)))
+
+
+async def run_redis_memory_sampler(redis: Redis, stop: asyncio.Event, interval_s: float = SAMPLE_INTERVAL_S) -> None:
+    """Off the request path: one INFO per interval until `stop`."""
+    while not stop.is_set():
+        try:
+            await sample_redis_memory(redis)
+        except (RedisError, OSError) as exc:
+            # Redis down is reported by readiness and the write metrics; the gauge keeps its last value
+            log.debug("Redis memory not sampled: %s", exc)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+        except TimeoutError:
+            pass
