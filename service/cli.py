@@ -16,11 +16,13 @@ DEV_JWT_SECRET = "dev-only-secret-not-for-production"
 
 
 def _uvicorn_options(host: str, port: int) -> dict[str, object]:
+    from service.api.http_limits import LimitedHttpToolsProtocol
+
     return {
         "host": host,
         "port": port,
         "loop": "uvloop",
-        "http": "httptools",
+        "http": LimitedHttpToolsProtocol,  # httptools with a limit on the request head's size and time
         "lifespan": "on",
         "log_config": None,
         "access_log": False,
