@@ -31,9 +31,20 @@ def _progress_operation(name: str, body_schema: str) -> dict[str, Any]:
                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Created"}}},
                 },
                 "400": _error_response("Malformed JSON."),
-                "401": _error_response("Missing, malformed, expired or wrongly signed token."),
+                "401": _error_response("Missing, malformed, expired or wrongly signed token; or two identity headers."),
+                "404": _error_response("The content id does not exist (`unknown <field> <id>`); nothing written."),
+                "408": _error_response("Body not received within BODY_READ_TIMEOUT_SECONDS; the connection is closed."),
                 "413": _error_response("Body larger than MAX_BODY_BYTES."),
                 "422": _error_response("Valid JSON, invalid fields; `detail` names each one."),
+                "429": {
+                    **_error_response("Too many heartbeats from this user (far above the app's rhythm)."),
+                    "headers": {
+                        "Retry-After": {
+                            "description": "Whole seconds after which a heartbeat is accepted again.",
+                            "schema": {"type": "integer", "minimum": 1},
+                        }
+                    },
+                },
                 "503": _error_response("No store can take the heartbeat now; retry later."),
             },
         }
