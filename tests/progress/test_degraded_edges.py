@@ -10,11 +10,12 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service import embedded
+from service import embedded, metrics
 from service.app import create_app
 from service.auth import make_token
 from service.config import Settings
 from service.progress.buffer import receive_ms
+from service.progress.redis_memory import sample_redis_memory
 from tests.conftest import auth, seed
 from tests.progress.test_degraded import degraded_settings, own_redis, running
 
@@ -93,6 +94,8 @@ async def test_a_full_redis_sends_heartbeats_to_postgres_not_to_a_500(
         async with running(app) as client:
             await full.config_set("maxmemory-policy", "noeviction")
             await full.config_set("maxmemory", 1)  # used memory is over it at once: every write gets OOM
+            await sample_redis_memory(full)
+            assert metrics.REDIS_MAX_MEMORY._value.get() == 1 < metrics.REDIS_USED_MEMORY._value.get()
             response = await client.post("/meditations/progress", json={"meditation_id": 1, "position": 42},
                                          headers=auth(token))  # fmt: skip
             assert response.status_code == 201
