@@ -22,9 +22,9 @@ from tests.conftest import TEST_JWT_SECRET, auth
 
 _FUTURE = int(time.time()) + 3600
 _RSA = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-_RSA_PUBLIC_PEM = _RSA.public_key().public_bytes(
-    serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-).decode()
+_RSA_PUBLIC_PEM = (
+    _RSA.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+)
 
 
 def _b64(data: bytes) -> str:
