@@ -199,3 +199,17 @@ async def test_a_flood_from_one_user_gets_429_and_no_writes_beyond_the_limit(
     assert 1 <= int(answers[-1].headers["retry-after"]) <= 100
     assert await redis.scard("progress:pending_flush:live") == 10
     assert len(await redis.keys("progress:latest_position:*")) == 10
+
+
+async def test_a_refresh_replaces_the_snapshot(door: Settings, db: asyncpg.Pool, redis: Redis) -> None:
+    await seed(db, users=1, contents=2)
+    async with running(door) as (app, _):
+        assert app.catalog is not None
+        await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (70, 'new', 600)")
+        await db.execute("DELETE FROM courses_lesson WHERE id = 2")
+        assert app.catalog.is_known(LESSON, 2) is True  # the snapshot of start-up
+        assert await app.catalog.try_refresh()
+        assert app.catalog.is_known(LESSON, 70) is True  # in memory now: no lookup
+        assert app.catalog.snapshot_bytes() == 8 * (2 + 2 * 3)  # lessons 1 and 70, two ids of three other kinds
+        missing = app.catalog.is_known(LESSON, 2)
+        assert not isinstance(missing, bool) and await missing is False
