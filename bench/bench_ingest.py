@@ -493,11 +493,12 @@ def door_comparison(plain: Target, door: Target, wrk: str, tokens: Path, args: a
     print()
     print(f"door: the same load ({args.users} users, known ids 1..{args.contents}), {args.rounds} alternating "
           f"rounds of {args.duration:.0f}s each; every answer 201")  # fmt: skip
-    print(f"{'':<16}{'median req/s':>14}{'runs req/s':>40}{'median p99 ms':>15}")
+    print(f"{'':<16}{'median req/s':>14}{'runs req/s':>30}{'median p99 ms':>15}{'server CPU us/request':>24}")
     for name, results in runs.items():
         rates = [r.rps for r in results]
-        print(f"{name:<16}{median(rates):>14.0f}{', '.join(f'{r:.0f}' for r in rates):>40}"
-              f"{median([r.p99_ms for r in results]):>15.2f}")  # fmt: skip
+        cpu_us = [r.cpu.server_cpu_s / r.requests * 1e6 for r in results if r.cpu is not None]
+        print(f"{name:<16}{median(rates):>14.0f}{', '.join(f'{r:.0f}' for r in rates):>30}"
+              f"{median([r.p99_ms for r in results]):>15.2f}{median(cpu_us) if cpu_us else 0:>24.1f}")  # fmt: skip
     share = median([r.rps for r in runs[door.name]]) / median([r.rps for r in runs[plain.name]])
     print(f"target: throughput with the door >= {TARGET_DOOR_SHARE:.0%} of without: {share:.1%} "
           f"{'PASS' if share >= TARGET_DOOR_SHARE else 'MISS'}")  # fmt: skip
