@@ -98,15 +98,20 @@ async def main(args: argparse.Namespace) -> None:
                 runs[name].append(await _measure(variants[name], tokens, bodies, args.requests))
         print(f"{args.requests} heartbeats per run ({CONCURRENCY} at a time, known ids), "
               f"{args.rounds} alternating rounds")
-        medians = {}
+        medians: dict[str, tuple[float, float]] = {}
         for name, results in runs.items():
             cpu = sorted(c for c, _ in results)
             rps = sorted(r for _, r in results)
-            medians[name] = rps[len(rps) // 2]
-            print(f"{name:<10} median CPU {cpu[len(cpu) // 2]:6.1f} us/request, median {medians[name]:7.0f} req/s "
+            medians[name] = cpu[len(cpu) // 2], rps[len(rps) // 2]
+            print(f"{name:<10} median CPU {medians[name][0]:6.1f} us/request, median {medians[name][1]:7.0f} req/s "
                   f"(runs: {', '.join(f'{r:.0f}' for r in rps)})")  # fmt: skip
-        share = medians["door on"] / medians["door off"]
-        print(f"target: throughput with the door >= 95% of without: {share:.1%} {'PASS' if share >= 0.95 else 'MISS'}")
+        # The process is CPU-bound: its throughput is 1 / CPU per request. Wall-clock req/s also
+        # moves with whatever else the machine runs; both are printed, the first is the steadier.
+        by_cpu = medians["door off"][0] / medians["door on"][0]
+        by_wall = medians["door on"][1] / medians["door off"][1]
+        print(f"target: throughput with the door >= 95% of without: {by_cpu:.1%} by CPU per request "
+              f"{'PASS' if by_cpu >= 0.95 else 'MISS'}; {by_wall:.1%} by wall-clock req/s "
+              f"{'PASS' if by_wall >= 0.95 else 'MISS'}")  # fmt: skip
     finally:
         postgres.stop()
         redis.stop()
