@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 
 from service import metrics
 from service.api import catalog as catalog_module
+from service.api.catalog import ContentCatalog, LookupsSaturated
 from service.api.ingest import ProgressIngest
 from service.api.ratelimit import RateLimiter
 from service.app import create_app
@@ -213,3 +214,21 @@ async def test_a_refresh_replaces_the_snapshot(door: Settings, db: asyncpg.Pool,
         assert app.catalog.snapshot_bytes() == 8 * (2 + 2 * 3)  # lessons 1 and 70, two ids of three other kinds
         missing = app.catalog.is_known(LESSON, 2)
         assert not isinstance(missing, bool) and await missing is False
+
+
+async def test_lookup_answers_expire_and_lookups_are_bounded(db: asyncpg.Pool) -> None:
+    await seed(db, users=1, contents=1)
+    now = [0.0]
+    catalog = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=2, max_lookups=64,
+                             clock=lambda: now[0])  # fmt: skip
+    assert await catalog.is_known(LESSON, 5) is False  # type: ignore[misc]
+    assert catalog.is_known(LESSON, 5) is False  # the cached answer: a bool, no query
+    await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (5, 'late', 600)")
+    now[0] = 11.0  # past the answer's life: asked again
+    assert await catalog.is_known(LESSON, 5) is True  # type: ignore[misc]
+    for content_id in (6, 7, 8):
+        await catalog.is_known(LESSON, content_id)  # type: ignore[misc]
+    assert len(catalog._answers) == 2  # bounded: the oldest answers go first
+    saturated = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=2, max_lookups=0)
+    with pytest.raises(LookupsSaturated):
+        await saturated.is_known(LESSON, 9)  # type: ignore[misc]
