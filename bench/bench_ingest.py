@@ -6,9 +6,12 @@ as production starts it (`python -m service serve --workers 1`) and the baseline
 loads each in turn with wrk (64 connections, 2 threads, random users, routes, contents and
 positions: bench/progress.lua), checks the answers and the Redis writes, and prints requests/s,
 p50, p99 and the ratio. With --million it then drives the service to a million requests in total
-and prints its resident memory before and after.
+and prints its resident memory before and after. With --door it also starts an embedded Postgres
+holding content ids 1..N and a second service with the door on (content catalog and per-user rate
+limit), compares the two on the same load in alternating rounds (known ids: every answer must be
+201), then pushes made-up content ids at the door and counts the Redis keys they leave.
 
-    .venv/bin/python bench/bench_ingest.py [--duration 20] [--connections 64] [--million]
+    .venv/bin/python bench/bench_ingest.py [--duration 20] [--connections 64] [--million] [--door]
 
 Everything listens on and talks to 127.0.0.1 only. REDIS_URL, if given, must be a scratch Redis
 on loopback: the two databases used are flushed before each run.
@@ -52,6 +55,8 @@ _PR_SET_PDEATHSIG = 1
 TARGET_RATIO = 4.0
 TARGET_P99_MS = 15.0
 TARGET_RSS_MB = 150.0
+TARGET_DOOR_SHARE = 0.95  # throughput kept with the door on (known ids)
+BOGUS_IDS = (1_000_000_000, 2_000_000_000)  # made-up content ids: none exists
 
 
 def say(message: str) -> None:
@@ -243,11 +248,15 @@ class WrkResult:
 
 
 def run_wrk(wrk: str, url: str, tokens_file: Path, args: argparse.Namespace, duration_s: float,
-            meter: CpuMeter, *, script: Path = LUA_SCRIPT, script_args: tuple[str, ...] = (),
-            connections: int | None = None, timeout_s: int = 2) -> WrkResult:  # fmt: skip
+            meter: CpuMeter, ids: tuple[int, int] | None = None, *, script: Path = LUA_SCRIPT,
+            script_args: tuple[str, ...] = (), connections: int | None = None,
+            timeout_s: int = 2) -> WrkResult:  # fmt: skip
+    first_id, last_id = ids or (1, args.contents)
+    # progress.lua reads (tokens, last id, first id); reads.lua (tokens, last id, mode...)
+    script_ids = (str(last_id), str(first_id)) if script == LUA_SCRIPT else (str(last_id),)
     command = [
         wrk, f"-t{args.threads}", f"-c{connections or args.connections}", f"-d{max(1, round(duration_s))}s",
-        "--latency", "--timeout", f"{timeout_s}s", "-s", str(script), url, "--", str(tokens_file), str(args.contents),
+        "--latency", "--timeout", f"{timeout_s}s", "-s", str(script), url, "--", str(tokens_file), *script_ids,
         *script_args,
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=duration_s + 60, check=False,
@@ -308,7 +317,7 @@ def check_writes(redis: Redis, name: str) -> dict[str, int]:
         assert isinstance(member, bytes)
         content_id, user_id = member.decode().split(":")
         value = redis.get(f"progress:latest_position:{kind}:{content_id}:{user_id}")
-        if not isinstance(value, bytes) or not re.fullmatch(rb"[\d.]+:\d{13}(:[\d.]+)?", value):
+        if not isinstance(value, bytes) or not re.fullmatch(rb"[\d.]+:\d{13}(\.\d+)?(:[\d.]+)?", value):
             raise RuntimeError(f"{name}: pending member {kind} {member!r} has value {value!r}")
     return counts
 
@@ -440,6 +449,85 @@ def drive_to_million(target: Target, wrk: str, tokens: Path, args: argparse.Name
 
 
 @contextmanager
+def postgres_with_content(work_dir: Path, contents: int) -> Iterator[str]:
+    """An embedded Postgres with the shared tables and content ids 1..contents of every type."""
+    import asyncio
+
+    import asyncpg
+
+    from service.embedded import EmbeddedPostgres, prepare_database
+
+    server = EmbeddedPostgres(work_dir / "postgres", None, durable=False)
+    say(f"starting embedded Postgres on 127.0.0.1:{server.port}")
+    server.start()
+    try:
+        server.create_database("bench")
+        url = server.url("bench")
+
+        async def fill() -> None:
+            await prepare_database(url, seed=False)
+            conn = await asyncpg.connect(url)
+            try:
+                for table in ("courses_lesson", "audios_audio", "audios_meditation", "lives_live"):
+                    await conn.execute(f"INSERT INTO {table} (id, title, duration) "
+                                       "SELECT i, 'c' || i, 600 FROM generate_series(1, $1) i", contents)  # fmt: skip
+            finally:
+                await conn.close()
+
+        asyncio.run(fill())
+        yield url
+    finally:
+        server.stop()
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def door_comparison(plain: Target, door: Target, wrk: str, tokens: Path, args: argparse.Namespace) -> None:
+    """The same load on the service without and with the door, alternating rounds; medians compared."""
+    load(door, wrk, tokens, args, args.warmup, "warm-up")
+    runs: dict[str, list[WrkResult]] = {plain.name: [], door.name: []}
+    for round_no in range(args.rounds):
+        for target in (plain, door) if round_no % 2 == 0 else (door, plain):
+            target.redis.flushdb()
+            wait_until_idle(args.wait_idle)
+            runs[target.name].append(load(target, wrk, tokens, args, args.duration, f"door round {round_no + 1}"))
+            check_writes(target.redis, target.name)
+    print()
+    print(f"door: the same load ({args.users} users, known ids 1..{args.contents}), {args.rounds} alternating "
+          f"rounds of {args.duration:.0f}s each; every answer 201")  # fmt: skip
+    print(f"{'':<16}{'median req/s':>14}{'runs req/s':>30}{'median p99 ms':>15}{'server CPU us/request':>24}")
+    for name, results in runs.items():
+        rates = [r.rps for r in results]
+        cpu_us = [r.cpu.server_cpu_s / r.requests * 1e6 for r in results if r.cpu is not None]
+        print(f"{name:<16}{median(rates):>14.0f}{', '.join(f'{r:.0f}' for r in rates):>30}"
+              f"{median([r.p99_ms for r in results]):>15.2f}{median(cpu_us) if cpu_us else 0:>24.1f}")  # fmt: skip
+    share = median([r.rps for r in runs[door.name]]) / median([r.rps for r in runs[plain.name]])
+    print(f"target: throughput with the door >= {TARGET_DOOR_SHARE:.0%} of without: {share:.1%} "
+          f"{'PASS' if share >= TARGET_DOOR_SHARE else 'MISS'}")  # fmt: skip
+
+
+def bogus_ids(door: Target, wrk: str, tokens: Path, one_token: Path, args: argparse.Namespace) -> None:
+    """Made-up content ids pushed at the door: how fast it refuses them and what they leave in Redis."""
+    print()
+    print(f"door: made-up content ids ({BOGUS_IDS[0]}..{BOGUS_IDS[1]}), {args.connections} connections, "
+          f"{args.duration:.0f}s")  # fmt: skip
+    for label, token_file in (("one token", one_token), (f"{args.users} tokens", tokens)):
+        door.redis.flushdb()
+        result = run_wrk(wrk, door.url, token_file, args, args.duration, CpuMeter(door.child.pid, door.redis_pid),
+                         ids=BOGUS_IDS)  # fmt: skip
+        keys = int(door.redis.dbsize())
+        # wrk counts every non-2xx answer as a "status" error: only the others are socket errors
+        socket_errors = result.errors - result.socket_errors.get("status", 0)
+        print(f"  {label:<14} {result.rps:>8.0f} answers/s  statuses {result.statuses}  "
+              f"socket errors {socket_errors}  Redis keys left: {keys} {'PASS' if keys == 0 else 'MISS'}")  # fmt: skip
+        if "201" in result.statuses:
+            raise RuntimeError(f"the door accepted made-up ids: {result.statuses}")
+
+
+@contextmanager
 def redis_server(work_dir: Path) -> Iterator[tuple[str, int | None]]:
     """The Redis URL, and the server's pid when it is ours (for its CPU share)."""
     from_env = os.environ.get("REDIS_URL")
@@ -471,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="then drive the service to 1,000,000 requests and print its RSS")  # fmt: skip
     parser.add_argument("--wait-idle", type=float, default=120.0, metavar="SECONDS",
                         help="before a measured run, wait up to this long for other processes to go quiet")  # fmt: skip
+    parser.add_argument("--door", action="store_true",
+                        help="also compare with the door on (catalog + rate limit) and push made-up ids")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the door comparison (3)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, tokens)")
     parser.add_argument("--verbose", action="store_true", help="print wrk's own output of every run")
     args = parser.parse_args(argv)
@@ -499,10 +590,29 @@ def main(argv: list[str] | None = None) -> int:
             "service",
             [sys.executable, "-m", "service", "serve", "--workers", "1", "--host", "127.0.0.1",
              "--port", str(service_port)],
-            {**common_env, "REDIS_URL": service_url_redis, "PROGRESS_FLUSHER_ENABLED": "false"},
+            {**common_env, "REDIS_URL": service_url_redis, "PROGRESS_FLUSHER_ENABLED": "false",
+             "CONTENT_CATALOG_ENABLED": "false", "RATE_LIMIT_PER_USER_PER_SECOND": "0"},
             work_dir / "service.log",
         )  # fmt: skip
         stack.callback(service_child.stop)
+        door_target = None
+        if args.door:
+            database_url = stack.enter_context(postgres_with_content(work_dir, args.contents))
+            door_url_redis = url_with_db(redis_url, db_of(redis_url) + 2)
+            door_port = free_port()
+            door_child = Child(
+                "door",
+                [sys.executable, "-m", "service", "serve", "--workers", "1", "--host", "127.0.0.1",
+                 "--port", str(door_port)],
+                {**common_env, "REDIS_URL": door_url_redis, "DATABASE_URL": database_url,
+                 "PROGRESS_FLUSHER_ENABLED": "false", "TRIAL_JOURNEY_INTERVAL_SECONDS": "0",
+                 "CONTENT_CATALOG_ENABLED": "true"},  # the rate limit at its defaults
+                work_dir / "door.log",
+            )  # fmt: skip
+            stack.callback(door_child.stop)
+            wait_http_ok(door_child, f"http://127.0.0.1:{door_port}/health/ready")
+            door_target = Target("service+door", door_child, f"http://127.0.0.1:{door_port}",
+                                 stack.enter_context(Redis.from_url(door_url_redis)), redis_pid)  # fmt: skip
         baseline_child = Child(
             "baseline",
             [sys.executable, str(BENCH_DIR / "baseline_app.py"), "--host", "127.0.0.1", "--port", str(baseline_port)],
@@ -538,6 +648,11 @@ def main(argv: list[str] | None = None) -> int:
         rss_now = rss_kib(service_child.pid)
         print(f"service RSS: {mib(rss_idle['VmRSS']):.1f} MiB idle after start, {mib(rss_now['VmRSS']):.1f} MiB "
               f"after {targets[0].served} requests")  # fmt: skip
+        if door_target is not None:
+            door_comparison(targets[0], door_target, wrk, tokens, args)
+            one_token = work_dir / "one_token.txt"
+            one_token.write_text(tokens.read_text().splitlines()[0] + "\n")
+            bogus_ids(door_target, wrk, tokens, one_token, args)
         if args.million:
             drive_to_million(targets[0], wrk, tokens, args, results["service"].rps)
             check_writes(targets[0].redis, "service")

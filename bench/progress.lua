@@ -1,7 +1,7 @@
 -- wrk script: every request is a heartbeat of a random user (token) on a random route, content and
 -- position. Counts the answers by status in each thread; done() prints one BENCH_RESULT JSON line.
 --
---   wrk -t2 -c64 -d20s --latency -s bench/progress.lua http://127.0.0.1:8000 -- TOKENS_FILE [MAX_CONTENT_ID]
+--   wrk -t2 -c64 -d20s --latency -s bench/progress.lua http://127.0.0.1:8000 -- TOKENS_FILE [MAX_CONTENT_ID [MIN_CONTENT_ID]]
 --
 -- TOKENS_FILE holds one JWT per line.
 
@@ -22,6 +22,7 @@ local routes = {
 }
 local authorizations = {}
 local max_content = 2000
+local min_content = 1
 local headers = { ["Content-Type"] = "application/json" }
 
 -- globals, so done() can read them from each thread with thread:get
@@ -43,13 +44,17 @@ function init(args)
   if args[2] then
     max_content = tonumber(args[2])
   end
+  if args[3] then
+    min_content = tonumber(args[3])
+  end
   math.randomseed(os.time() * 1000 + (id or 0))
 end
 
 function request()
   local route = routes[math.random(4)]
   headers["Authorization"] = authorizations[math.random(#authorizations)]
-  local body = string.format('{"%s":%d,"position":%.1f}', route[2], math.random(max_content), math.random() * 3600)
+  local body = string.format('{"%s":%d,"position":%.1f}', route[2], math.random(min_content, max_content),
+                             math.random() * 3600)
   return wrk.format("POST", route[1], headers, body)
 end
 

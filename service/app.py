@@ -12,9 +12,11 @@ from fastapi import FastAPI
 from redis.exceptions import RedisError
 
 from service.api import health
+from service.api.catalog import CATALOG_MAX_ANSWERS, CATALOG_MAX_LOOKUPS, ContentCatalog
 from service.api.ingest import ProgressIngest
 from service.api.openapi import build_openapi
-from service.api.reads import ProgressReads
+from service.api.ratelimit import RateLimiter
+from service.api.reads import ProgressReads, sync_limit
 from service.auth import Authenticator
 from service.clients import connect_redis, create_db_pool, key_layout
 from service.config import Settings, load_settings
@@ -25,6 +27,7 @@ from service.outbox.relay import Relay
 from service.progress.buffer import WRITE_SCRIPT, PositionWriter
 from service.progress.flusher import Flusher
 from service.progress.reads import ProgressReader
+from service.progress.redis_memory import run_redis_memory_sampler
 from service.progress.sink import DirectWriter, HeartbeatSink
 from service.progress.sync import OfflineSync
 from service.trial_emails.queue import build_email_queue
@@ -110,6 +113,17 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
                              redis_retry_s=settings.degraded_redis_retry_seconds,
                              direct_timeout_s=settings.degraded_write_timeout_seconds)  # fmt: skip
         resources.push_async_callback(sink.aclose)
+        # the door and Redis memory (hostile clients): the first catalog snapshot is loaded before serving
+        if settings.content_catalog_enabled and pool is not None:
+            catalog = ContentCatalog(pool, lookup_timeout_s=settings.content_catalog_lookup_timeout_seconds,
+                                     answer_ttl_s=settings.content_catalog_cache_seconds,
+                                     max_answers=CATALOG_MAX_ANSWERS, max_lookups=CATALOG_MAX_LOOKUPS)  # fmt: skip
+            await catalog.try_refresh()
+            resources.push_async_callback(catalog.aclose)
+            background.start("content-catalog", catalog.run_refresh(background.stop,
+                                                                    settings.content_catalog_refresh_seconds))
+            ingest.catalog = catalog
+        background.start("redis-memory", run_redis_memory_sampler(redis, background.stop))
         ingest.sink = sink
         if pool is not None:
             reader = ProgressReader(redis, pool, margin_s=settings.progress_completion_margin_seconds,
@@ -132,6 +146,7 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
         finally:
             ingest.sink = None
             reads.reader = reads.sync = None
+            ingest.catalog = None
             log.info("progress-service stopping", extra={"pod": settings.pod_name})
 
 
@@ -149,9 +164,18 @@ def create_app(settings: Settings | None = None) -> ProgressIngest:
     api.include_router(health.router)
     api.add_middleware(RequestIdMiddleware)  # the FastAPI routes only: the heartbeat path stays lean
     api.openapi = partial(build_openapi, api)  # type: ignore[method-assign]
+    limiter = None
+    if settings.rate_limit_per_user_per_second > 0:
+        limiter = RateLimiter(per_second=settings.rate_limit_per_user_per_second, burst=settings.rate_limit_burst)
     authenticator = Authenticator(settings)
-    reads = ProgressReads(api, authenticator=authenticator, max_body_bytes=settings.sync_max_body_bytes)
-    app = ProgressIngest(api, authenticator=authenticator, max_body_bytes=settings.max_body_bytes, reads=reads)
+    reads = ProgressReads(api, authenticator=authenticator, max_body_bytes=settings.sync_max_body_bytes,
+                          body_read_timeout_s=settings.body_read_timeout_seconds, limiter=limiter)  # fmt: skip
+    if limiter is not None:
+        reads.sync_limit = sync_limit(limiter, RateLimiter(per_second=settings.sync_items_per_user_per_second,
+                                                           burst=settings.sync_items_burst))  # fmt: skip
+    app = ProgressIngest(api, authenticator=authenticator, max_body_bytes=settings.max_body_bytes,
+                         body_read_timeout_s=settings.body_read_timeout_seconds, limiter=limiter,
+                         reads=reads)  # fmt: skip
     api.state.settings = settings
     api.state.ingest = app
     api.state.reads = reads

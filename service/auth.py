@@ -1,5 +1,10 @@
-"""Who sent a heartbeat: the user id from the monolith's JWT, or from a trusted gateway header."""
+"""Who sent a heartbeat: the user id from the monolith's JWT, or from a trusted gateway header.
 
+Whatever a client sends, the answer is a user id or an AuthError (401): a token that breaks the
+JWT library (a key of the wrong kind, an `exp` no clock can reach) is a bad token, not a 500.
+"""
+
+import re
 import time
 
 import jwt
@@ -7,25 +12,41 @@ import jwt
 from service.config import Settings
 
 _MAX_USER_ID = 2**63 - 1
-# The app repeats one token every 5 s for its whole lifetime: verify each token once, then
-# only re-check its expiry. Bounded so a flood of distinct tokens cannot grow memory.
-_VERIFIED_CACHE_SIZE = 100_000
+# "1_0", " 11 ", "+9" and non-ASCII digits are what int() accepts and no issuer writes: only canonical ASCII digits
+_CANONICAL_ID = re.compile(rb"[1-9][0-9]{0,18}")
+# exp beyond the year 9999 is not a date; a float() of 10**400 would raise OverflowError
+_MAX_EXP_S = 253_402_300_799
+# The app repeats one token every 5 s for its whole lifetime: verify each token once, then only
+# re-check its expiry. Two generations of this size: when the young one is full it becomes the old
+# one, so a flood of distinct tokens costs at most twice this many entries and a token in use
+# survives a turnover (a hit in the old generation moves it back to the young one).
+_VERIFIED_GENERATION_SIZE = 50_000
 
 
 class AuthError(Exception):
     """The request does not prove a user; the message says why (it is sent back with the 401)."""
 
 
-def _as_user_id(raw: object, source: str) -> int:
-    if isinstance(raw, bool):
+def parse_user_id(raw: object, source: str) -> int:
+    """A JSON integer, or a string/bytes of canonical decimal digits, from 1 to 2^63-1; nothing else."""
+    if isinstance(raw, bool):  # True is an int to Python, not a user to anyone
         raise AuthError(f"{source} is not a user id")
-    try:
-        user_id = int(raw) if isinstance(raw, int | str) else 0
-    except ValueError:
-        user_id = 0
-    if not 1 <= user_id <= _MAX_USER_ID:
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "replace")
+    if isinstance(raw, bytes):
+        if _CANONICAL_ID.fullmatch(raw) is None:
+            raise AuthError(f"{source} is not a positive integer user id")
+        raw = int(raw)
+    if not isinstance(raw, int) or not 1 <= raw <= _MAX_USER_ID:
         raise AuthError(f"{source} is not a positive integer user id")
-    return user_id
+    return raw
+
+
+def _expiry(claims: dict[str, object]) -> float:
+    exp = claims["exp"]  # PyJWT checked it is there and an integer in the past-or-future sense
+    if isinstance(exp, bool) or not isinstance(exp, int | float) or not 0 <= exp <= _MAX_EXP_S:
+        raise AuthError("invalid token: 'exp' is not a date")
+    return float(exp)
 
 
 class Authenticator:
@@ -38,12 +59,13 @@ class Authenticator:
         self._audience = settings.jwt_audience or None
         self._issuer = settings.jwt_issuer or None
         self._verified: dict[bytes, tuple[int, float]] = {}
+        self._verified_old: dict[bytes, tuple[int, float]] = {}
 
     def user_id(self, authorization: bytes | None, gateway_value: bytes | None) -> int:
         if self.use_gateway:
             if gateway_value is None:
                 raise AuthError("missing user header from the gateway")
-            return _as_user_id(gateway_value.decode("latin-1").strip(), "gateway user header")
+            return parse_user_id(gateway_value, "gateway user header")
         if authorization is None:
             raise AuthError("missing Authorization header")
         scheme, _, token = authorization.partition(b" ")
@@ -51,13 +73,25 @@ class Authenticator:
             raise AuthError("Authorization header must be 'Bearer <token>'")
         token = token.strip()
         cached = self._verified.get(token)
-        if cached is not None:
-            user_id, expires_at = cached
-            if time.time() < expires_at:
-                return user_id
-            del self._verified[token]
-            raise AuthError("token expired")
-        return self._verify(token)
+        if cached is None:
+            cached = self._verified_old.pop(token, None)
+            if cached is None:
+                return self._verify(token)
+            self._remember(token, cached)
+        user_id, expires_at = cached
+        if time.time() < expires_at:
+            return user_id
+        del self._verified[token]
+        raise AuthError("token expired")
+
+    def cached_tokens(self) -> int:
+        return len(self._verified) + len(self._verified_old)
+
+    def _remember(self, token: bytes, entry: tuple[int, float]) -> None:
+        if len(self._verified) >= _VERIFIED_GENERATION_SIZE:
+            self._verified_old = self._verified
+            self._verified = {}
+        self._verified[token] = entry
 
     def _verify(self, token: bytes) -> int:
         try:
@@ -67,14 +101,16 @@ class Authenticator:
             )  # fmt: skip
         except jwt.ExpiredSignatureError:
             raise AuthError("token expired") from None
-        except jwt.InvalidTokenError as exc:
+        except jwt.PyJWTError as exc:
+            # InvalidKeyError (a header naming an algorithm of another key kind) is not an InvalidTokenError
+            raise AuthError(f"invalid token: {exc}") from None
+        except (OverflowError, ValueError) as exc:
+            # PyJWT's int() of an `exp`/`nbf`/`iat` of 1e400 (inf) raises OverflowError, not its own error
             raise AuthError(f"invalid token: {exc}") from None
         if self._claim not in claims:
             raise AuthError(f"token has no '{self._claim}' claim")
-        user_id = _as_user_id(claims[self._claim], f"token claim '{self._claim}'")
-        if len(self._verified) >= _VERIFIED_CACHE_SIZE:
-            self._verified.clear()
-        self._verified[token] = (user_id, float(claims["exp"]))
+        user_id = parse_user_id(claims[self._claim], f"token claim '{self._claim}'")
+        self._remember(token, (user_id, _expiry(claims)))
         return user_id
 
 

@@ -17,11 +17,13 @@ DEV_JWT_SECRET = "dev-only-secret-not-for-production"
 
 
 def _uvicorn_options(host: str, port: int) -> dict[str, object]:
+    from service.api.http_limits import LimitedHttpToolsProtocol
+
     return {
         "host": host,
         "port": port,
         "loop": "uvloop",
-        "http": "httptools",
+        "http": LimitedHttpToolsProtocol,  # httptools with a limit on the request head's size and time
         "lifespan": "on",
         "log_config": None,
         "access_log": False,
@@ -148,7 +150,8 @@ def _openapi(args: argparse.Namespace) -> int:
 
     from service.app import create_app
 
-    api = create_app(Settings(jwt_secret=DEV_JWT_SECRET, progress_flusher_enabled=False)).app
+    api = create_app(Settings(jwt_secret=DEV_JWT_SECRET, progress_flusher_enabled=False,
+                              content_catalog_enabled=False)).app
     assert isinstance(api, FastAPI)
     print(yaml.safe_dump(api.openapi(), sort_keys=False, allow_unicode=True), end="")
     return 0

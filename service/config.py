@@ -4,6 +4,8 @@ import socket
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
+from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -49,6 +51,15 @@ class Settings(BaseSettings):
     jwt_issuer: str = ""
 
     max_body_bytes: int = Field(4096, ge=256, le=1_048_576)
+    # a body not fully received by then gets 408 and the connection is closed (a client sending a byte a second)
+    body_read_timeout_seconds: float = Field(10.0, gt=0)
+    # the door (service/api/catalog.py, ratelimit.py): unknown content gets 404, a flood gets 429
+    content_catalog_enabled: bool = True
+    content_catalog_refresh_seconds: float = Field(60.0, gt=0)
+    content_catalog_lookup_timeout_seconds: float = Field(1.0, gt=0)
+    content_catalog_cache_seconds: float = Field(10.0, gt=0)
+    rate_limit_per_user_per_second: float = Field(2.0, ge=0)  # 0: no limit
+    rate_limit_burst: int = Field(60, ge=1)
     progress_position_ttl_seconds: int = Field(3600, ge=60)
     progress_flusher_enabled: bool = True
     progress_flush_interval_seconds: float = Field(60.0, gt=0)
@@ -62,6 +73,10 @@ class Settings(BaseSettings):
     sync_max_body_bytes: int = Field(262_144, ge=4096, le=4_194_304)
     sync_max_clock_skew_seconds: float = Field(300.0, ge=0)
     sync_max_age_days: float = Field(30.0, gt=0)
+    # a sync's items count against their own per-user cap (the request itself is one call against the
+    # heartbeats' limit); the burst holds at least one full request of 500 items
+    sync_items_per_user_per_second: float = Field(1.0, gt=0)
+    sync_items_burst: int = Field(2000, ge=500)
 
     degraded_max_concurrency: int = Field(4, ge=1)
     degraded_max_waiting: int = Field(2000, ge=1)
@@ -146,6 +161,11 @@ class Settings(BaseSettings):
                 "the flusher needs DATABASE_URL (postgresql://...); "
                 "for an API-only pod set PROGRESS_FLUSHER_ENABLED=false"
             )
+        if self.content_catalog_enabled and not self.database_url:
+            raise ConfigError(
+                "the content catalog (404 for unknown content) needs DATABASE_URL; "
+                "for an API-only pod without a database set CONTENT_CATALOG_ENABLED=false"
+            )
         if self.auth_mode == "jwt":
             if not self.jwt_key:
                 raise ConfigError(
@@ -158,10 +178,45 @@ class Settings(BaseSettings):
                 raise ConfigError(f"JWT_ALGORITHMS={self.jwt_algorithms} needs JWT_PUBLIC_KEY (PEM)")
             if self.jwt_public_key and not asymmetric:
                 raise ConfigError("JWT_PUBLIC_KEY is set: set JWT_ALGORITHMS to RS256 or ES256")
+            self._check_algorithms_fit_key()
             if self.jwt_secret and not self.jwt_public_key and len(self.jwt_secret) < 32:
                 raise ConfigError("JWT_SECRET is too short to be a real secret (at least 32 characters)")
         if self.database_url and (self.relay_enabled or self.trial_journey_interval_seconds > 0):
             self.check_celery_broker()
+
+    def _check_algorithms_fit_key(self) -> None:
+        # One key verifies every token: an algorithm of another key kind can only fail (PyJWT's
+        # InvalidKeyError) or, worse, let HS256 use the public key as a shared secret.
+        key_kind = _public_key_kind(self.jwt_public_key) if self.jwt_public_key else "HMAC secret"
+        for algorithm in self.jwt_algorithm_list:
+            if _ALGORITHM_KEY_KIND.get(algorithm) != key_kind:
+                raise ConfigError(
+                    f"JWT_ALGORITHMS={self.jwt_algorithms}: {algorithm} cannot be verified with the configured "
+                    f"key ({key_kind}); list only algorithms of that key kind"
+                )
+
+
+_ALGORITHM_KEY_KIND = {
+    **{f"HS{bits}": "HMAC secret" for bits in (256, 384, 512)},
+    **{f"{family}{bits}": "RSA public key" for family in ("RS", "PS") for bits in (256, 384, 512)},
+    **{f"ES{bits}": "EC public key" for bits in (256, 384, 512)},
+    "ES256K": "EC public key",
+    "EdDSA": "EdDSA public key",
+}
+
+
+def _public_key_kind(pem: str) -> str:
+    try:
+        key = load_pem_public_key(pem.encode())
+    except ValueError as exc:
+        raise ConfigError(f"JWT_PUBLIC_KEY is not a PEM public key: {exc}") from None
+    if isinstance(key, rsa.RSAPublicKey):
+        return "RSA public key"
+    if isinstance(key, ec.EllipticCurvePublicKey):
+        return "EC public key"
+    if isinstance(key, ed25519.Ed25519PublicKey | ed448.Ed448PublicKey):
+        return "EdDSA public key"
+    return type(key).__name__
 
 
 def load_settings() -> Settings:

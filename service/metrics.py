@@ -40,6 +40,29 @@ DEGRADED_WRITES = Counter(
     "progress_degraded_writes_total", "Heartbeats written straight to Postgres (degraded mode).", ["content_type"]
 )
 
+# the door: unknown content, rate limit, slow bodies (service/api/catalog.py, ratelimit.py, ingest.py)
+REFUSED = Counter(
+    "progress_refused_total",
+    "Heartbeats refused at the door before any write: unknown_content (404), rate_limited (429), "
+    "body_timeout (408).",
+    ["reason"],
+)
+CATALOG_UNVERIFIED = Counter(
+    "progress_catalog_unverified_total",
+    "Heartbeats for an id not in the catalog snapshot, accepted unchecked because Postgres could not be asked.",
+    ["content_type"],
+)
+CATALOG_KNOWN_IDS = Gauge("progress_catalog_known_ids", "Content ids in the catalog snapshot.", ["content_type"],
+                          multiprocess_mode="max")  # fmt: skip
+CATALOG_LAST_REFRESH = Gauge(
+    "progress_catalog_last_refresh_timestamp_seconds", "When the catalog snapshot was last loaded.",
+    multiprocess_mode="max",
+)
+REDIS_USED_MEMORY = Gauge("progress_redis_used_memory_bytes", "Redis used_memory (INFO memory), sampled.",
+                          multiprocess_mode="max")  # fmt: skip
+REDIS_MAX_MEMORY = Gauge("progress_redis_maxmemory_bytes", "Redis maxmemory (0: no limit), sampled.",
+                         multiprocess_mode="max")  # fmt: skip
+
 # flusher
 PENDING_ENTRIES = Gauge("progress_pending_entries", "Members waiting in a pending set.", ["content_type"],
                         multiprocess_mode="max")  # fmt: skip

@@ -6,6 +6,7 @@ answered here, with the same models, the same errors and the same OpenAPI descri
 (`service/api/openapi.py`), and everything else falls through to the FastAPI app.
 """
 
+import asyncio
 import json
 import logging
 import time
@@ -13,9 +14,11 @@ import time
 from pydantic import ValidationError
 
 from service import metrics
+from service.api.catalog import ContentCatalog, LookupsSaturated
+from service.api.ratelimit import RateLimiter, retry_after_header
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator, AuthError
-from service.progress.buffer import now_ms
+from service.progress.buffer import receive_ms
 from service.progress.content import CONTENT_KINDS, KIND_BY_PATH, ContentKind
 from service.progress.sink import HeartbeatSink, Unavailable
 
@@ -31,6 +34,13 @@ class _BodyTooLarge(Exception):
 
 class _ClientGone(Exception):
     """The client hung up mid-body: nothing to store and nobody to answer."""
+
+
+class _Answer(Exception):
+    """An early answer with extra headers (429 Retry-After, 408 Connection: close)."""
+
+    def __init__(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status, self.body, self.headers = status, body, headers
 
 
 # at most one log line per interval while heartbeats are refused: an outage is thousands per second
@@ -64,23 +74,63 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
+def identify(authenticator: Authenticator, headers: list[tuple[bytes, bytes]]) -> tuple[int, int]:
+    """(user id, declared content length) of a request; AuthError when it does not prove one user.
+
+    The content type is not checked: the body is JSON by contract, whatever the app's builds
+    declare, and refusing one would cost real heartbeats; the body is validated all the same.
+    """
+    authorization = gateway_value = None
+    identity_headers = 0
+    declared_length = 0
+    for name, value in headers:
+        if name == b"authorization":
+            authorization = value
+            identity_headers += 1
+        elif name == b"content-length":
+            declared_length = int(value) if value.isdigit() else 0
+        elif name == authenticator.gateway_header:
+            gateway_value = value
+            identity_headers += 1
+    if identity_headers > 1:
+        # which of two would be the user is the proxy's guess, not ours
+        raise AuthError("more than one identity header (Authorization or the gateway's user header)")
+    return authenticator.user_id(authorization, gateway_value), declared_length
+
+
+async def read_body_within(receive: Receive, *, limit: int, timeout_s: float) -> bytes:
+    """The whole body, or _BodyTooLarge, or _Answer 408 (closing the connection) past `timeout_s`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(receive, limit)
+    except TimeoutError:
+        # a client trickling its body holds a socket and a request: cut it off and close the connection
+        metrics.REFUSED.labels("body_timeout").inc()
+        raise _Answer(408, _error_body(f"body not received within {timeout_s:g} s"),
+                      [(b"connection", b"close")]) from None  # fmt: skip
+
+
 class ProgressIngest:
     """ASGI middleware: POSTs to the four progress routes end here; anything else goes on to `reads`, then `app`."""
 
     def __init__(self, app: ASGIApp, *, authenticator: Authenticator, max_body_bytes: int,
+                 body_read_timeout_s: float = 10.0, limiter: RateLimiter | None = None,
                  reads: ASGIApp | None = None) -> None:  # fmt: skip
         self.app = app
         # the progress reads and sync (service/api/reads.py), in front of `app` for what they do not serve
         self._next = reads or app
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
+        self.limiter = limiter
         self.sink: HeartbeatSink | None = None  # set by the lifespan once its clients exist
+        self.catalog: ContentCatalog | None = None  # likewise; None: every id is accepted
         self._refused_since_log = 0
         self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S
         self._requests = {
             (kind.path, status): metrics.HTTP_REQUESTS.labels(kind.path, str(status))
             for kind in CONTENT_KINDS
-            for status in (201, 400, 401, 405, 413, 422, 503)
+            for status in (201, 400, 401, 404, 405, 408, 413, 422, 429, 503)
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -88,14 +138,18 @@ class ProgressIngest:
         if kind is None:
             await self._next(scope, receive, send)
             return
+        extra_headers: list[tuple[bytes, bytes]] = []
         try:
             status, body = await self._handle(kind, scope, receive)
         except _ClientGone:
             return
+        except _Answer as answer:
+            status, body, extra_headers = answer.status, answer.body, answer.headers
         if status == 201:
             headers = _CREATED_HEADERS
         else:
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       *extra_headers]  # fmt: skip
             if status == 405:
                 headers.append((b"allow", b"POST"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -105,23 +159,20 @@ class ProgressIngest:
     async def _handle(self, kind: ContentKind, scope: Scope, receive: Receive) -> tuple[int, bytes]:
         if scope["method"] != "POST":
             return 405, _error_body("method not allowed: use POST")
-        authorization = gateway_value = None
-        declared_length = 0
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value
-            elif name == b"content-length":
-                declared_length = int(value) if value.isdigit() else 0
-            elif name == self.authenticator.gateway_header:
-                gateway_value = value
         try:
-            user_id = self.authenticator.user_id(authorization, gateway_value)
+            user_id, declared_length = identify(self.authenticator, scope["headers"])
         except AuthError as exc:
             return 401, _error_body(str(exc))
+        if self.limiter is not None:
+            retry_after_s = self.limiter.allow(user_id)
+            if retry_after_s is not None:
+                metrics.REFUSED.labels("rate_limited").inc()
+                raise _Answer(429, _error_body("too many heartbeats from this user, retry later"),
+                              [(b"retry-after", retry_after_header(retry_after_s))])  # fmt: skip
         if declared_length > self.max_body_bytes:
             return 413, _error_body(f"body larger than {self.max_body_bytes} bytes")
         try:
-            raw = await _read_body(receive, self.max_body_bytes)
+            raw = await read_body_within(receive, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s)
         except _BodyTooLarge:
             return 413, _error_body(f"body larger than {self.max_body_bytes} bytes")
         try:
@@ -133,9 +184,20 @@ class ProgressIngest:
             return status, _error_body(detail)
         if self.sink is None:
             return 503, _error_body("service starting or stopping, retry later")
+        content_id: int = getattr(heartbeat, kind.id_column)
+        if self.catalog is not None:
+            known = self.catalog.is_known(kind, content_id)
+            if not isinstance(known, bool):  # not in memory: one shared lookup
+                try:
+                    known = await known
+                except LookupsSaturated as exc:
+                    return 503, _error_body(f"cannot check {kind.id_column} now ({exc}), retry later")
+            if not known:
+                metrics.REFUSED.labels("unknown_content").inc()
+                return 404, _error_body(f"unknown {kind.id_column} {content_id}")
         try:
-            await self.sink.write(kind, content_id=getattr(heartbeat, kind.id_column), user_id=user_id,
-                                  position=heartbeat.position, received_ms=now_ms())  # fmt: skip
+            await self.sink.write(kind, content_id=content_id, user_id=user_id, position=heartbeat.position,
+                                  received_ms=receive_ms())  # fmt: skip
         except Unavailable as exc:
             self._log_refusal(kind, exc)
             return 503, _error_body(str(exc))

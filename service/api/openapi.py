@@ -17,6 +17,21 @@ def _error_response(description: str) -> dict[str, Any]:
     }
 
 
+def _too_many(description: str) -> dict[str, Any]:
+    return {
+        **_error_response(description),
+        "headers": {
+            "Retry-After": {
+                "description": "Whole seconds after which a request is accepted again.",
+                "schema": {"type": "integer", "minimum": 1},
+            }
+        },
+    }
+
+
+_BODY_TIMEOUT = _error_response("Body not received within BODY_READ_TIMEOUT_SECONDS; the connection is closed.")
+
+
 def _progress_operation(name: str, body_schema: str) -> dict[str, Any]:
     return {
         "post": {
@@ -33,9 +48,12 @@ def _progress_operation(name: str, body_schema: str) -> dict[str, Any]:
                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Created"}}},
                 },
                 "400": _error_response("Malformed JSON."),
-                "401": _error_response("Missing, malformed, expired or wrongly signed token."),
+                "401": _error_response("Missing, malformed, expired or wrongly signed token; or two identity headers."),
+                "404": _error_response("The content id does not exist (`unknown <field> <id>`); nothing written."),
+                "408": _BODY_TIMEOUT,
                 "413": _error_response("Body larger than MAX_BODY_BYTES."),
                 "422": _error_response("Valid JSON, invalid fields; `detail` names each one."),
+                "429": _too_many("Too many heartbeats from this user (far above the app's rhythm)."),
                 "503": _error_response("No store can take the heartbeat now; retry later."),
             },
         }
@@ -59,8 +77,9 @@ _CONTENT_TYPE_PARAMETER = {
     "schema": {"type": "string", "enum": [kind.name for kind in CONTENT_KINDS]},
 }  # fmt: skip
 _READ_ERRORS = {
-    "401": _error_response("Missing, malformed, expired or wrongly signed token."),
+    "401": _error_response("Missing, malformed, expired or wrongly signed token; or two identity headers."),
     "422": _error_response("Unknown content type or ids that are not integers from 1 to 2^63-1; `detail` says which."),
+    "429": _too_many("Too many requests from this user (they count against the heartbeats' per-user rate)."),
     "503": _error_response("Redis or Postgres cannot be read now (or no database is configured); retry later."),
 }
 
@@ -130,10 +149,12 @@ def _read_operations() -> dict[str, Any]:
                             {"applied": False, "reason": "older than the stored position"},
                         ]})},
                 "400": _error_response("Malformed JSON."),
-                "401": _error_response("Missing, malformed, expired or wrongly signed token."),
+                "401": _error_response("Missing, malformed, expired or wrongly signed token; or two identity headers."),
+                "408": _BODY_TIMEOUT,
                 "413": _error_response("Body larger than SYNC_MAX_BODY_BYTES."),
                 "422": _error_response(f"Invalid fields (1 to {SYNC_MAX_ITEMS} items); `detail` names them."),
-                "429": _error_response("Too many requests for this user; wait `Retry-After` seconds."),
+                "429": _too_many("Too many syncs or items from this user (one call against the heartbeats' rate; "
+                                 "items against SYNC_ITEMS_PER_USER_PER_SECOND)."),
                 "503": _error_response("Redis or Postgres cannot take the items now; nothing to lose, retry later."),
             },
         }

@@ -17,7 +17,16 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from service import metrics
-from service.api.ingest import _BodyTooLarge, _ClientGone, _error_body, _read_body, _validation_detail
+from service.api.ingest import (
+    _Answer,
+    _BodyTooLarge,
+    _ClientGone,
+    _error_body,
+    _validation_detail,
+    identify,
+    read_body_within,
+)
+from service.api.ratelimit import RateLimiter, retry_after_header
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator, AuthError
 from service.progress.buffer import now_ms
@@ -38,6 +47,16 @@ MAX_IDS = 100
 # before anything is written; None lets the request through, a number refuses it with 429 and
 # that many seconds in Retry-After. The whole request is one call; the items count separately.
 SyncLimit = Callable[[int, int], float | None]
+
+
+def sync_limit(calls: RateLimiter, items: RateLimiter) -> SyncLimit:
+    """The sync's door: one call against the heartbeats' per-user limit, its items against their own cap."""
+
+    def check(user_id: int, item_count: int) -> float | None:
+        # items first: a request refused for its items does not spend the user's call
+        return items.allow(user_id, cost=item_count) or calls.allow(user_id)
+
+    return check
 
 _STORES_DOWN = (RedisError, *DB_UNAVAILABLE, asyncpg.PostgresError)
 
@@ -111,10 +130,13 @@ def _json(data: object) -> bytes:
 class ProgressReads:
     """ASGI middleware: the three /progress routes end here; anything else goes to `app`."""
 
-    def __init__(self, app: ASGIApp, *, authenticator: Authenticator, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, authenticator: Authenticator, max_body_bytes: int,
+                 body_read_timeout_s: float = 10.0, limiter: RateLimiter | None = None) -> None:  # fmt: skip
         self.app = app
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
+        self.limiter = limiter  # the heartbeats' per-user limit: a read is one call against it
         # set by the lifespan once its clients exist; None without a database
         self.reader: ProgressReader | None = None
         self.sync: OfflineSync | None = None
@@ -135,6 +157,9 @@ class ProgressReads:
         except _Refused as refused:
             status, body = refused.status, _error_body(refused.detail)
             headers.extend(refused.headers)
+        except _Answer as answer:  # the body read's deadline (408)
+            status, body = answer.status, answer.body
+            headers.extend(answer.headers)
         except _ClientGone:
             return
         headers.append((b"content-length", str(len(body)).encode()))
@@ -152,9 +177,16 @@ class ProgressReads:
         method = "POST" if route == SYNC_ROUTE else "GET"
         if scope["method"] != method:
             raise _Refused(405, f"method not allowed: use {method}", [(b"allow", method.encode())])
-        user_id, declared_length = self._user(scope)
+        try:
+            user_id, declared_length = identify(self.authenticator, scope["headers"])
+        except AuthError as exc:
+            raise _Refused(401, str(exc)) from None
         if route == SYNC_ROUTE:
             return await self._sync(user_id, declared_length, receive)
+        if self.limiter is not None and (retry_after_s := self.limiter.allow(user_id)) is not None:
+            metrics.REFUSED.labels("rate_limited").inc()
+            raise _Refused(429, "too many requests from this user, retry later",
+                           [(b"retry-after", retry_after_header(retry_after_s))])  # fmt: skip
         kind = _kind(parts[0])
         if route == ONE_ROUTE:
             content_id = _content_id(parts[1], "path", "content_id")
@@ -164,21 +196,6 @@ class ProgressReads:
             return 200, _json(_progress_json(kind, found[0]))
         found = await self._read(kind, user_id, _ids(scope["query_string"]))
         return 200, _json({"data": [_progress_json(kind, progress) for progress in found]})
-
-    def _user(self, scope: Scope) -> tuple[int, int]:
-        authorization = gateway_value = None
-        declared_length = 0
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                authorization = value
-            elif name == b"content-length":
-                declared_length = int(value) if value.isdigit() else 0
-            elif name == self.authenticator.gateway_header:
-                gateway_value = value
-        try:
-            return self.authenticator.user_id(authorization, gateway_value), declared_length
-        except AuthError as exc:
-            raise _Refused(401, str(exc)) from None
 
     async def _read(self, kind: ContentKind, user_id: int, content_ids: list[int]) -> list[Progress]:
         if self.reader is None:
@@ -194,7 +211,7 @@ class ProgressReads:
         if declared_length > self.max_body_bytes:
             raise too_large
         try:
-            raw = await _read_body(receive, self.max_body_bytes)
+            raw = await read_body_within(receive, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s)
         except _BodyTooLarge:
             raise too_large from None
         try:
@@ -207,7 +224,9 @@ class ProgressReads:
         if self.sync_limit is not None:
             retry_after_s = self.sync_limit(user_id, len(request.items))
             if retry_after_s is not None:
-                raise _Refused(429, "too many requests", [(b"retry-after", str(max(1, round(retry_after_s))).encode())])
+                metrics.REFUSED.labels("rate_limited").inc()
+                raise _Refused(429, "too many requests from this user, retry later",
+                               [(b"retry-after", retry_after_header(retry_after_s))])  # fmt: skip
         try:
             outcomes = await self.sync.apply(user_id, request.items, now_ms=now_ms())
         except _STORES_DOWN as exc:

@@ -23,13 +23,16 @@ from service.progress.keys import STANDALONE, KeyLayout, pending_member
 # KEYS: latest-position key, pending set. ARGV: position, receive time (ms), TTL (s), pending member.
 # A heartbeat received earlier than the stored one (two pods, a retried request) never replaces its
 # position, only raises its peak; the member is added either way: the flusher reads the newest value.
+# Receive times are ms with a microsecond fraction, strictly increasing per process (receive_ms), so
+# two heartbeats of one connection never tie; an exact tie (two pods, same microsecond) keeps what is
+# stored: the same rule as persist_batch's dedupe and the upsert's strict `<`.
 WRITE_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
 local peak = ARGV[1]
 if current then
-  local position, ms, stored_peak = string.match(current, '^([^:]*):(%d+):?([^:]*)$')
+  local position, ms, stored_peak = string.match(current, '^([^:]*):([%d%.]+):?([^:]*)$')
   if stored_peak == '' then stored_peak = position end
-  if ms and tonumber(ms) > tonumber(ARGV[2]) then
+  if ms and tonumber(ms) >= tonumber(ARGV[2]) then
     if tonumber(ARGV[1]) > tonumber(stored_peak) then
       redis.call('SET', KEYS[1], position .. ':' .. ms .. ':' .. ARGV[1], 'EX', ARGV[3])
     end
@@ -48,7 +51,7 @@ WRITE_SCRIPT_SHA = hashlib.sha1(WRITE_SCRIPT.encode()).hexdigest()
 @dataclass(frozen=True, slots=True)
 class StoredPosition:
     position: float
-    received_ms: int
+    received_ms: float
     peak: float
 
 
@@ -57,15 +60,31 @@ def decode_value(raw: bytes | str) -> StoredPosition:
     fields = text.split(":")
     position = float(fields[0])
     # a value written before peaks were kept has two fields
-    return StoredPosition(position, int(fields[1]), float(fields[2]) if len(fields) > 2 else position)
+    return StoredPosition(position, float(fields[1]), float(fields[2]) if len(fields) > 2 else position)
 
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+_last_receive_us = 0
+
+
+def receive_ms() -> float:
+    """A heartbeat's receive time: ms with a microsecond fraction, strictly increasing in this process.
+
+    Two heartbeats of one keep-alive connection can arrive in the same millisecond; the later must
+    win in Redis, in a batch's dedupe and in the upsert, so no two receive times of a process are
+    equal. A microsecond is exact through a float8 and Postgres's timestamptz.
+    """
+    global _last_receive_us
+    now_us = time.time_ns() // 1000
+    _last_receive_us = now_us if now_us > _last_receive_us else _last_receive_us + 1
+    return _last_receive_us / 1000
+
+
 def write_args(
-    content_type: str, content_id: int, user_id: int, position: float, received_ms: int, ttl_s: int,
+    content_type: str, content_id: int, user_id: int, position: float, received_ms: float, ttl_s: int,
     layout: KeyLayout = STANDALONE,
 ) -> tuple[object, ...]:
     shard = layout.shard(content_type, content_id, user_id)  # both keys in the shard's one slot
@@ -91,7 +110,7 @@ class PositionWriter:
         )
 
     async def write(self, *, content_type: str, content_id: int, user_id: int, position: float,
-                    received_ms: int) -> None:  # fmt: skip
+                    received_ms: float) -> None:  # fmt: skip
         await self._batcher.submit(
             write_args(content_type, content_id, user_id, position, received_ms, self._ttl_s, self.layout)
         )

@@ -74,7 +74,7 @@ def as_ms(moment: datetime) -> int:
     return (moment - EPOCH) // timedelta(milliseconds=1)
 
 
-def from_ms(ms: int) -> datetime:
+def from_ms(ms: float) -> datetime:
     return EPOCH + timedelta(milliseconds=ms)
 
 

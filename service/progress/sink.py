@@ -3,14 +3,21 @@
 Degraded mode keeps the promise of the 201 during a Redis outage. It writes with the flush's own
 statement (monotonic upsert, completion, one event), so a heartbeat written directly and an older
 one still in Redis settle the same way whichever lands last. It is bounded twice: a few statements
-at a time, and a cap on waiting requests, past which the answer is 503 instead of an exhausted
-database. On a Redis Cluster it is per node: only the heartbeats of an unreachable master's slots
-go to Postgres; the others stay on Redis.
+at a time, and a cap on heartbeats queued for a statement (counted until their batch settles, not
+only while their request waits), past which the answer is 503 instead of an exhausted database.
+On a Redis Cluster it is per node: only the heartbeats of an unreachable master's slots go to
+Postgres; the others stay on Redis.
+
+A 503 means nothing was written: each heartbeat carries its request's deadline; one whose deadline
+passed before its statement starts is left out of it, and a statement runs with the earliest
+deadline of its heartbeats as its timeout (asyncpg cancels it in the server), so no statement
+writes a heartbeat after its request was told 503.
 """
 
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import asyncpg
@@ -30,33 +37,74 @@ class Unavailable(Exception):
     """Neither store can take the heartbeat now; the message says why (sent back with the 503)."""
 
 
+@dataclass(slots=True)
+class _Queued:
+    heartbeat: Heartbeat
+    deadline: float  # event-loop time past which its request answers 503: never written after it
+    abandoned: bool = False  # its request went away (client gone): not written either
+
+
+def _late() -> Unavailable:
+    return Unavailable("progress buffer unavailable and the database did not take the write in time, retry later")
+
+
 class DirectWriter:
     def __init__(self, pool: asyncpg.Pool, *, margin_s: float, max_concurrency: int, max_waiting: int) -> None:
         self._pool = pool
         self._margin_s = margin_s
         self._statements = asyncio.Semaphore(max_concurrency)
         self._max_waiting = max_waiting
-        self._waiting = 0
-        self._batchers: dict[str, TurnBatcher[Heartbeat]] = {
+        self._queued = 0  # heartbeats handed to a batch and not yet settled by it
+        self._batchers: dict[str, TurnBatcher[_Queued]] = {
             kind.name: TurnBatcher(partial(self._send, kind), interrupted=lambda: Unavailable("write interrupted"))
             for kind in CONTENT_KINDS
         }
 
-    async def write(self, kind: ContentKind, heartbeat: Heartbeat) -> None:
-        if self._waiting >= self._max_waiting:
-            raise Unavailable(f"degraded mode is saturated ({self._waiting} writes waiting)")
-        self._waiting += 1
+    async def write(self, kind: ContentKind, heartbeat: Heartbeat, *, deadline: float) -> None:
+        """Written when this returns; raises Unavailable (or a database error) when it was not, and never will be."""
+        if self._queued >= self._max_waiting:
+            raise Unavailable(f"degraded mode is saturated ({self._queued} writes waiting)")
+        entry = _Queued(heartbeat, deadline)
+        self._queued += 1
         try:
-            await self._batchers[kind.name].submit(heartbeat)
-        finally:
-            self._waiting -= 1
+            await self._batchers[kind.name].submit(entry)
+        except asyncio.CancelledError:
+            entry.abandoned = True
+            raise
 
-    async def _send(self, kind: ContentKind, heartbeats: list[Heartbeat]) -> list[BaseException | None]:
-        async with self._statements:
-            result = await persist_batch(self._pool, kind, heartbeats, margin_s=self._margin_s)
-        metrics.DEGRADED_WRITES.labels(kind.name).inc(len(heartbeats))
+    async def _send(self, kind: ContentKind, entries: list[_Queued]) -> list[BaseException | None]:
+        try:
+            return await self._send_in_time(kind, entries)
+        finally:
+            self._queued -= len(entries)
+
+    async def _send_in_time(self, kind: ContentKind, entries: list[_Queued]) -> list[BaseException | None]:
+        loop = asyncio.get_running_loop()
+        try:
+            # a batch waits for a statement slot only as long as its most patient request
+            async with asyncio.timeout_at(max(entry.deadline for entry in entries)):
+                await self._statements.acquire()
+        except TimeoutError:
+            return [_late() for _ in entries]
+        try:
+            # left out before the statement runs: their requests were (or are being) answered 503
+            live = [i for i, entry in enumerate(entries) if not entry.abandoned and entry.deadline > loop.time()]
+            if not live:
+                return [_late() for _ in entries]
+            # On timeout asyncpg cancels the statement in the server and it rolls back: the whole
+            # batch is then answered 503 and nothing of it is written, now or later.
+            deadline = min(entries[i].deadline for i in live)
+            async with self._pool.acquire(timeout=max(deadline - loop.time(), 0.001)) as conn:
+                result = await persist_batch(conn, kind, [entries[i].heartbeat for i in live], margin_s=self._margin_s,
+                                             timeout_s=max(deadline - loop.time(), 0.001))  # fmt: skip
+        finally:
+            self._statements.release()
+        metrics.DEGRADED_WRITES.labels(kind.name).inc(len(live))
         report_batch(kind, result)
-        return [None] * len(heartbeats)
+        results: list[BaseException | None] = [_late() for _ in entries]
+        for i in live:
+            results[i] = None
+        return results
 
     async def aclose(self) -> None:
         for batcher in self._batchers.values():
@@ -76,7 +124,7 @@ class HeartbeatSink:
         self.degraded = False
 
     async def write(self, kind: ContentKind, *, content_id: int, user_id: int, position: float,
-                    received_ms: int) -> None:  # fmt: skip
+                    received_ms: float) -> None:  # fmt: skip
         node = self._redis_writer.node_of(kind.name, content_id, user_id)
         if time.monotonic() >= self._redis_down_until.get(node, 0.0):
             try:
@@ -94,10 +142,11 @@ class HeartbeatSink:
                                              "Postgres")  # fmt: skip
         if self._direct is None:
             raise Unavailable("progress buffer unavailable and no database configured for degraded mode")
+        # a deadline: a slow database must not hold the app's requests (and their sockets) open
+        deadline = asyncio.get_running_loop().time() + self._direct_timeout_s
         try:
-            # a deadline: a slow database must not hold the app's requests (and their sockets) open
-            async with asyncio.timeout(self._direct_timeout_s):
-                await self._direct.write(kind, Heartbeat(content_id, user_id, position, received_ms, peak=position))
+            await self._direct.write(kind, Heartbeat(content_id, user_id, position, received_ms, peak=position),
+                                     deadline=deadline)  # fmt: skip
         except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:  # TimeoutError is among them
             raise Unavailable("progress buffer and database both unavailable, retry later") from exc
 

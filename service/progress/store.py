@@ -16,7 +16,7 @@ class Heartbeat:
     content_id: int
     user_id: int
     position: float
-    received_ms: int
+    received_ms: float  # with a microsecond fraction (buffer.receive_ms): ties only across pods
     peak: float  # the furthest position heard since the value was first written: decides completion
 
 
@@ -38,7 +38,7 @@ class BatchResult:
 _UPSERT_SQL = """
 WITH incoming AS (
     SELECT content_id, user_id, position, peak, to_timestamp(received_ms / 1000.0) AS received_at
-    FROM unnest($1::bigint[], $2::bigint[], $3::float8[], $4::bigint[], $7::float8[])
+    FROM unnest($1::bigint[], $2::bigint[], $3::float8[], $4::float8[], $7::float8[])  -- $4: ms, microsecond fraction
         AS h(content_id, user_id, position, received_ms, peak)
 ), known AS (
     SELECT h.content_id, h.user_id, h.position, h.received_at,
@@ -84,9 +84,11 @@ def upsert_sql(kind: ContentKind) -> str:
 
 
 async def persist_batch(
-    conn: asyncpg.Connection | asyncpg.Pool, kind: ContentKind, heartbeats: list[Heartbeat], *, margin_s: float
+    conn: asyncpg.Connection | asyncpg.Pool, kind: ContentKind, heartbeats: list[Heartbeat], *, margin_s: float,
+    timeout_s: float | None = None,
 ) -> BatchResult:
-    # a key may appear twice when a requeue races a claim: keep its newest heartbeat
+    # a key may appear twice when a requeue races a claim: keep its newest heartbeat (on an exact
+    # tie the first, as the upsert's strict `<` keeps the stored row and WRITE_SCRIPT the stored value)
     latest: dict[tuple[int, int], Heartbeat] = {}
     for hb in heartbeats:
         key = (hb.user_id, hb.content_id)
@@ -101,7 +103,7 @@ async def persist_batch(
     record = await conn.fetchrow(
         upsert_sql(kind),
         [hb.content_id for hb in rows], [hb.user_id for hb in rows], [hb.position for hb in rows],
-        [hb.received_ms for hb in rows], margin_s, kind.name, [hb.peak for hb in rows],
+        [hb.received_ms for hb in rows], margin_s, kind.name, [hb.peak for hb in rows], timeout=timeout_s,
     )  # fmt: skip
     assert record is not None
     return BatchResult(written=record["written"], completions=record["completions"], dropped=list(record["dropped"]))

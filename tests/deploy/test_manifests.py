@@ -186,7 +186,18 @@ def test_alert_rules_use_metrics_that_exist() -> None:
     alerts = {rule["alert"] for rule in rules}
     # the list: backlog growing, flush lag, expired values, orphaned emails, readiness flapping
     assert {"ProgressPendingBacklogGrowing", "ProgressFlushLagging", "ProgressPositionsExpired",
-            "ProgressTrialEmailOrphans", "ProgressReadinessFlapping"} <= alerts  # fmt: skip
+            "ProgressTrialEmailOrphans", "ProgressReadinessFlapping", "ProgressRedisMemoryHigh"} <= alerts  # fmt: skip
+
+
+def test_redis_runs_bounded_and_never_evicts_positions() -> None:
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    command = compose["services"]["redis"]["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
+    assert "--maxmemory" in command
+    rule = next(rule for group in yaml.safe_load(ALERTS_FILE.read_text())["groups"] for rule in group["rules"]
+                if rule["alert"] == "ProgressRedisMemoryHigh")  # fmt: skip
+    assert "progress_redis_used_memory_bytes" in rule["expr"] and "0.8" in rule["expr"]
+    assert "maxmemory-policy noeviction" in (K8S_DIR / "README.md").read_text()
 
 
 def test_k8s_readme_names_every_manifest() -> None:

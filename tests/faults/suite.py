@@ -113,7 +113,9 @@ class Cluster:
                    PROGRESS_SHUTDOWN_TIMEOUT_SECONDS="5", DEGRADED_REDIS_RETRY_SECONDS="0.5",
                    DATABASE_POOL_MAX_SIZE="6",
                    # delivery to the monolith has its own tests (tests/outbox); here it stays off
-                   RELAY_ENABLED="false", EMAIL_PUBLISHER="redis-stream")  # fmt: skip
+                   RELAY_ENABLED="false", EMAIL_PUBLISHER="redis-stream",
+                   # a round every few hundred ms is a compressed rhythm, far above the app's 5 s cadence
+                   RATE_LIMIT_PER_USER_PER_SECOND="0")  # fmt: skip
         log = open(self.base / f"service-{i}.log", "ab")  # the child process keeps it open
         self.services[i] = subprocess.Popen(
             [sys.executable, "-m", "service", "serve", "--port", str(self.ports[i])],

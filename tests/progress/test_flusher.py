@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from service.app import create_app
 from service.clients import RedisClient
 from service.config import Settings
-from service.progress.buffer import WRITE_SCRIPT, write_args
+from service.progress.buffer import WRITE_SCRIPT, receive_ms, write_args
 from service.progress.content import CONTENT_KINDS
 from service.progress.flusher import Flusher
 from service.progress.keys import STANDALONE, KeyLayout
@@ -22,9 +22,10 @@ from tests.conftest import Servers, auth, seed
 
 
 async def write(redis: RedisClient, content_type: str, content_id: int, user_id: int, position: float,
-                received_ms: int | None = None, ttl_s: int = 3600, layout: KeyLayout = STANDALONE) -> int:  # fmt: skip
-    """What the request path writes, through the same script."""
-    received_ms = received_ms if received_ms is not None else time.time_ns() // 1_000_000
+                received_ms: float | None = None, ttl_s: int = 3600,
+                layout: KeyLayout = STANDALONE) -> float:  # fmt: skip
+    """What the request path writes, through the same script (receive times strictly increasing, as there)."""
+    received_ms = received_ms if received_ms is not None else receive_ms()
     await redis.script_load(WRITE_SCRIPT)
     await redis.execute_command(*write_args(content_type, content_id, user_id, position, received_ms, ttl_s,
                                             layout))  # type: ignore[arg-type]  # fmt: skip

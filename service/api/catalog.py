@@ -1,0 +1,140 @@
+"""Known content at the door: a heartbeat for an id that does not exist is refused before any write.
+
+The guarantee: a known id costs no round trip (a bisect in a sorted in-memory array); an unknown
+id costs at most one query per id and cache period, shared by every concurrent request naming it;
+and an id that cannot be checked because Postgres is unreachable is accepted (and counted), so an
+outage never costs a real heartbeat. Content published since the last snapshot is found by the
+lookup at once.
+"""
+
+import asyncio
+import logging
+import time
+from array import array
+from bisect import bisect_left
+from collections.abc import Awaitable, Callable
+
+import asyncpg
+
+from service import metrics
+from service.progress.content import CONTENT_KINDS, ContentKind
+from service.progress.flusher import DB_UNAVAILABLE
+from service.progress.known_content import exists, load_ids
+
+log = logging.getLogger(__name__)
+
+_DB_ERRORS = (*DB_UNAVAILABLE, asyncpg.PostgresError)
+# after a failed lookup, unseen ids are accepted without asking for this long: an outage must not
+# cost each heartbeat a connection attempt
+_DB_RETRY_S = 1.0
+# answers for ids outside the snapshot (~100 bytes each), and distinct ids looked up at once
+CATALOG_MAX_ANSWERS = 100_000
+CATALOG_MAX_LOOKUPS = 64
+
+
+class LookupsSaturated(Exception):
+    """Too many distinct unknown ids are being looked up at once; the request may retry."""
+
+
+class ContentCatalog:
+    def __init__(self, pool: asyncpg.Pool, *, lookup_timeout_s: float, answer_ttl_s: float, max_answers: int,
+                 max_lookups: int, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self._pool = pool
+        self._lookup_timeout_s = lookup_timeout_s
+        self._answer_ttl_s = answer_ttl_s
+        self._max_answers = max_answers
+        self._max_lookups = max_lookups
+        self._clock = clock
+        self._known: dict[str, array[int]] = {}  # per content type, ascending; replaced whole by refresh()
+        # recent answers for ids not in the snapshot: (known, valid until); insertion order = expiry order
+        self._answers: dict[tuple[str, int], tuple[bool, float]] = {}
+        self._lookups: dict[tuple[str, int], asyncio.Task[bool | None]] = {}
+        self._db_down_until = 0.0
+        self._unverified = {kind.name: metrics.CATALOG_UNVERIFIED.labels(kind.name) for kind in CONTENT_KINDS}
+
+    def is_known(self, kind: ContentKind, content_id: int) -> bool | Awaitable[bool]:
+        """A bool when memory knows the answer (the hot path: no await), else an awaitable lookup."""
+        ids = self._known.get(kind.name)
+        if ids is not None:
+            i = bisect_left(ids, content_id)
+            if i < len(ids) and ids[i] == content_id:
+                return True
+        answer = self._answers.get((kind.name, content_id))
+        if answer is not None and answer[1] > self._clock():
+            return answer[0]
+        return self._look_up(kind, content_id)
+
+    async def _look_up(self, kind: ContentKind, content_id: int) -> bool:
+        key = (kind.name, content_id)
+        task = self._lookups.get(key)
+        if task is None:
+            if self._clock() < self._db_down_until:
+                return self._accept_unverified(kind)
+            if len(self._lookups) >= self._max_lookups:
+                raise LookupsSaturated(f"{len(self._lookups)} content lookups in flight")
+            task = asyncio.create_task(self._query(kind, content_id), name=f"catalog-lookup-{kind.name}")
+            # the handle lives in _lookups until the query ends; every waiter awaits it
+            self._lookups[key] = task
+            task.add_done_callback(lambda _: self._lookups.pop(key, None))
+        # shielded: a waiter whose client hung up must not cancel the query the others share
+        known = await asyncio.shield(task)
+        return self._accept_unverified(kind) if known is None else known
+
+    async def _query(self, kind: ContentKind, content_id: int) -> bool | None:
+        """The answer, cached; None when Postgres could not be asked."""
+        try:
+            async with asyncio.timeout(self._lookup_timeout_s):
+                known = await exists(self._pool, kind, content_id, timeout_s=self._lookup_timeout_s)
+        except _DB_ERRORS as exc:
+            self._db_down_until = self._clock() + _DB_RETRY_S
+            log.warning("content lookup failed (%s: %s): unseen ids accepted unverified", type(exc).__name__, exc,
+                        extra={"content_type": kind.name})  # fmt: skip
+            return None
+        self._remember((kind.name, content_id), known)
+        return known
+
+    def _remember(self, key: tuple[str, int], known: bool) -> None:
+        self._answers.pop(key, None)  # re-inserted at the end: the order stays the expiry order
+        while len(self._answers) >= self._max_answers:
+            del self._answers[next(iter(self._answers))]
+        self._answers[key] = (known, self._clock() + self._answer_ttl_s)
+
+    def _accept_unverified(self, kind: ContentKind) -> bool:
+        self._unverified[kind.name].inc()
+        return True
+
+    async def refresh(self) -> None:
+        """Replace the snapshot of every content type; on a database error the previous one stays."""
+        known = {kind.name: await load_ids(self._pool, kind) for kind in CONTENT_KINDS}
+        self._known = known
+        for name, ids in known.items():
+            metrics.CATALOG_KNOWN_IDS.labels(name).set(len(ids))
+        metrics.CATALOG_LAST_REFRESH.set_to_current_time()
+
+    def snapshot_bytes(self) -> int:
+        return sum(ids.itemsize * len(ids) for ids in self._known.values())
+
+    async def try_refresh(self) -> bool:
+        try:
+            await self.refresh()
+        except _DB_ERRORS as exc:
+            # until a load succeeds, ids outside the last snapshot are looked up one by one
+            log.warning("content catalog refresh failed (%s: %s); keeping the last snapshot",
+                        type(exc).__name__, exc)  # fmt: skip
+            return False
+        return True
+
+    async def run_refresh(self, stop: asyncio.Event, interval_s: float) -> None:
+        """Refresh every interval until `stop` (the lifespan did the first load)."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval_s)
+                return
+            except TimeoutError:
+                pass
+            await self.try_refresh()
+
+    async def aclose(self) -> None:
+        for task in list(self._lookups.values()):
+            task.cancel()
+        await asyncio.gather(*self._lookups.values(), return_exceptions=True)

@@ -1,0 +1,84 @@
+"""Limits uvicorn's httptools protocol does not have: the size and the arrival time of a request head.
+
+httptools buffers a header of any size (10 MB headers are parsed and handed to the app), and a
+client may send its headers a byte at a time for as long as it likes. This protocol counts the
+bytes received while a request head is incomplete and answers 431 past MAX_HEADER_BYTES, and 408
+when the head is not complete within HEADER_READ_TIMEOUT_S; both close the connection. Bodies
+have their own deadline in the ingest path (BODY_READ_TIMEOUT_SECONDS).
+"""
+
+import asyncio
+import json
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+# the app's heads are well under 2 KiB (a JWT and a few headers); 16 KiB is h11's default limit
+MAX_HEADER_BYTES = 16 * 1024
+HEADER_READ_TIMEOUT_S = 10.0
+
+
+def _refusal(status: bytes, detail: str) -> bytes:
+    body = json.dumps({"detail": detail}).encode()
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)  # fmt: skip
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    _in_head = False
+    _head_bytes = 0  # bytes of chunks that ended with the head still incomplete
+    _oversized = False  # this message's head is over the limit: no app call, 431 once the chunk is parsed
+    _head_deadline: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self._in_head:
+            # a head still arriving: the whole chunk counts (a huge head never reaches the app)
+            self._head_bytes += len(data)
+            self._oversized = self._head_bytes > MAX_HEADER_BYTES
+        if self._oversized:
+            self._refuse(b"431 Request Header Fields Too Large", f"request head larger than {MAX_HEADER_BYTES} bytes")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head, self._head_bytes, self._oversized = True, 0, False
+        self._head_deadline = self.loop.call_later(HEADER_READ_TIMEOUT_S, self._head_too_slow)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+        # a head that arrived in one chunk is measured here, once parsed (bounded by the read size)
+        size = self._head_bytes + len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > MAX_HEADER_BYTES:
+            self._oversized = True
+            return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._oversized:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._oversized:
+            super().on_message_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _head_too_slow(self) -> None:
+        self._head_deadline = None
+        if self._in_head and not self.transport.is_closing():
+            self._refuse(b"408 Request Timeout", f"request head not received within {HEADER_READ_TIMEOUT_S:g} s")
+
+    def _refuse(self, status: bytes, detail: str) -> None:
+        self._in_head = False
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+        self.transport.write(_refusal(status, detail))
+        self.transport.close()

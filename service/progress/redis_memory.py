@@ -1,0 +1,48 @@
+"""Redis memory use as a metric: the buffer runs with maxmemory and noeviction, so a full Redis
+refuses writes (degraded mode takes them) instead of silently dropping positions; the alert fires
+well before that (deploy/prometheus/alerts.yml, 80 %)."""
+
+import asyncio
+import logging
+
+from redis.asyncio import RedisCluster
+from redis.exceptions import RedisError
+
+from service import metrics
+from service.clients import RedisClient
+
+log = logging.getLogger(__name__)
+
+SAMPLE_INTERVAL_S = 15.0
+
+
+def _fill(info: dict[str, object]) -> float:
+    maxmemory = int(str(info.get("maxmemory", 0)))
+    return int(str(info["used_memory"])) / maxmemory if maxmemory else 0.0
+
+
+async def sample_redis_memory(redis: RedisClient) -> None:
+    if isinstance(redis, RedisCluster):
+        # the master nearest to full is the one whose writes are refused first
+        by_node = await redis.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        info = max(by_node.values(), key=_fill)
+    else:
+        info = await redis.info("memory")
+    metrics.REDIS_USED_MEMORY.set(int(info["used_memory"]))
+    metrics.REDIS_MAX_MEMORY.set(int(info.get("maxmemory", 0)))
+
+
+async def run_redis_memory_sampler(
+    redis: RedisClient, stop: asyncio.Event, interval_s: float = SAMPLE_INTERVAL_S
+) -> None:
+    """Off the request path: one INFO per interval until `stop`."""
+    while not stop.is_set():
+        try:
+            await sample_redis_memory(redis)
+        except (RedisError, OSError) as exc:
+            # Redis down is reported by readiness and the write metrics; the gauge keeps its last value
+            log.debug("Redis memory not sampled: %s", exc)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+        except TimeoutError:
+            pass

@@ -1,0 +1,266 @@
+"""The door: unknown content gets 404 and writes nothing; a flood from one user gets 429; both cheap."""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import asyncpg
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from service import metrics
+from service.api import catalog as catalog_module
+from service.api.catalog import ContentCatalog, LookupsSaturated
+from service.api.ingest import ProgressIngest
+from service.api.ratelimit import RateLimiter
+from service.app import create_app
+from service.config import Settings
+from service.progress.content import KIND_BY_PATH
+from service.progress.known_content import load_ids
+from tests.conftest import auth, seed
+
+LESSON = KIND_BY_PATH["/engagements/progress/lesson"]
+
+
+@contextlib.asynccontextmanager
+async def running(settings: Settings) -> AsyncIterator[tuple[ProgressIngest, httpx.AsyncClient]]:
+    app = create_app(settings)
+    async with app.app.router.lifespan_context(app.app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            yield app, client
+
+
+@pytest.fixture
+def door(settings: Settings) -> Settings:
+    return settings.model_copy(update={"content_catalog_enabled": True, "rate_limit_per_user_per_second": 2.0})
+
+
+def unverified(content_type: str) -> float:
+    return metrics.CATALOG_UNVERIFIED.labels(content_type)._value.get()
+
+
+async def test_unknown_content_is_404_and_writes_nothing(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str
+) -> None:
+    await seed(db, users=7, contents=3)
+    async with running(door) as (_, client):
+        for path, field in (("/engagements/progress/lesson", "lesson_id"), ("/audios/progress", "audio_id"),
+                            ("/meditations/progress", "meditation_id"), ("/lives/progress", "live_id")):  # fmt: skip
+            response = await client.post(path, json={field: 4, "position": 1}, headers=auth(token))
+            assert (response.status_code, response.json()) == (404, {"detail": f"unknown {field} 4"})
+        assert await redis.keys("*") == []
+        known = await client.post("/audios/progress", json={"audio_id": 3, "position": 1}, headers=auth(token))
+        assert known.status_code == 201
+    assert sorted(await redis.keys("*")) == ["progress:latest_position:audio:3:7", "progress:pending_flush:audio"]
+
+
+async def test_content_published_a_moment_ago_is_accepted_at_once(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str
+) -> None:
+    await seed(db, users=7, contents=1)
+    async with running(door) as (app, client):
+        assert app.catalog is not None and app.catalog.is_known(LESSON, 1) is True  # in memory: no await
+        await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (50, 'new', 600)")
+        response = await client.post("/engagements/progress/lesson", json={"lesson_id": 50, "position": 3},
+                                     headers=auth(token))  # fmt: skip
+        assert response.status_code == 201
+    assert await redis.smembers("progress:pending_flush:lesson") == {"50:7"}
+
+
+async def test_concurrent_requests_for_one_unseen_id_share_one_query(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await seed(db, users=7, contents=1)
+    queries: list[int] = []
+    real_exists = catalog_module.exists
+
+    async def counted(pool: asyncpg.Pool, kind: object, content_id: int, *, timeout_s: float) -> bool:
+        queries.append(content_id)
+        return await real_exists(pool, kind, content_id, timeout_s=timeout_s)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(catalog_module, "exists", counted)
+    async with running(door.model_copy(update={"rate_limit_per_user_per_second": 0})) as (_, client):
+        answers = await asyncio.gather(*(
+            client.post("/engagements/progress/lesson", json={"lesson_id": 999, "position": 1}, headers=auth(token))
+            for _ in range(20)
+        ))  # fmt: skip
+        again = await client.post("/engagements/progress/lesson", json={"lesson_id": 999, "position": 1},
+                                  headers=auth(token))  # fmt: skip
+    assert {a.status_code for a in answers} == {404} and again.status_code == 404
+    assert queries == [999]  # one query for 21 requests: shared, then cached
+    assert await redis.keys("*") == []
+
+
+class _Proxy:
+    """A TCP relay to Postgres that the test can cut: from the service's side, Postgres is down."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def cut(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.transport.abort()
+        await self.server.wait_closed()
+
+
+async def test_postgres_down_an_unseen_id_is_accepted_and_counted(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str
+) -> None:
+    await seed(db, users=7, contents=2)
+    dsn_port = int(door.database_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = _Proxy(dsn_port)
+    port = await proxy.start()
+    through_proxy = door.database_url.replace(f":{dsn_port}/", f":{port}/")
+    async with running(door.model_copy(update={"database_url": through_proxy})) as (_, client):
+        await proxy.cut()
+        before = unverified("audio")
+        unseen = await client.post("/audios/progress", json={"audio_id": 77, "position": 1}, headers=auth(token))
+        known = await client.post("/audios/progress", json={"audio_id": 2, "position": 1}, headers=auth(token))
+        assert (unseen.status_code, known.status_code) == (201, 201)
+        assert unverified("audio") == before + 1
+    assert await redis.smembers("progress:pending_flush:audio") == {"77:7", "2:7"}
+
+
+async def test_the_snapshot_loads_in_pages_as_a_sorted_array(db: asyncpg.Pool) -> None:
+    await db.execute("INSERT INTO courses_lesson (id, title, duration) SELECT i * 3, 'c', 60 "
+                     "FROM generate_series(1, 50) i")  # fmt: skip
+    ids = await load_ids(db, LESSON, page_size=7)
+    assert list(ids) == [i * 3 for i in range(1, 51)]
+    assert ids.itemsize == 8  # 1M ids: 8 MB, not a set of Python ints
+
+
+def test_the_apps_real_rhythm_never_reaches_the_default_limit() -> None:
+    """60 s simulated: three contents at the 5 s cadence, switching, and a minute of retries at once."""
+    defaults = Settings()
+    now = [0.0]
+    limiter = RateLimiter(per_second=defaults.rate_limit_per_user_per_second, burst=defaults.rate_limit_burst,
+                          clock=lambda: now[0])  # fmt: skip
+    refused = 0
+    for tick in range(0, 60_000, 100):  # ms
+        now[0] = tick / 1000
+        sends = 0
+        if tick % 5000 == 0:
+            sends += 3  # three contents playing/paused at once (app + widget + a switch)
+        if tick == 30_000:
+            sends += 12 * 3  # back from a network blip: a minute of queued heartbeats for three contents
+        for _ in range(sends):
+            refused += limiter.allow(7) is not None
+    assert refused == 0
+
+
+def test_limiter_memory_is_bounded_and_idle_users_are_forgotten() -> None:
+    now = [0.0]
+    limiter = RateLimiter(per_second=2, burst=10, max_users=1000, clock=lambda: now[0])
+    for user in range(1, 5001):
+        assert limiter.allow(user) is None
+        now[0] += 0.001
+    assert limiter.tracked_users() <= 1000
+    now[0] += 60  # everyone's bucket is full again: the same as no entry
+    limiter.allow(1)
+    for user in range(10_001, 11_001):
+        limiter.allow(user)
+    assert limiter.tracked_users() <= 1000
+
+
+async def test_a_flood_from_one_user_gets_429_and_no_writes_beyond_the_limit(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str
+) -> None:
+    await seed(db, users=7, contents=50)
+    flood = door.model_copy(update={"rate_limit_per_user_per_second": 0.01, "rate_limit_burst": 10})
+    async with running(flood) as (_, client):
+        answers = [
+            await client.post("/lives/progress", json={"live_id": i, "position": 1}, headers=auth(token))
+            for i in range(1, 51)
+        ]
+    statuses = [a.status_code for a in answers]
+    assert statuses == [201] * 10 + [429] * 40
+    assert answers[-1].json() == {"detail": "too many heartbeats from this user, retry later"}
+    assert 1 <= int(answers[-1].headers["retry-after"]) <= 100
+    assert await redis.scard("progress:pending_flush:live") == 10
+    assert len(await redis.keys("progress:latest_position:*")) == 10
+
+
+async def test_a_refresh_replaces_the_snapshot(door: Settings, db: asyncpg.Pool, redis: Redis) -> None:
+    await seed(db, users=1, contents=2)
+    async with running(door) as (app, _):
+        assert app.catalog is not None
+        await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (70, 'new', 600)")
+        await db.execute("DELETE FROM courses_lesson WHERE id = 2")
+        assert app.catalog.is_known(LESSON, 2) is True  # the snapshot of start-up
+        assert await app.catalog.try_refresh()
+        assert app.catalog.is_known(LESSON, 70) is True  # in memory now: no lookup
+        assert app.catalog.snapshot_bytes() == 8 * (2 + 2 * 3)  # lessons 1 and 70, two ids of three other kinds
+        missing = app.catalog.is_known(LESSON, 2)
+        assert not isinstance(missing, bool) and await missing is False
+
+
+async def test_lookup_answers_expire_and_lookups_are_bounded(db: asyncpg.Pool) -> None:
+    await seed(db, users=1, contents=1)
+    now = [0.0]
+    catalog = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=2, max_lookups=64,
+                             clock=lambda: now[0])  # fmt: skip
+    assert await catalog.is_known(LESSON, 5) is False  # type: ignore[misc]
+    assert catalog.is_known(LESSON, 5) is False  # the cached answer: a bool, no query
+    await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (5, 'late', 600)")
+    now[0] = 11.0  # past the answer's life: asked again
+    assert await catalog.is_known(LESSON, 5) is True  # type: ignore[misc]
+    for content_id in (6, 7, 8):
+        await catalog.is_known(LESSON, content_id)  # type: ignore[misc]
+    assert len(catalog._answers) == 2  # bounded: the oldest answers go first
+    saturated = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=2, max_lookups=0)
+    with pytest.raises(LookupsSaturated):
+        await saturated.is_known(LESSON, 9)  # type: ignore[misc]
+
+
+async def test_the_sync_and_the_reads_pass_the_same_door(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str
+) -> None:
+    """A sync is one call against the user's limit and its items count against their own cap; a read is
+    one call. A refused request writes nothing."""
+    await seed(db, users=7, contents=500)
+    settings = door.model_copy(update={"rate_limit_burst": 3, "rate_limit_per_user_per_second": 0.01,
+                                       "sync_items_burst": 600, "sync_items_per_user_per_second": 0.01})  # fmt: skip
+    listened_at = "2026-11-30T08:00:00+00:00"
+
+    def items(first: int, count: int) -> dict[str, object]:
+        return {"items": [{"content_type": "lesson", "content_id": c, "position": 5.0, "listened_at": listened_at}
+                          for c in range(first, first + count)]}  # fmt: skip
+
+    async with running(settings) as (_, client):
+        first = await client.post("/progress/sync", json=items(1, 500), headers=auth(token))
+        assert first.status_code == 200 and len(first.json()["items"]) == 500
+        # 500 of the 600 items are spent: a second full request is refused for its items, writing nothing
+        keys_before = len(await redis.keys("*"))
+        refused = await client.post("/progress/sync", json=items(1, 200), headers=auth(token))
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        assert len(await redis.keys("*")) == keys_before
+        # that refusal did not spend a call: the two calls left go to one read and one small sync
+        assert (await client.get("/progress/lesson/1", headers=auth(token))).status_code == 200
+        assert (await client.post("/progress/sync", json=items(1, 1), headers=auth(token))).status_code == 200
+        limited = await client.get("/progress/lesson/1", headers=auth(token))
+        assert limited.status_code == 429 and "retry-after" in limited.headers
+        doubled = await client.get("/progress/lesson/1", headers=[("authorization", f"Bearer {token}"),
+                                                                   ("authorization", f"Bearer {token}")])  # fmt: skip
+        assert doubled.status_code == 401

@@ -1,0 +1,132 @@
+"""Hostile HTTP against a real uvicorn server (the protocol `serve` runs): slow bodies, header
+bloat, duplicate JSON keys, a JSON body under another content type. Each writes nothing it should not."""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import uvicorn
+from redis.asyncio import Redis
+
+from service.api import http_limits
+from service.api.http_limits import LimitedHttpToolsProtocol
+from service.api.ingest import ProgressIngest
+from service.app import create_app
+from service.config import Settings
+
+BODY_DEADLINE_S = 0.5
+
+
+@pytest.fixture
+async def server(settings: Settings, redis: Redis) -> AsyncIterator[int]:
+    app: ProgressIngest = create_app(settings.model_copy(update={"body_read_timeout_seconds": BODY_DEADLINE_S}))
+    async with app.app.router.lifespan_context(app.app):
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, http=LimitedHttpToolsProtocol, lifespan="off",
+                                log_config=None, access_log=False)  # fmt: skip
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            yield int(server.servers[0].sockets[0].getsockname()[1])
+        finally:
+            server.should_exit = True
+            await serving
+
+
+def request(token: str, body: bytes, *, content_type: bytes = b"application/json", extra: bytes = b"") -> bytes:
+    return (b"POST /audios/progress HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + token.encode()
+            + b"\r\nContent-Type: " + content_type + b"\r\nContent-Length: " + str(len(body)).encode()
+            + b"\r\n" + extra + b"\r\n" + body)  # fmt: skip
+
+
+async def exchange(port: int, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(65536), 5)
+    writer.close()
+    return answer
+
+
+async def test_a_body_trickled_a_byte_at_a_time_is_cut_off(server: int, redis: Redis, token: str) -> None:
+    body = b'{"audio_id": 1, "position": 5}'
+    head = request(token, body)[: -len(body)]
+    reader, writer = await asyncio.open_connection("127.0.0.1", server)
+    writer.write(head)
+    trickled = 0
+    answer = b""
+
+    async def trickle() -> None:
+        nonlocal trickled
+        for byte in body:
+            writer.write(bytes([byte]))
+            trickled += 1
+            await asyncio.sleep(0.1)
+
+    sender = asyncio.create_task(trickle())
+    try:
+        answer = await asyncio.wait_for(reader.read(65536), 5)
+        try:  # the server hung up after answering: end of stream, or a reset if our bytes were still coming
+            closed = await asyncio.wait_for(reader.read(65536), 5) == b""
+        except ConnectionResetError:
+            closed = True
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"connection: close" in answer.lower() and closed
+    assert trickled < len(body)  # cut off mid-body, not served when it finally arrived
+    assert await redis.keys("*") == []
+
+
+async def test_header_bloat_is_refused_with_431_and_the_server_keeps_serving(
+    server: int, redis: Redis, token: str
+) -> None:
+    bloat = b"X-Bloat: " + b"a" * (4 * http_limits.MAX_HEADER_BYTES) + b"\r\n"
+    answer = await exchange(server, request(token, b'{"audio_id": 1, "position": 5}', extra=bloat))
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(5000))
+    assert (await exchange(server, request(token, b"{}", extra=many))).startswith(b"HTTP/1.1 431 ")
+    assert await redis.keys("*") == []
+    ok = await exchange(server, request(token, b'{"audio_id": 1, "position": 5}'))
+    assert ok.startswith(b"HTTP/1.1 201 ")
+
+
+async def test_duplicate_json_keys_the_last_one_wins(server: int, redis: Redis, token: str) -> None:
+    answer = await exchange(server, request(token, b'{"audio_id": 1, "position": 5, "audio_id": 2}'))
+    assert answer.startswith(b"HTTP/1.1 201 ")
+    assert await redis.smembers("progress:pending_flush:audio") == {"2:7"}
+
+
+async def test_a_json_body_is_read_as_json_whatever_its_content_type(server: int, redis: Redis, token: str) -> None:
+    plain = await exchange(server, request(token, b'{"audio_id": 3, "position": 5}', content_type=b"text/plain"))
+    assert plain.startswith(b"HTTP/1.1 201 ")
+    form = await exchange(server, request(token, b"audio_id=4&position=5",
+                                          content_type=b"application/x-www-form-urlencoded"))  # fmt: skip
+    assert form.startswith(b"HTTP/1.1 400 ")
+    assert await redis.smembers("progress:pending_flush:audio") == {"3:7"}
+
+
+async def test_a_head_trickled_a_byte_at_a_time_is_cut_off(
+    server: int, redis: Redis, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(http_limits, "HEADER_READ_TIMEOUT_S", 0.5)
+    head = request(token, b'{"audio_id": 1, "position": 5}')
+    reader, writer = await asyncio.open_connection("127.0.0.1", server)
+
+    async def trickle() -> None:
+        for byte in head:
+            writer.write(bytes([byte]))
+            await asyncio.sleep(0.05)
+
+    sender = asyncio.create_task(trickle())
+    try:
+        answer = await asyncio.wait_for(reader.read(65536), 5)
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert await redis.keys("*") == []

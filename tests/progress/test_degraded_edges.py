@@ -1,0 +1,106 @@
+"""Degraded mode's hard edges: the later of two same-millisecond heartbeats wins; a 503 writes
+nothing, ever; a Redis that is full (OOM) sends heartbeats to Postgres instead of failing them."""
+
+import asyncio
+import time
+from itertools import pairwise
+
+import asyncpg
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from service import embedded, metrics
+from service.app import create_app
+from service.auth import make_token
+from service.config import Settings
+from service.progress.buffer import receive_ms
+from service.progress.redis_memory import sample_redis_memory
+from tests.conftest import auth, seed
+from tests.progress.test_degraded import degraded_settings, own_redis, running
+
+__all__ = ["own_redis"]  # the fixture, shared with test_degraded.py
+
+
+def test_receive_times_are_strictly_increasing() -> None:
+    times = [receive_ms() for _ in range(100_000)]
+    assert all(a < b for a, b in pairwise(times))
+
+
+async def test_the_later_of_two_same_millisecond_heartbeats_wins_in_degraded_mode(
+    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await seed(db, users=100, contents=1)
+    tokens = {user_id: make_token(settings, user_id) for user_id in range(1, 101)}
+    app = create_app(degraded_settings(settings, own_redis))
+    async with running(app) as client:
+        own_redis.stop()
+        # The wall clock stands still: every heartbeat of the test arrives in the same millisecond,
+        # which a fast Postgres and one keep-alive connection make happen now and then for real.
+        frozen_ns = time.time_ns()
+        monkeypatch.setattr(time, "time_ns", lambda: frozen_ns)
+        for run in range(5):
+
+            async def two(user_id: int, run: int = run, client: httpx.AsyncClient = client) -> None:
+                # one connection's pair: the second sent once the first was answered, often in the same ms
+                for position in (run * 10 + 1, run * 10 + 2):
+                    response = await client.post("/engagements/progress/lesson", headers=auth(tokens[user_id]),
+                                                 json={"lesson_id": 1, "position": position})  # fmt: skip
+                    assert response.status_code == 201
+
+            await asyncio.gather(*(two(user_id) for user_id in tokens))
+            rows = await db.fetch("SELECT user_id, position FROM engagements_lessonprogress")
+            assert {row["user_id"]: row["position"] for row in rows} == dict.fromkeys(tokens, run * 10 + 2), run
+
+
+async def test_a_503_from_degraded_mode_writes_nothing_even_after_postgres_recovers(
+    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool
+) -> None:
+    await seed(db, users=6, contents=1)
+    slow = degraded_settings(settings, own_redis, degraded_write_timeout_seconds=0.5, degraded_max_concurrency=1)
+    app = create_app(slow)
+    async with running(app) as client:
+        own_redis.stop()
+        async with db.acquire() as blocker:
+            # a slow Postgres: the table is locked, so every degraded statement waits
+            transaction = blocker.transaction()
+            await transaction.start()
+            await blocker.execute("LOCK TABLE audios_audioprogress IN ACCESS EXCLUSIVE MODE")
+            answers = await asyncio.gather(*(
+                client.post("/audios/progress", json={"audio_id": 1, "position": user_id},
+                            headers=auth(make_token(settings, user_id)))
+                for user_id in range(1, 7)
+            ))  # fmt: skip
+            assert [a.status_code for a in answers] == [503] * 6
+            await transaction.rollback()  # Postgres is fast again
+        await asyncio.sleep(0.5)  # room for any statement still queued to run (none must)
+        assert await db.fetchval("SELECT count(*) FROM audios_audioprogress") == 0
+        direct = app.app.state.ingest.sink._direct
+        assert direct is not None and direct._queued == 0  # nothing held past its deadline
+        recovered = await client.post("/audios/progress", json={"audio_id": 1, "position": 99},
+                                      headers=auth(make_token(settings, 6)))  # fmt: skip
+        assert recovered.status_code == 201
+    rows = await db.fetch("SELECT user_id, position FROM audios_audioprogress")
+    assert [(row["user_id"], row["position"]) for row in rows] == [(6, 99)]
+
+
+async def test_a_full_redis_sends_heartbeats_to_postgres_not_to_a_500(
+    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7, contents=1)
+    app = create_app(degraded_settings(settings, own_redis))
+    full = Redis.from_url(own_redis.url)
+    try:
+        async with running(app) as client:
+            await full.config_set("maxmemory-policy", "noeviction")
+            await full.config_set("maxmemory", 1)  # used memory is over it at once: every write gets OOM
+            await sample_redis_memory(full)
+            assert metrics.REDIS_MAX_MEMORY._value.get() == 1 < metrics.REDIS_USED_MEMORY._value.get()
+            response = await client.post("/meditations/progress", json={"meditation_id": 1, "position": 42},
+                                         headers=auth(token))  # fmt: skip
+            assert response.status_code == 201
+            await full.config_set("maxmemory", 0)
+        assert await full.keys("progress:*") == []
+    finally:
+        await full.aclose()
+    assert await db.fetchval("SELECT position FROM audios_meditationprogress WHERE user_id = 7") == 42
