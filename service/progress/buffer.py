@@ -26,6 +26,8 @@ from service.progress.keys import STANDALONE, KeyLayout, pending_member
 # Receive times are ms with a microsecond fraction, strictly increasing per process (receive_ms), so
 # two heartbeats of one connection never tie; an exact tie (two pods, same microsecond) keeps what is
 # stored: the same rule as persist_batch's dedupe and the upsert's strict `<`.
+# Returns 1 when this write is now the stored position, 2 when the stored one is this very write
+# already (same time and position: a retried offline sync), 0 when a later one stands.
 WRITE_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
 local peak = ARGV[1]
@@ -37,6 +39,7 @@ if current then
       redis.call('SET', KEYS[1], position .. ':' .. ms .. ':' .. ARGV[1], 'EX', ARGV[3])
     end
     redis.call('SADD', KEYS[2], ARGV[4])
+    if tonumber(ms) == tonumber(ARGV[2]) and tonumber(position) == tonumber(ARGV[1]) then return 2 end
     return 0
   end
   if stored_peak and tonumber(stored_peak) > tonumber(peak) then peak = stored_peak end
@@ -125,14 +128,15 @@ class PositionWriter:
     async def write_all(self, commands: list[tuple[object, ...]]) -> list[bool]:
         """Many `write_args` in one pipeline of their own, in order; for each, whether its value was stored.
 
-        False: the stored value was received later, so it stays (only its peak may rise). An error
-        of any command raises: the caller answers for the whole set, which is safe to send again.
+        False: the stored value was received later, so it stays (only its peak may rise). True also
+        when the stored value is this very write (a repeat). An error of any command raises: the
+        caller answers for the whole set, which is safe to send again.
         """
         results = await self._send_pipeline(commands)
         for result in results:
             if isinstance(result, Exception):
                 raise result
-        return [result == 1 for result in results]
+        return [result in (1, 2) for result in results]
 
     async def _send(self, commands: list[tuple[object, ...]]) -> list[BaseException | None]:
         results = await self._send_pipeline(commands)

@@ -70,8 +70,9 @@ def value_keys(
     return [layout.value_key(kind.name, content_id, user_id) for content_id in content_ids]
 
 
-def as_ms(moment: datetime) -> int:
-    return (moment - EPOCH) // timedelta(milliseconds=1)
+def as_ms(moment: datetime) -> float:
+    # with the microseconds: receive times are ms with a microsecond fraction (buffer.receive_ms)
+    return (moment - EPOCH) / timedelta(milliseconds=1)
 
 
 def from_ms(ms: float) -> datetime:

@@ -68,7 +68,7 @@ class _Accepted:
     kind: ContentKind
     content_id: int
     position: float
-    listened_ms: int
+    listened_ms: float
 
 
 def _all_set(outcomes: list[SyncOutcome | None]) -> list[SyncOutcome]:

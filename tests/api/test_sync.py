@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.flusher import Flusher
+from service.progress.reads import as_ms
 from service.progress.sync import OLDER_THAN_STORED, SUPERSEDED, UNKNOWN_CONTENT
 from tests.conftest import auth, seed
 
@@ -39,8 +40,9 @@ async def live_heartbeat(redis: Redis, content_id: int, position: float, receive
     await redis.execute_command(*write_args("audio", content_id, 7, position, received_ms, 3600))
 
 
-def ms(moment: datetime) -> int:
-    return int(moment.timestamp() * 1000)
+def ms(moment: datetime) -> float:
+    """A receive time as the buffer keeps it: ms with the microseconds of `listened_at`."""
+    return as_ms(moment)
 
 
 @pytest.fixture
@@ -202,7 +204,7 @@ async def test_the_rate_limit_seam_refuses_before_anything_is_written(
 
     app.app.state.reads.sync_limit = limit
     response = await client.post("/progress/sync", content=_body(3), headers=auth(token))
-    assert (response.status_code, response.headers["retry-after"]) == (429, "2")
+    assert (response.status_code, response.headers["retry-after"]) == (429, "3")  # 2.4 s, rounded up
     assert await redis.keys("*") == []
     assert (await client.post("/progress/sync", content=_body(1), headers=auth(token))).status_code == 200
     assert calls == [(7, 3), (7, 1)]
