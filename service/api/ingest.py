@@ -80,22 +80,24 @@ def identify(authenticator: Authenticator, headers: list[tuple[bytes, bytes]]) -
     The content type is not checked: the body is JSON by contract, whatever the app's builds
     declare, and refusing one would cost real heartbeats; the body is validated all the same.
     """
-    authorization = gateway_value = None
+    # only the header of the configured mode names the user: a gateway that authenticates may still
+    # forward Authorization, and a JWT deployment ignores a user header nobody vouches for
+    identity_name = authenticator.gateway_header if authenticator.use_gateway else b"authorization"
+    identity: bytes | None = None
     identity_headers = 0
     declared_length = 0
     for name, value in headers:
-        if name == b"authorization":
-            authorization = value
+        if name == identity_name:
+            identity = value
             identity_headers += 1
         elif name == b"content-length":
             declared_length = int(value) if value.isdigit() else 0
-        elif name == authenticator.gateway_header:
-            gateway_value = value
-            identity_headers += 1
     if identity_headers > 1:
         # which of two would be the user is the proxy's guess, not ours
-        raise AuthError("more than one identity header (Authorization or the gateway's user header)")
-    return authenticator.user_id(authorization, gateway_value), declared_length
+        raise AuthError(f"more than one {identity_name.decode('latin-1')} header")
+    if authenticator.use_gateway:
+        return authenticator.user_id(None, identity), declared_length
+    return authenticator.user_id(identity, None), declared_length
 
 
 async def read_body_within(receive: Receive, *, limit: int, timeout_s: float) -> bytes:

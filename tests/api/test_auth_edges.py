@@ -132,6 +132,18 @@ async def test_gateway_header_must_be_canonical_and_single(settings: Settings, r
             assert doubled.status_code == 401
             assert await redis.keys("*") == []
             assert (await post(client, [("X-User-Id", "9223372036854775807")])).status_code == 201
+            # a gateway that authenticates may forward the app's Authorization too: only its header counts
+            forwarded = await post(client, [("X-User-Id", "5"), ("Authorization", "Bearer whatever")])
+            assert forwarded.status_code == 201
+            assert await redis.exists("progress:latest_position:audio:1:5") == 1
+
+
+async def test_in_jwt_mode_a_user_header_nobody_vouches_for_is_ignored(
+    app: ProgressIngest, client: httpx.AsyncClient, token: str, redis: Redis
+) -> None:
+    response = await post(client, [("Authorization", f"Bearer {token}"), ("X-User-Id", "5"), ("X-User-Id", "6")])
+    assert response.status_code == 201
+    assert await redis.keys("progress:latest_position:*") == ["progress:latest_position:audio:1:7"]
 
 
 def test_a_hundred_thousand_distinct_tokens_stay_bounded_and_verified(settings: Settings) -> None:
