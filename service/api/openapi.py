@@ -29,6 +29,10 @@ def _too_many(description: str) -> dict[str, Any]:
     }
 
 
+_UNAUTHENTICATED = _error_response(
+    "Missing, malformed, expired or wrongly signed token; or the identity header (Authorization, or the "
+    "gateway's in gateway mode) twice."
+)
 _BODY_TIMEOUT = _error_response("Body not received within BODY_READ_TIMEOUT_SECONDS; the connection is closed.")
 
 
@@ -48,7 +52,7 @@ def _progress_operation(name: str, body_schema: str) -> dict[str, Any]:
                     "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Created"}}},
                 },
                 "400": _error_response("Malformed JSON."),
-                "401": _error_response("Missing, malformed, expired or wrongly signed token; or the identity header (Authorization, or the gateway's in gateway mode) twice."),
+                "401": _UNAUTHENTICATED,
                 "404": _error_response("The content id does not exist (`unknown <field> <id>`); nothing written."),
                 "408": _BODY_TIMEOUT,
                 "413": _error_response("Body larger than MAX_BODY_BYTES."),
@@ -77,7 +81,7 @@ _CONTENT_TYPE_PARAMETER = {
     "schema": {"type": "string", "enum": [kind.name for kind in CONTENT_KINDS]},
 }  # fmt: skip
 _READ_ERRORS = {
-    "401": _error_response("Missing, malformed, expired or wrongly signed token; or the identity header (Authorization, or the gateway's in gateway mode) twice."),
+    "401": _UNAUTHENTICATED,
     "422": _error_response("Unknown content type or ids that are not integers from 1 to 2^63-1; `detail` says which."),
     "429": _too_many("Too many requests from this user (they count against the heartbeats' per-user rate)."),
     "503": _error_response("Redis or Postgres cannot be read now (or no database is configured); retry later."),
@@ -149,7 +153,7 @@ def _read_operations() -> dict[str, Any]:
                             {"applied": False, "reason": "older than the stored position"},
                         ]})},
                 "400": _error_response("Malformed JSON."),
-                "401": _error_response("Missing, malformed, expired or wrongly signed token; or the identity header (Authorization, or the gateway's in gateway mode) twice."),
+                "401": _UNAUTHENTICATED,
                 "408": _BODY_TIMEOUT,
                 "413": _error_response("Body larger than SYNC_MAX_BODY_BYTES."),
                 "422": _error_response(f"Invalid fields (1 to {SYNC_MAX_ITEMS} items); `detail` names them."),
