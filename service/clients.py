@@ -106,6 +106,9 @@ async def execute_by_node(
             # redis-py's cluster client closes connections under a command when another task resets the
             # topology (ClusterDownError); the command then fails with AttributeError on the closed socket
             outcome = RedisConnectionError(f"connection closed by a topology reset: {outcome}")
+        elif isinstance(outcome, RedisClusterException):
+            # no node for a slot, a cluster that cannot be reached: not a RedisError, yet the same weather
+            outcome = RedisConnectionError(f"Redis Cluster unavailable: {outcome}")
         for position, i in enumerate(group):
             results[i] = outcome if isinstance(outcome, Exception) else outcome[position]
     if isinstance(redis, RedisCluster) and any(isinstance(result, REDIS_UNAVAILABLE) for result in results):
@@ -166,6 +169,8 @@ async def _node_pipeline(
                 results[i] = await redis.execute_command(*commands[i])  # type: ignore[arg-type]
             except RedisError as exc:
                 results[i] = exc
+            except RedisClusterException as exc:  # not a RedisError: callers know "Redis is down" by that
+                results[i] = RedisConnectionError(f"Redis Cluster unavailable: {exc}")
     return results
 
 

@@ -148,6 +148,9 @@ OUTBOX_BROKER_UNAVAILABLE = Counter(
     "progress_outbox_broker_unavailable_total", "Relay batches stopped because the broker was unreachable.",
     ["outbox"],
 )
+OUTBOX_RELAY_ERRORS = Counter(
+    "progress_outbox_relay_errors_total", "Relay passes ended by an unexpected error (a bug: see the log)."
+)
 OUTBOX_OLDEST_AGE = Gauge(
     "progress_outbox_oldest_unpublished_age_seconds", "Age of the oldest outbox row still owed to the broker.",
     ["outbox"], multiprocess_mode="max",

@@ -78,9 +78,13 @@ class Relay:
             result.republished.setdefault(name, 0)
             result.failed.setdefault(name, 0)
             # once the broker is known down, the other outboxes only report their lag
-            if result.broker_unavailable is None:
-                await self._drain(route, result, stop)
-            await self._report_oldest(route.outbox)
+            try:
+                if result.broker_unavailable is None:
+                    await self._drain(route, result, stop)
+            finally:
+                # the lag must show even when the pass failed: it is what the alert watches
+                with contextlib.suppress(*_DB_ERRORS):
+                    await self._report_oldest(route.outbox)
         return result
 
     async def _drain(self, route: Route, result: RelayResult, stop: asyncio.Event | None) -> None:
@@ -91,13 +95,21 @@ class Relay:
                 [route.outbox.to_message(row, self._settings) for row in rows]))  # fmt: skip
             more = len(rows) == self._batch_size and (stop is None or not stop.is_set())
             claiming = asyncio.ensure_future(self._claim(route.outbox)) if more else None
+            claim_error: BaseException | None = None
             try:
                 sent = await publishing
             finally:
                 # the next claim is awaited whatever happens: never left running unowned (a claim
                 # cancelled after it committed only delays its rows until their lease runs out)
-                next_rows = await claiming if claiming is not None else []
+                try:
+                    next_rows = await claiming if claiming is not None else []
+                except _DB_ERRORS as exc:
+                    # the broker has this batch: it is marked below before the claim's error goes up,
+                    # or it would all go out again once its lease ran out
+                    next_rows, claim_error = [], exc
             await self._record(route.outbox, rows, sent, result)
+            if claim_error is not None:
+                raise claim_error
             if sent.unavailable is not None:
                 await self._release(route.outbox, rows, sent, next_rows)
                 return
@@ -167,6 +179,13 @@ class Relay:
                 except _DB_ERRORS as exc:
                     result = None
                     log.warning("outbox relay: database error, retrying: %r", exc, extra={"error": repr(exc)})
+                except Exception:
+                    # The relay is the only way out of the outboxes: if it died, every completion and
+                    # email would wait for ever with no alert. Whatever this is (a bug, a publisher
+                    # error nobody foresaw), it is logged loudly and the loop backs off and goes on.
+                    result = None
+                    metrics.OUTBOX_RELAY_ERRORS.inc()
+                    log.exception("outbox relay: unexpected error; retrying with backoff")
                 if result is not None and result.broker_unavailable is None:
                     backoff_s = 0.0
                     if result.did_something():

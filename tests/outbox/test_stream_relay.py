@@ -1,6 +1,7 @@
 """EMAIL_PUBLISHER=redis-stream: what a batch could not publish reaches the stream through the relay."""
 
 import asyncio
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import asyncpg
@@ -8,7 +9,9 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from service import metrics
 from service.config import Settings
+from service.outbox.celery_publisher import Message, PublishResult
 from service.outbox.outboxes import EMAILS
 from service.outbox.relay import Relay, Route
 from service.trial_emails.batch import reserve_and_enqueue
@@ -41,3 +44,43 @@ async def test_the_relay_puts_what_the_batch_left_on_the_stream_once(
     entry = (await stream_entries(redis, queue.stream))[0]
     assert entry["reserved_at"] == sent_at.isoformat() and entry["source"] == "trial_journey"
     assert sent_at <= datetime.now(UTC)
+
+
+class FailingOnce:
+    """The real stream publisher behind a first call that fails in a way nobody foresaw."""
+
+    def __init__(self, inner: StreamPublisher) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    async def publish(self, messages: Sequence[Message]) -> PublishResult:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("a publisher bug")
+        return await self.inner.publish(messages)
+
+
+async def test_the_relay_loop_survives_an_unexpected_publisher_error(
+    settings: Settings, redis: Redis, db: asyncpg.Pool
+) -> None:
+    await seed(db, users=3, contents=1)
+    pairs = [(1, "trial_welcome"), (2, "trial_welcome")]
+    with pytest.raises(RedisConnectionError):
+        await reserve_and_enqueue(pairs, pool=db, queue=DownQueue(), block_size=200, lease_s=0.2)
+    await asyncio.sleep(0.3)
+    errors_before = metrics.OUTBOX_RELAY_ERRORS._value.get()
+    queue = RedisStreamQueue(redis, settings.email_queue_stream)
+    publisher = FailingOnce(StreamPublisher(queue))
+    fast = settings.model_copy(update={"relay_lease_seconds": 0.5, "relay_poll_interval_seconds": 0.1,
+                                       "relay_max_backoff_seconds": 0.2, "celery_publish_timeout_seconds": 0.2,
+                                       "relay_listen": False})  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.create_task(Relay(pool=db, routes=[Route(EMAILS, publisher)], settings=fast).run(stop))
+    deadline = asyncio.get_running_loop().time() + 10
+    while asyncio.get_running_loop().time() < deadline and len(await enqueued(redis, queue.stream)) < 2:
+        await asyncio.sleep(0.1)
+    stop.set()
+    await loop  # ended by `stop`, not by the error
+    assert await enqueued(redis, queue.stream) == dict.fromkeys(pairs, 1)
+    assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 0
+    assert metrics.OUTBOX_RELAY_ERRORS._value.get() == errors_before + 1
