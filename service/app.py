@@ -16,7 +16,7 @@ from service.api.catalog import CATALOG_MAX_ANSWERS, CATALOG_MAX_LOOKUPS, Conten
 from service.api.ingest import ProgressIngest
 from service.api.openapi import build_openapi
 from service.api.ratelimit import RateLimiter
-from service.api.reads import ProgressReads, sync_limit
+from service.api.reads import ProgressReads, sync_items_limit
 from service.auth import Authenticator
 from service.clients import connect_redis, create_db_pool, key_layout
 from service.config import Settings, load_settings
@@ -132,7 +132,8 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             reads.reader = reader
             # its own writer: a sync's pipeline is its own, not shared with the heartbeats of the turn
             reads.sync = OfflineSync(PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds,
-                                                    layout=writer.layout), pool,
+                                                    layout=writer.layout, wait_replicas=settings.redis_wait_replicas,
+                                                    wait_timeout_ms=settings.redis_wait_timeout_ms), pool,
                                      ttl_s=settings.progress_position_ttl_seconds,
                                      max_skew_s=settings.sync_max_clock_skew_seconds,
                                      max_age_s=settings.sync_max_age_days * 86_400)  # fmt: skip
@@ -171,8 +172,8 @@ def create_app(settings: Settings | None = None) -> ProgressIngest:
     reads = ProgressReads(api, authenticator=authenticator, max_body_bytes=settings.sync_max_body_bytes,
                           body_read_timeout_s=settings.body_read_timeout_seconds, limiter=limiter)  # fmt: skip
     if limiter is not None:
-        reads.sync_limit = sync_limit(limiter, RateLimiter(per_second=settings.sync_items_per_user_per_second,
-                                                           burst=settings.sync_items_burst))  # fmt: skip
+        reads.sync_items_limit = sync_items_limit(RateLimiter(per_second=settings.sync_items_per_user_per_second,
+                                                              burst=settings.sync_items_burst))  # fmt: skip
     app = ProgressIngest(api, authenticator=authenticator, max_body_bytes=settings.max_body_bytes,
                          body_read_timeout_s=settings.body_read_timeout_seconds, limiter=limiter,
                          reads=reads)  # fmt: skip

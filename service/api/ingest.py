@@ -184,7 +184,8 @@ class ProgressIngest:
             # unparseable JSON is a malformed request; a parsed body with wrong fields is unprocessable
             status = 400 if any(err["type"] == "json_invalid" for err in detail) else 422
             return status, _error_body(detail)
-        if self.sink is None:
+        sink = self.sink  # once: the lifespan may take it away while the catalog lookup below waits
+        if sink is None:
             return 503, _error_body("service starting or stopping, retry later")
         content_id: int = getattr(heartbeat, kind.id_column)
         if self.catalog is not None:
@@ -198,8 +199,8 @@ class ProgressIngest:
                 metrics.REFUSED.labels("unknown_content").inc()
                 return 404, _error_body(f"unknown {kind.id_column} {content_id}")
         try:
-            await self.sink.write(kind, content_id=content_id, user_id=user_id, position=heartbeat.position,
-                                  received_ms=receive_ms())  # fmt: skip
+            await sink.write(kind, content_id=content_id, user_id=user_id, position=heartbeat.position,
+                             received_ms=receive_ms())  # fmt: skip
         except Unavailable as exc:
             self._log_refusal(kind, exc)
             return 503, _error_body(str(exc))

@@ -43,18 +43,16 @@ MANY_ROUTE = "/progress/{content_type}"
 SYNC_ROUTE = "/progress/sync"
 MAX_IDS = 100
 
-# The door checks of the heartbeat routes, for the sync: called with (user id, number of items)
-# before anything is written; None lets the request through, a number refuses it with 429 and
-# that many seconds in Retry-After. The whole request is one call; the items count separately.
+# The sync's items against their own per-user cap: called with (user id, number of items) once the
+# body is parsed, before anything is written; None lets the request through, a number refuses it
+# with 429 and that many seconds in Retry-After. (The request itself is one call against `limiter`,
+# charged before its body is read.)
 SyncLimit = Callable[[int, int], float | None]
 
 
-def sync_limit(calls: RateLimiter, items: RateLimiter) -> SyncLimit:
-    """The sync's door: one call against the heartbeats' per-user limit, its items against their own cap."""
-
+def sync_items_limit(items: RateLimiter) -> SyncLimit:
     def check(user_id: int, item_count: int) -> float | None:
-        # items first: a request refused for its items does not spend the user's call
-        return items.allow(user_id, cost=item_count) or calls.allow(user_id)
+        return items.allow(user_id, cost=item_count)
 
     return check
 
@@ -140,7 +138,7 @@ class ProgressReads:
         # set by the lifespan once its clients exist; None without a database
         self.reader: ProgressReader | None = None
         self.sync: OfflineSync | None = None
-        self.sync_limit: SyncLimit | None = None
+        self.sync_items_limit: SyncLimit | None = None  # the items' own per-user cap
         self._requests: dict[tuple[str, int], Counter] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -183,10 +181,7 @@ class ProgressReads:
             raise _Refused(401, str(exc)) from None
         if route == SYNC_ROUTE:
             return await self._sync(user_id, declared_length, receive)
-        if self.limiter is not None and (retry_after_s := self.limiter.allow(user_id)) is not None:
-            metrics.REFUSED.labels("rate_limited").inc()
-            raise _Refused(429, "too many requests from this user, retry later",
-                           [(b"retry-after", retry_after_header(retry_after_s))])  # fmt: skip
+        self._charge_call(user_id)
         kind = _kind(parts[0])
         if route == ONE_ROUTE:
             content_id = _content_id(parts[1], "path", "content_id")
@@ -196,6 +191,13 @@ class ProgressReads:
             return 200, _json(_progress_json(kind, found[0]))
         found = await self._read(kind, user_id, _ids(scope["query_string"]))
         return 200, _json({"data": [_progress_json(kind, progress) for progress in found]})
+
+    def _charge_call(self, user_id: int) -> None:
+        """One call against the heartbeats' per-user limit; 429 with Retry-After past it."""
+        if self.limiter is not None and (retry_after_s := self.limiter.allow(user_id)) is not None:
+            metrics.REFUSED.labels("rate_limited").inc()
+            raise _Refused(429, "too many requests from this user, retry later",
+                           [(b"retry-after", retry_after_header(retry_after_s))])  # fmt: skip
 
     async def _read(self, kind: ContentKind, user_id: int, content_ids: list[int]) -> list[Progress]:
         if self.reader is None:
@@ -207,6 +209,9 @@ class ProgressReads:
             raise _Refused(503, "progress store unavailable, retry later") from exc
 
     async def _sync(self, user_id: int, declared_length: int, receive: Receive) -> tuple[int, bytes]:
+        # the call is charged before the body is read, as for a heartbeat: a flood of bodies, valid or
+        # not, costs its sender the limit, not this process its parsing
+        self._charge_call(user_id)
         too_large = _Refused(413, f"body larger than {self.max_body_bytes} bytes")
         if declared_length > self.max_body_bytes:
             raise too_large
@@ -221,8 +226,8 @@ class ProgressReads:
             raise _Refused(400 if any(err["type"] == "json_invalid" for err in detail) else 422, detail) from None
         if self.sync is None:
             raise _Refused(503, "offline sync needs the database (DATABASE_URL), or the service is starting")
-        if self.sync_limit is not None:
-            retry_after_s = self.sync_limit(user_id, len(request.items))
+        if self.sync_items_limit is not None:
+            retry_after_s = self.sync_items_limit(user_id, len(request.items))
             if retry_after_s is not None:
                 metrics.REFUSED.labels("rate_limited").inc()
                 raise _Refused(429, "too many requests from this user, retry later",

@@ -256,11 +256,14 @@ async def test_the_sync_and_the_reads_pass_the_same_door(
         refused = await client.post("/progress/sync", json=items(1, 200), headers=auth(token))
         assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
         assert len(await redis.keys("*")) == keys_before
-        # that refusal did not spend a call: the two calls left go to one read and one small sync
+        # each request was one call, charged before its body was read: one call is left, for a read
         assert (await client.get("/progress/lesson/1", headers=auth(token))).status_code == 200
-        assert (await client.post("/progress/sync", json=items(1, 1), headers=auth(token))).status_code == 200
         limited = await client.get("/progress/lesson/1", headers=auth(token))
         assert limited.status_code == 429 and "retry-after" in limited.headers
+        # a sync past the calls is refused before its body is read (valid or not), writing nothing
+        for body in (items(1, 1), {"items": "not even a list"}):
+            assert (await client.post("/progress/sync", json=body, headers=auth(token))).status_code == 429
+        assert len(await redis.keys("*")) == keys_before
         doubled = await client.get("/progress/lesson/1", headers=[("authorization", f"Bearer {token}"),
                                                                    ("authorization", f"Bearer {token}")])  # fmt: skip
         assert doubled.status_code == 401

@@ -202,7 +202,7 @@ async def test_the_rate_limit_seam_refuses_before_anything_is_written(
         calls.append((user_id, items))
         return 2.4 if items > 1 else None
 
-    app.app.state.reads.sync_limit = limit
+    app.app.state.reads.sync_items_limit = limit
     response = await client.post("/progress/sync", content=_body(3), headers=auth(token))
     assert (response.status_code, response.headers["retry-after"]) == (429, "3")  # 2.4 s, rounded up
     assert await redis.keys("*") == []
