@@ -17,34 +17,42 @@ from service.clients import REDIS_UNAVAILABLE, RedisClient, execute_by_node, nod
 from service.progress.batching import TurnBatcher
 from service.progress.keys import STANDALONE, KeyLayout, pending_member
 
-# The value is "{position}:{receive time ms}:{peak}": peak is the furthest position heard while the
-# value lived, so a listener who reaches the end and restarts within one flush interval is still
-# completed (the flush sees only the last position, the monolith used to see every heartbeat).
-# KEYS: latest-position key, pending set. ARGV: position, receive time (ms), TTL (s), pending member.
-# A heartbeat received earlier than the stored one (two pods, a retried request) never replaces its
-# position, only raises its peak; the member is added either way: the flusher reads the newest value.
-# Receive times are ms with a microsecond fraction, strictly increasing per process (receive_ms), so
-# two heartbeats of one connection never tie; an exact tie (two pods, same microsecond) keeps what is
-# stored: the same rule as persist_batch's dedupe and the upsert's strict `<`.
+# The value is "{position}:{receive time ms}:{peak}:{microseconds}": peak is the furthest position
+# heard while the value lived, so a listener who reaches the end and restarts within one flush interval
+# is still completed (the flush sees only the last position, the monolith used to see every heartbeat).
+# The receive time is whole milliseconds, as the monolith's readers and the previous release parse it;
+# the microseconds within it (0-999) come last, where those readers ignore them, so a rolling deploy
+# never makes a value unreadable. Values of two or three fields (older releases) still read.
+# KEYS: latest-position key, pending set. ARGV: position, receive time (ms), TTL (s), pending member,
+# microseconds. A heartbeat received earlier than the stored one (two pods, a retried request) never
+# replaces its position, only raises its peak; the member is added either way: the flusher reads the
+# newest value. Receive times are strictly increasing per process (receive_ms), so two heartbeats of
+# one connection never tie; an exact tie (two pods, same microsecond) keeps what is stored: the same
+# rule as persist_batch's dedupe and the upsert's strict `<`.
 # Returns 1 when this write is now the stored position, 2 when the stored one is this very write
 # already (same time and position: a retried offline sync), 0 when a later one stands.
 WRITE_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
 local peak = ARGV[1]
+local us = tonumber(ARGV[2]) * 1000 + tonumber(ARGV[5])
 if current then
-  local position, ms, stored_peak = string.match(current, '^([^:]*):([%d%.]+):?([^:]*)$')
+  local position, ms, stored_peak, frac = string.match(current, '^([^:]*):(%d+):?([^:]*):?(%d*)$')
   if stored_peak == '' then stored_peak = position end
-  if ms and tonumber(ms) >= tonumber(ARGV[2]) then
-    if tonumber(ARGV[1]) > tonumber(stored_peak) then
-      redis.call('SET', KEYS[1], position .. ':' .. ms .. ':' .. ARGV[1], 'EX', ARGV[3])
+  if ms then
+    local stored_us = tonumber(ms) * 1000 + (tonumber(frac) or 0)
+    if stored_us >= us then
+      if tonumber(ARGV[1]) > tonumber(stored_peak) then
+        redis.call('SET', KEYS[1], position .. ':' .. ms .. ':' .. ARGV[1] .. ':' .. (tonumber(frac) or 0),
+                   'EX', ARGV[3])
+      end
+      redis.call('SADD', KEYS[2], ARGV[4])
+      if stored_us == us and tonumber(position) == tonumber(ARGV[1]) then return 2 end
+      return 0
     end
-    redis.call('SADD', KEYS[2], ARGV[4])
-    if tonumber(ms) == tonumber(ARGV[2]) and tonumber(position) == tonumber(ARGV[1]) then return 2 end
-    return 0
+    if tonumber(stored_peak) > tonumber(peak) then peak = stored_peak end
   end
-  if stored_peak and tonumber(stored_peak) > tonumber(peak) then peak = stored_peak end
 end
-redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2] .. ':' .. peak, 'EX', ARGV[3])
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2] .. ':' .. peak .. ':' .. ARGV[5], 'EX', ARGV[3])
 redis.call('SADD', KEYS[2], ARGV[4])
 return 1
 """
@@ -62,8 +70,15 @@ def decode_value(raw: bytes | str) -> StoredPosition:
     text = raw.decode() if isinstance(raw, bytes) else raw
     fields = text.split(":")
     position = float(fields[0])
-    # a value written before peaks were kept has two fields
-    return StoredPosition(position, float(fields[1]), float(fields[2]) if len(fields) > 2 else position)
+    # older releases wrote two fields (no peak) or three (no microseconds)
+    received_ms = int(fields[1]) + (int(fields[3]) / 1000 if len(fields) > 3 else 0)
+    return StoredPosition(position, received_ms, float(fields[2]) if len(fields) > 2 else position)
+
+
+def split_ms(received_ms: float) -> tuple[int, int]:
+    """(whole ms, microseconds within it) of a receive time, exactly: both are below 2**53 as microseconds."""
+    us = round(received_ms * 1000)
+    return us // 1000, us % 1000
 
 
 def now_ms() -> int:
@@ -91,10 +106,11 @@ def write_args(
     layout: KeyLayout = STANDALONE,
 ) -> tuple[object, ...]:
     shard = layout.shard(content_type, content_id, user_id)  # both keys in the shard's one slot
+    ms, us = split_ms(received_ms)
     return (
         "EVALSHA", WRITE_SCRIPT_SHA, 2,
         shard.value_key(content_id, user_id), shard.pending_key,
-        repr(position), received_ms, ttl_s, pending_member(content_id, user_id),
+        repr(position), ms, ttl_s, pending_member(content_id, user_id), us,
     )  # fmt: skip
 
 

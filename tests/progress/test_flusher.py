@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from service.app import create_app
 from service.clients import RedisClient
 from service.config import Settings
-from service.progress.buffer import WRITE_SCRIPT, receive_ms, write_args
+from service.progress.buffer import WRITE_SCRIPT, StoredPosition, decode_value, receive_ms, write_args
 from service.progress.content import CONTENT_KINDS
 from service.progress.flusher import Flusher
 from service.progress.keys import STANDALONE, KeyLayout
@@ -361,10 +361,31 @@ async def test_reaching_the_end_then_restarting_within_one_interval_still_comple
 
 async def test_the_stored_value_keeps_the_peak_and_an_older_heartbeat_only_raises_it(redis: Redis) -> None:
     key = "progress:latest_position:audio:1:1"
-    t = await write(redis, "audio", 1, 1, 100)
+    t = 1_796_034_957_972.63  # ms with 630 µs: stored as whole ms, then the microseconds last
+    await write(redis, "audio", 1, 1, 100, received_ms=t)
     await write(redis, "audio", 1, 1, 40, received_ms=t + 1000)
-    assert await redis.get(key) == f"40:{t + 1000}:100"  # position moves back, the peak stays
+    assert await redis.get(key) == "40:1796034958972:100:630"  # position moves back, the peak stays
     await write(redis, "audio", 1, 1, 250, received_ms=t + 500)  # late, older: not the position...
-    assert await redis.get(key) == f"40:{t + 1000}:250"  # ...but it did reach 250
+    assert await redis.get(key) == "40:1796034958972:250:630"  # ...but it did reach 250
     await write(redis, "audio", 1, 1, 10, received_ms=t)  # late and lower: nothing changes
-    assert await redis.get(key) == f"40:{t + 1000}:250"
+    assert await redis.get(key) == "40:1796034958972:250:630"
+    await write(redis, "audio", 1, 1, 30, received_ms=t + 999.999)  # 1 µs earlier than the stored: loses
+    assert await redis.get(key) == "40:1796034958972:250:630"
+    await write(redis, "audio", 1, 1, 30, received_ms=t + 1000.001)  # 1 µs later: wins
+    assert await redis.get(key) == "30:1796034958972:250:631"
+
+
+async def test_values_of_the_previous_formats_still_read_and_order(redis: Redis) -> None:
+    """A rolling deploy: the previous release wrote "pos:ms:peak" (and before it "pos:ms"); both still
+    decode, order against new writes by their whole ms, and the previous release's reader (int of the
+    second field, float of the third) reads the new format too."""
+    key = "progress:latest_position:audio:1:1"
+    await redis.set(key, "50:1796034958972:90")
+    await write(redis, "audio", 1, 1, 20, received_ms=1_796_034_958_971.9)  # older: only the peak could rise
+    assert await redis.get(key) == "50:1796034958972:90"  # older and lower: untouched
+    await write(redis, "audio", 1, 1, 60, received_ms=1_796_034_958_972.001)
+    stored = await redis.get(key)
+    assert stored == "60:1796034958972:90:1"
+    fields = stored.split(":")
+    assert (float(fields[0]), int(fields[1]), float(fields[2])) == (60.0, 1796034958972, 90.0)
+    assert decode_value("5:1796034958972") == StoredPosition(5.0, 1796034958972, 5.0)
