@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -59,6 +60,11 @@ class Relay:
         self._routes = list(routes)
         self._batch_size = settings.relay_batch_size
         self._lease_s = settings.relay_lease_seconds
+        # What one batch may take from the start of its publish to its mark (the publish deadline, the
+        # wait for the publishing thread beyond it, the mark statement): a batch claimed ahead is
+        # published only while at least that much of its lease is left
+        publish_budget_s = settings.celery_publish_timeout_seconds + 2.0
+        self._fresh_for_s = max(self._lease_s - publish_budget_s, self._lease_s / 2)
         self._poll_s = settings.relay_poll_interval_seconds
         self._max_backoff_s = settings.relay_max_backoff_seconds
         listen_dsn = settings.relay_listen_database_url or settings.database_url
@@ -90,10 +96,18 @@ class Relay:
     async def _drain(self, route: Route, result: RelayResult, stop: asyncio.Event | None) -> None:
         """Claim, publish, mark, batch after batch; the next claim runs while the broker takes a batch."""
         rows = await self._claim(route.outbox)
+        claimed_at: float | None = None  # set for a batch claimed while the broker took the one before
         while rows:
+            if claimed_at is not None and time.monotonic() - claimed_at > self._fresh_for_s:
+                # that took long: too little of this batch's lease is left to publish and mark it
+                # before another relay may claim it again; give it back and claim afresh
+                await self._pool.execute(route.outbox.release_sql, [row["id"] for row in rows])
+                rows, claimed_at = await self._claim(route.outbox), None
+                continue
             publishing = asyncio.ensure_future(route.publisher.publish(
                 [route.outbox.to_message(row, self._settings) for row in rows]))  # fmt: skip
             more = len(rows) == self._batch_size and (stop is None or not stop.is_set())
+            claim_started = time.monotonic()  # the next batch's lease runs from about now
             claiming = asyncio.ensure_future(self._claim(route.outbox)) if more else None
             claim_error: BaseException | None = None
             try:
@@ -113,7 +127,7 @@ class Relay:
             if sent.unavailable is not None:
                 await self._release(route.outbox, rows, sent, next_rows)
                 return
-            rows = next_rows
+            rows, claimed_at = next_rows, claim_started
 
     async def _claim(self, outbox: Outbox) -> list[asyncpg.Record]:
         rows: list[asyncpg.Record] = await self._pool.fetch(outbox.claim_sql, self._batch_size, self._lease_s)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from functools import partial
@@ -72,28 +73,36 @@ async def send_trial_journey_emails_batch(
     pairs = pending_reservations(trials, sent_keys, now)
     block_size = settings.reservation_block_size
     sent = await reserve_and_enqueue(pairs, pool=pool, queue=queue, block_size=block_size,
-                                     lease_s=settings.relay_lease_seconds)  # fmt: skip
+                                     lease_s=settings.relay_lease_seconds,
+                                     publish_budget_s=settings.celery_publish_timeout_seconds + 2.0)  # fmt: skip
     return {"status": "ok", "user_trials": len(trials), "sent": sent}
 
 
 async def reserve_and_enqueue(
     pairs: Sequence[Pair], *, pool: asyncpg.Pool, queue: EmailQueue, block_size: int,
-    lease_s: float = DEFAULT_LEASE_S,
+    lease_s: float = DEFAULT_LEASE_S, publish_budget_s: float = 12.0,
 ) -> int:  # fmt: skip
-    """Reserve `pairs` block by block; publish what each block won before reserving the next."""
+    """Reserve `pairs` block by block; publish what each block won before reserving the next.
+
+    A block's winners are leased to this batch for `lease_s` from their reservation; the batch stops
+    publishing them while `publish_budget_s` (one publish and the mark) is still left, so the relay,
+    which takes them over when the lease ends, never sends one the batch is still sending.
+    """
     sent = 0
     published: list[int] = []  # dispatch ids the broker has and the outbox does not know yet
+    fresh_for_s = max(lease_s - publish_budget_s, lease_s / 2)
     try:
         for start in range(0, len(pairs), block_size):
             block = pairs[start : start + block_size]
             reserved_at = datetime.now(UTC)
+            publish_until = time.monotonic() + fresh_for_s  # the lease starts in the statement, after this
             won = await _reserve_shielded(pool, block, reserved_at, lease_s, published)
             published = []  # marked by that statement
             metrics.TRIAL_EMAILS_RESERVED.inc(len(won))
             if os.environ.get("PROGRESS_TRIAL_EMAIL_FAILPOINT") == "after_reserve":
                 # test-only: die between the reservation (committed) and its publish
                 os.kill(os.getpid(), signal.SIGKILL)
-            await publish_all(queue, _winners(block, won, reserved_at), published)
+            await publish_all(queue, _winners(block, won, reserved_at), published, until=publish_until)
             sent += len(published)
     finally:
         if published:
@@ -149,15 +158,20 @@ def _report_abandoned(
     report_orphans(_winners(block, won, reserved_at), why="cancelled after reserving")
 
 
-async def publish_all(queue: EmailQueue, emails: Sequence[QueuedEmail], published: list[int]) -> None:
+async def publish_all(
+    queue: EmailQueue, emails: Sequence[QueuedEmail], published: list[int], *, until: float | None = None
+) -> None:
     """Publish a block's winners, appending each one the broker took to `published` (dispatch ids).
 
     `published` is the caller's, so what went out before an error or a cancellation still gets marked.
+    Past `until` (monotonic) the rest is left to the relay, whose lease on them is about to begin.
     """
     done = 0
     refused: list[QueuedEmail] = []
     try:
         for email in emails:
+            if until is not None and time.monotonic() > until:
+                break
             try:
                 await queue.publish(email)
             except MessageRefusedError as exc:
@@ -170,7 +184,7 @@ async def publish_all(queue: EmailQueue, emails: Sequence[QueuedEmail], publishe
             done += 1
             metrics.TRIAL_EMAILS_ENQUEUED.inc()
     finally:
-        # an error or a cancellation stopped the loop: the rest wait in the outbox for the relay
+        # an error, a cancellation or the lease's end stopped the loop: the rest wait in the outbox for the relay
         done += len(refused)
         if done < len(emails):
             report_orphans(emails[done:], why="publishing stopped")
