@@ -115,11 +115,15 @@ class OfflineSync:
             if (user_id, a.content_id) not in rows[a.kind]:
                 outcomes[a.index] = SyncOutcome(False, UNKNOWN_CONTENT)  # the flush would drop it
         # oldest first: for one content the later item is written last and stands, the script keeps
-        # the furthest position of all of them as the peak (an offline listen to the end completes)
-        known.sort(key=lambda a: a.listened_ms)
+        # the furthest position of all of them as the peak (an offline listen to the end completes).
+        # Items of one time: the last in the request is written first, as the script keeps the first
+        # of equal times, so the item reported as standing is the one stored.
+        known.sort(key=lambda a: (a.listened_ms, -a.index))
         latest: dict[tuple[str, int], _Accepted] = {}
         for a in known:
-            latest[(a.kind.name, a.content_id)] = a
+            kept = latest.get((a.kind.name, a.content_id))
+            if kept is None or (a.listened_ms, a.index) > (kept.listened_ms, kept.index):
+                latest[(a.kind.name, a.content_id)] = a
         written = await self._writer.write_all([
             write_args(a.kind.name, a.content_id, user_id, a.position, a.listened_ms, self._ttl_s, self._writer.layout)
             for a in known

@@ -121,6 +121,17 @@ async def test_duplicates_in_one_request_the_latest_wins_and_the_furthest_still_
     assert row["completed_at"] == datetime.fromtimestamp(ms(restart) / 1000, UTC)
 
 
+async def test_duplicates_of_one_time_the_last_in_the_request_stands_and_is_the_one_stored(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7, duration_s=600)
+    at = ago(30)
+    outcomes = await sync(client, token, item(2, 100.0, at), item(2, 200.0, at), item(2, 150.0, at))
+    assert outcomes == [(False, SUPERSEDED), (False, SUPERSEDED), (True, None)]
+    stored = decode_value(await redis.get(VALUE.format("audio", 2)))
+    assert (stored.position, stored.received_ms, stored.peak) == (150.0, ms(at), 200.0)
+
+
 async def test_refused_items_are_reported_one_by_one_and_not_written(
     client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
 ) -> None:
