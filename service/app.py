@@ -99,6 +99,9 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             if settings.relay_enabled and publisher is not None:
                 relay = Relay(pool=pool, settings=settings, routes=relay_routes(settings, redis, publisher))
                 background.start("outbox-relay", relay.run(background.stop))
+                # runs once the loops have stopped (callbacks run in reverse): the final flush's
+                # completions go out now instead of waiting for another pod's relay
+                resources.push_async_callback(relay.final_pass, settings.celery_publish_timeout_seconds + 2)
         # the final flush must see every write acknowledged before shutdown: stop the loops after the writes
         resources.push_async_callback(background.aclose, settings.progress_shutdown_timeout_seconds + 5)
         direct = None

@@ -180,6 +180,19 @@ class Relay:
         age_s = await self._pool.fetchval(outbox.oldest_sql)
         metrics.OUTBOX_OLDEST_AGE.labels(outbox.name).set(age_s or 0.0)
 
+    async def final_pass(self, timeout_s: float) -> None:
+        """On shutdown, after the last flush: one bounded pass; what it cannot send waits for another pod."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                result = await self.relay_once()
+        except (*_DB_ERRORS, TimeoutError) as exc:
+            log.warning("outbox relay: final pass on shutdown did not finish (%r); the rows wait in the outbox",
+                        exc)  # fmt: skip
+            return
+        if result.did_something():
+            log.info("outbox relay: final pass on shutdown published %s", _counts(result.published),
+                     extra={"count": sum(result.published.values())})  # fmt: skip
+
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until `stop`: on each NOTIFY, every poll interval, and after a backoff while the broker is down."""
         backoff_s = 0.0

@@ -70,3 +70,20 @@ async def test_the_flush_notifies_the_relay_so_it_does_not_wait_for_a_poll(
         await Flusher(redis=redis, pool=db, settings=relay_settings).flush_cycle()
         rows = await executions.wait_for(1, timeout_s=5)
     assert [kwargs_of(row)["user_id"] for row in rows] == [1]
+
+
+async def test_completions_of_the_final_flush_on_shutdown_go_out_before_the_pod_stops(
+    relay_settings: Settings, redis: Redis, db: asyncpg.Pool, executions: Executions
+) -> None:
+    await seed(db, users=2, contents=2, duration_s=600)
+    # the flusher's interval is a minute: only the final flush on shutdown writes the event, after the
+    # relay's loop has stopped; the relay's final pass must still publish it
+    settings = relay_settings.model_copy(update={"progress_flusher_enabled": True,
+                                                 "progress_flush_interval_seconds": 60})  # fmt: skip
+    app = create_app(settings)
+    async with app.app.router.lifespan_context(app.app):
+        await asyncio.sleep(0.3)  # the flusher's first cycle (at start) has run
+        await post_near_end(app, settings, users=1, lessons=1)
+    assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
+    rows = await executions.wait_for(1, timeout_s=10)
+    assert [kwargs_of(row)["user_id"] for row in rows] == [1]
