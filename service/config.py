@@ -122,10 +122,6 @@ class Settings(BaseSettings):
             raise ValueError("RELAY_LEASE_SECONDS must be > CELERY_PUBLISH_TIMEOUT_SECONDS")
         return self
 
-    @property
-    def needs_celery_broker(self) -> bool:
-        return self.email_publisher == "celery" or self.relay_enabled
-
     def check_celery_broker(self) -> None:
         """Refuse to start a process that would owe the monolith messages it cannot send."""
         if self.celery_broker_url:

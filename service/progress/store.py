@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 import asyncpg
 
 from service import metrics
+from service.outbox.outboxes import NOTIFY_CHANNEL
 from service.progress.content import ContentKind
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ WITH incoming AS (
 SELECT
     (SELECT count(*) FROM upserted) AS written,
     -- wakes the outbox relay (service.outbox) when events were written; delivered at commit only
-    (SELECT count(pg_notify('progress_outbox', 'completion')) FROM (SELECT 1 FROM events LIMIT 1) e) AS notified,
+    (SELECT count(pg_notify('{notify_channel}', 'completion')) FROM (SELECT 1 FROM events LIMIT 1) e) AS notified,
     (SELECT count(*) FROM events) AS completions,
     ARRAY(
         SELECT h.content_id || ':' || h.user_id FROM incoming h
@@ -79,7 +80,8 @@ SELECT
 
 def upsert_sql(kind: ContentKind) -> str:
     return _UPSERT_SQL.format(
-        content_table=kind.content_table, progress_table=kind.progress_table, id_column=kind.id_column
+        content_table=kind.content_table, progress_table=kind.progress_table, id_column=kind.id_column,
+        notify_channel=NOTIFY_CHANNEL,
     )
 
 
