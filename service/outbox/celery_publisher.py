@@ -48,18 +48,22 @@ class PublishResult:
 
 
 def check_transport(broker_url: str) -> None:
-    """Fail at start-up, naming the extra to install, rather than at the first publish."""
+    """Fail at start-up, naming what to install, rather than at the first publish (in the relay's thread)."""
+    from kombu.transport import resolve_transport
+
     scheme = urlsplit(broker_url).scheme.split("+")[0]
-    if scheme in _BUILT_IN_SCHEMES:
-        return
-    if scheme not in _TRANSPORT_EXTRAS:
+    if scheme not in _BUILT_IN_SCHEMES and scheme not in _TRANSPORT_EXTRAS:
         raise ConfigError(f"CELERY_BROKER_URL: unsupported transport {scheme!r} (use sqs://, redis:// or amqp://)")
     try:
-        import boto3  # noqa: F401  # what kombu's SQS transport needs
-    except ImportError:
+        if scheme in _TRANSPORT_EXTRAS:
+            import boto3  # noqa: F401  # what kombu's SQS transport needs, imported by it only on first use
+        # kombu imports a transport's module (and what it needs) only at the first connection
+        resolve_transport(scheme)
+    except ImportError as exc:
+        extra = _TRANSPORT_EXTRAS.get(scheme)
+        hint = f"pip install 'progress-service[{extra}]'" if extra else f"install the missing module ({exc.name})"
         raise ConfigError(
-            f"CELERY_BROKER_URL uses {scheme}://, whose transport is not installed: "
-            f"pip install 'progress-service[{_TRANSPORT_EXTRAS[scheme]}]'"
+            f"CELERY_BROKER_URL uses {scheme}://, whose transport cannot load ({exc}): {hint}"
         ) from None
 
 
