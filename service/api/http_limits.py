@@ -28,13 +28,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     _head_bytes = 0  # bytes of chunks that ended with the head still incomplete
     _oversized = False  # this message's head is over the limit: no app call, 431 once the chunk is parsed
     _head_deadline: asyncio.TimerHandle | None = None
+    _head_began_in_chunk = False  # the chunk also held the end of the request before (pipelining)
 
     def data_received(self, data: bytes) -> None:
+        self._head_began_in_chunk = False
         super().data_received(data)
         if self.transport.is_closing():
             return
-        if self._in_head:
-            # a head still arriving: the whole chunk counts (a huge head never reaches the app)
+        if self._in_head and not self._head_began_in_chunk:
+            # a head still arriving: the whole chunk counts (a huge head never reaches the app). A
+            # chunk in which the head began may be mostly the previous request's body: it is not
+            # counted, so a pipelined request after a large body is not taken for a huge head (the
+            # head is still measured once parsed, and every later chunk counts)
             self._head_bytes += len(data)
             self._oversized = self._head_bytes > MAX_HEADER_BYTES
         if self._oversized:
@@ -43,6 +48,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes, self._oversized = True, 0, False
+        self._head_began_in_chunk = True
         self._head_deadline = self.loop.call_later(HEADER_READ_TIMEOUT_S, self._head_too_slow)
 
     def on_headers_complete(self) -> None:

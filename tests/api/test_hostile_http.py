@@ -2,8 +2,11 @@
 bloat, duplicate JSON keys, a JSON body under another content type. Each writes nothing it should not."""
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
+import asyncpg
 import pytest
 import uvicorn
 from redis.asyncio import Redis
@@ -13,6 +16,7 @@ from service.api.http_limits import LimitedHttpToolsProtocol
 from service.api.ingest import ProgressIngest
 from service.app import create_app
 from service.config import Settings
+from tests.conftest import seed
 
 BODY_DEADLINE_S = 0.5
 
@@ -130,3 +134,20 @@ async def test_a_head_trickled_a_byte_at_a_time_is_cut_off(
         writer.close()
     assert answer.startswith(b"HTTP/1.1 408 "), answer
     assert await redis.keys("*") == []
+
+
+async def test_a_pipelined_request_after_a_large_body_is_not_taken_for_a_huge_head(
+    server: int, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7)
+    # one send: an offline sync whose body (20 KB: one item and padding) is over the head limit, then
+    # the start of the next request on the same connection
+    listened_at = datetime.now(UTC).isoformat()
+    body = json.dumps({"items": [{"content_type": "lesson", "content_id": 1, "position": 123.0,
+                                  "listened_at": listened_at}], "pad": "x" * 20_000}).encode()  # fmt: skip
+    sync = (b"POST /progress/sync HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + token.encode()
+            + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+            + b"\r\n\r\n" + body)  # fmt: skip
+    answer = await exchange(server, sync + b"GET /health/live HTTP/1.1\r\nHo")
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert await redis.exists("progress:latest_position:lesson:1:7") == 1
