@@ -67,12 +67,18 @@ class StoredPosition:
 
 
 def decode_value(raw: bytes | str) -> StoredPosition:
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    fields = text.split(":")
-    position = float(fields[0])
-    # older releases wrote two fields (no peak) or three (no microseconds)
-    received_ms = int(fields[1]) + (int(fields[3]) / 1000 if len(fields) > 3 else 0)
-    return StoredPosition(position, received_ms, float(fields[2]) if len(fields) > 2 else position)
+    """The stored value; ValueError when it is not one this service (or an older release) wrote."""
+    try:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        fields = text.split(":")
+        if not 2 <= len(fields) <= 4:
+            raise ValueError(f"{len(fields)} fields")
+        position = float(fields[0])
+        # older releases wrote two fields (no peak) or three (no microseconds)
+        received_ms = int(fields[1]) + (int(fields[3]) / 1000 if len(fields) > 3 else 0)
+        return StoredPosition(position, received_ms, float(fields[2]) if len(fields) > 2 else position)
+    except (ValueError, UnicodeDecodeError) as exc:  # UnicodeDecodeError is a ValueError too; said for clarity
+        raise ValueError(f"not a progress value: {raw[:100]!r} ({exc})") from None
 
 
 def split_ms(received_ms: float) -> tuple[int, int]:

@@ -186,7 +186,13 @@ class Flusher:
             if not claim.entries:
                 break
             self._fail_at("after_claim")
-            batch = await self._persist(conn, claim, kind)
+            try:
+                batch = await self._persist(conn, claim, kind)
+            except BaseException:
+                # whatever stopped it (a bug, a cancellation): the batch goes back now, not after its
+                # lease, and not with a lease that only comes back to fail again with the same entry
+                await asyncio.shield(self._leases.release(claim))
+                raise
             result.add(batch)
             if batch.failed_batches:
                 failed.set()  # leave the rest pending; the loop backs off

@@ -1,6 +1,7 @@
 """GET /progress/...: the freshest position, from the buffer before the flush and from the row after it."""
 
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -9,6 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from service.app import create_app
+from service.auth import make_token
 from service.config import Settings
 from service.progress.buffer import decode_value
 from service.progress.flusher import Flusher
@@ -211,3 +213,17 @@ async def test_an_unreachable_redis_is_503_for_reads_and_sync(settings: Settings
             response = await client.post("/progress/sync", json=body, headers=auth(token))
             assert response.status_code == 503, response.text
             assert "retry later" in response.json()["detail"]
+
+
+async def test_a_value_nobody_could_read_spoils_no_other_read_of_its_turn(
+    settings: Settings, client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    """A value another writer left under the monolith's key names (one field) reads as no buffered value;
+    the reads that share its round trip answer as usual."""
+    await seed(db, users=8, contents=3)
+    await heartbeat(client, token, 2, 42.0)
+    await redis.set("progress:latest_position:lesson:2:8", "42.5")
+    other = make_token(settings, 8)
+    answers = await asyncio.gather(*(client.get("/progress/lesson/2", headers=auth(t)) for t in (token, other) * 5))
+    assert [a.status_code for a in answers] == [200, 404] * 5
+    assert {a.json()["position"] for a in answers[::2]} == {42.0}

@@ -288,11 +288,14 @@ async def test_an_unreadable_value_is_dropped_and_logged_not_fatal(
     await seed(db)
     await write(redis, "live", 1, 1, 5)
     await redis.set("progress:latest_position:live:2:1", "garbage")
-    await redis.sadd("progress:pending_flush:live", "2:1", "not-a-member")
+    await redis.set("progress:latest_position:live:3:1", "42.5")  # one field: written by someone else
+    await redis.set("progress:latest_position:live:1:2", "1:2:3:4:5")
+    await redis.sadd("progress:pending_flush:live", "2:1", "3:1", "1:2", "not-a-member")
     with caplog.at_level(logging.ERROR, logger="service.progress.flusher"):
         result = await flusher.flush_cycle()
-    assert (result.written, result.dropped, result.expired) == (1, 1, 1)  # no value at all reads as expired
-    assert {getattr(r, "key", None) for r in caplog.records} >= {"2:1", "not-a-member"}
+    assert (result.written, result.dropped, result.expired) == (1, 3, 1)  # no value at all reads as expired
+    assert {getattr(r, "key", None) for r in caplog.records} >= {"2:1", "3:1", "1:2", "not-a-member"}
+    assert await redis.zcard("progress:in_flight:live") == 0
     assert await redis.scard("progress:pending_flush:live") == 0
 
 
