@@ -14,13 +14,14 @@ the content, but reported `applied: false`.
 """
 
 import asyncio
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Literal, get_args
 
 import asyncpg
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field
+from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
 from service.progress.buffer import PositionWriter, write_args
 from service.progress.content import CONTENT_KINDS, ContentId, ContentKind, Position
@@ -34,7 +35,17 @@ KIND_BY_NAME = {kind.name: kind for kind in CONTENT_KINDS}
 
 SUPERSEDED = "superseded by a later item for the same content in this request"
 OLDER_THAN_STORED = "older than the stored position"
-UNKNOWN_CONTENT = "unknown content"
+UNKNOWN_CONTENT = "unknown content or user"
+
+
+_ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]")
+
+
+def _iso_8601(value: object) -> object:
+    # pydantic would also read "1796034445" or 1796034445 as a Unix time: the contract says ISO-8601
+    if not isinstance(value, str) or not _ISO_DATE.match(value):
+        raise ValueError("listened_at must be an ISO-8601 date and time with a time zone")
+    return value
 
 
 class SyncItem(BaseModel):
@@ -44,8 +55,10 @@ class SyncItem(BaseModel):
     content_id: ContentId
     position: Position
     listened_at: Annotated[
-        AwareDatetime, Field(description="When the position was heard, ISO-8601 with a time zone.")
-    ]
+        AwareDatetime, BeforeValidator(_iso_8601),
+        # lax after the check above: past a before-validator, strict mode would refuse any string
+        Field(strict=False, description="When the position was heard, ISO-8601 with a time zone."),
+    ]  # fmt: skip
 
 
 class SyncRequest(BaseModel):
@@ -68,7 +81,8 @@ class _Accepted:
     kind: ContentKind
     content_id: int
     position: float
-    listened_ms: float
+    listened_ms: float  # the time it is written with: listened_at, or now for a clock a little ahead
+    told_ms: float  # listened_at as the device said it: orders items clamped to the same now
 
 
 def _all_set(outcomes: list[SyncOutcome | None]) -> list[SyncOutcome]:
@@ -104,9 +118,9 @@ class OfflineSync:
                 outcomes[index] = SyncOutcome(False, refusal)
                 continue
             # a clock a little ahead is tolerated, but its time must not hold off the live heartbeats to come
-            listened_ms = min(as_ms(item.listened_at), now_ms)
+            told_ms = as_ms(item.listened_at)
             accepted.append(_Accepted(index, KIND_BY_NAME[item.content_type], item.content_id, item.position,
-                                      listened_ms))  # fmt: skip
+                                      min(told_ms, now_ms), told_ms))  # fmt: skip
         if not accepted:
             return _all_set(outcomes)
         rows = await self._rows(user_id, accepted)
@@ -116,13 +130,14 @@ class OfflineSync:
                 outcomes[a.index] = SyncOutcome(False, UNKNOWN_CONTENT)  # the flush would drop it
         # oldest first: for one content the later item is written last and stands, the script keeps
         # the furthest position of all of them as the peak (an offline listen to the end completes).
-        # Items of one time: the last in the request is written first, as the script keeps the first
-        # of equal times, so the item reported as standing is the one stored.
-        known.sort(key=lambda a: (a.listened_ms, -a.index))
+        # Items of one time (or clamped to the same now): the one that stands (latest as the device
+        # told it, then last in the request) is written first, as the script keeps the first of equal
+        # times, so the item reported as standing is the one stored.
+        known.sort(key=lambda a: (a.listened_ms, -a.told_ms, -a.index))
         latest: dict[tuple[str, int], _Accepted] = {}
         for a in known:
             kept = latest.get((a.kind.name, a.content_id))
-            if kept is None or (a.listened_ms, a.index) > (kept.listened_ms, kept.index):
+            if kept is None or (a.listened_ms, a.told_ms, a.index) > (kept.listened_ms, kept.told_ms, kept.index):
                 latest[(a.kind.name, a.content_id)] = a
         written = await self._writer.write_all([
             write_args(a.kind.name, a.content_id, user_id, a.position, a.listened_ms, self._ttl_s, self._writer.layout)

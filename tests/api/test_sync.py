@@ -132,6 +132,16 @@ async def test_duplicates_of_one_time_the_last_in_the_request_stands_and_is_the_
     assert (stored.position, stored.received_ms, stored.peak) == (150.0, ms(at), 200.0)
 
 
+async def test_items_clamped_to_now_the_latest_the_device_told_stands(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7, duration_s=600)
+    # a clock a little ahead: both are stored as now, but the device heard 50 after 100
+    outcomes = await sync(client, token, item(2, 50.0, ago(-200)), item(2, 100.0, ago(-100)))
+    assert outcomes == [(True, None), (False, SUPERSEDED)]
+    assert decode_value(await redis.get(VALUE.format("audio", 2))).position == 50.0
+
+
 async def test_refused_items_are_reported_one_by_one_and_not_written(
     client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
 ) -> None:
@@ -174,6 +184,8 @@ BAD_SYNCS = [
                  "listened_at", id="listened-at-number"),
     pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "listened_at": "yesterday"}]}).encode(), 422,
                  "listened_at", id="listened-at-text"),
+    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "listened_at": "1796034445"}]}).encode(), 422,
+                 "listened_at", id="listened-at-unix-time-in-a-string"),
     pytest.param(b'{"items": [', 400, "JSON", id="malformed-json"),
 ]  # fmt: skip
 
