@@ -172,8 +172,13 @@ def create_app(settings: Settings | None = None) -> ProgressIngest:
     if settings.rate_limit_per_user_per_second > 0:
         limiter = RateLimiter(per_second=settings.rate_limit_per_user_per_second, burst=settings.rate_limit_burst)
     authenticator = Authenticator(settings)
+    # the reads and the sync have a bucket of their own, at the same rate: a screen that reads through
+    # this service (the monolith, with the user's token) never takes the user's heartbeats away
+    reads_limiter = None
+    if limiter is not None:
+        reads_limiter = RateLimiter(per_second=settings.rate_limit_per_user_per_second, burst=settings.rate_limit_burst)
     reads = ProgressReads(api, authenticator=authenticator, max_body_bytes=settings.sync_max_body_bytes,
-                          body_read_timeout_s=settings.body_read_timeout_seconds, limiter=limiter)  # fmt: skip
+                          body_read_timeout_s=settings.body_read_timeout_seconds, limiter=reads_limiter)  # fmt: skip
     if limiter is not None:
         reads.sync_items_limit = sync_items_limit(RateLimiter(per_second=settings.sync_items_per_user_per_second,
                                                               burst=settings.sync_items_burst))  # fmt: skip

@@ -134,7 +134,7 @@ class ProgressReads:
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
-        self.limiter = limiter  # the heartbeats' per-user limit: a read is one call against it
+        self.limiter = limiter  # per user: a read or a sync is one call against it
         # set by the lifespan once its clients exist; None without a database
         self.reader: ProgressReader | None = None
         self.sync: OfflineSync | None = None
@@ -148,10 +148,11 @@ class ProgressReads:
             return
         route, parts = found
         headers = [(b"content-type", b"application/json")]
+        if route != SYNC_ROUTE:
+            # another device may move it any second, and a 404 "no progress" is no more lasting
+            headers.append((b"cache-control", b"no-store"))
         try:
             status, body = await self._handle(route, parts, scope, receive)
-            if route != SYNC_ROUTE:
-                headers.append((b"cache-control", b"no-store"))  # another device may move it any second
         except _Refused as refused:
             status, body = refused.status, _error_body(refused.detail)
             headers.extend(refused.headers)

@@ -160,3 +160,14 @@ def test_a_hundred_thousand_distinct_tokens_stay_bounded_and_verified(settings: 
             with pytest.raises(AuthError):
                 authenticator.user_id(f"Bearer {token[:-2]}AA".encode(), None)
     assert authenticator.cached_tokens() <= 2 * _VERIFIED_GENERATION_SIZE
+
+
+async def test_an_aud_claim_is_ignored_unless_an_audience_is_configured(
+    settings: Settings, client: httpx.AsyncClient, redis: Redis
+) -> None:
+    with_aud = jwt.encode({"user_id": 9, "exp": _FUTURE, "aud": "some-other-service"}, TEST_JWT_SECRET,
+                          algorithm="HS256")  # fmt: skip
+    assert (await post(client, [("Authorization", f"Bearer {with_aud}")])).status_code == 201
+    strict = Authenticator(settings.model_copy(update={"jwt_audience": "progress"}))
+    with pytest.raises(AuthError):
+        strict.user_id(f"Bearer {with_aud}".encode(), None)

@@ -264,6 +264,10 @@ async def test_the_sync_and_the_reads_pass_the_same_door(
         for body in (items(1, 1), {"items": "not even a list"}):
             assert (await client.post("/progress/sync", json=body, headers=auth(token))).status_code == 429
         assert len(await redis.keys("*")) == keys_before
+        # the reads and the sync have their own bucket: the user's heartbeats still go through
+        heartbeat = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": 9},
+                                      headers=auth(token))  # fmt: skip
+        assert heartbeat.status_code == 201
         doubled = await client.get("/progress/lesson/1", headers=[("authorization", f"Bearer {token}"),
                                                                    ("authorization", f"Bearer {token}")])  # fmt: skip
         assert doubled.status_code == 401

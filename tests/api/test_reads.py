@@ -109,7 +109,8 @@ async def test_nothing_known_is_404_and_a_value_for_unknown_content_is_not_progr
     client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
 ) -> None:
     await seed(db, users=7, contents=2)
-    assert (await client.get("/progress/audio/1", headers=auth(token))).status_code == 404
+    nothing = await client.get("/progress/audio/1", headers=auth(token))
+    assert (nothing.status_code, nothing.headers["cache-control"]) == (404, "no-store")  # no cached "none"
     await client.post("/audios/progress", json={"audio_id": 99, "position": 5}, headers=auth(token))
     assert await redis.exists("progress:latest_position:audio:99:7")  # the flush will drop it: no such audio
     assert (await client.get("/progress/audio/99", headers=auth(token))).status_code == 404
