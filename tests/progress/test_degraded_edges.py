@@ -99,6 +99,9 @@ async def test_a_full_redis_sends_heartbeats_to_postgres_not_to_a_500(
             response = await client.post("/meditations/progress", json={"meditation_id": 1, "position": 42},
                                          headers=auth(token))  # fmt: skip
             assert response.status_code == 201
+            # PING still answers, but a heartbeat cannot go to Redis: readiness says so
+            ready = await client.get("/health/ready")
+            assert (ready.status_code, ready.json()["mode"]) == (200, "degraded")
             await full.config_set("maxmemory", 0)
         assert await full.keys("progress:*") == []
     finally:
