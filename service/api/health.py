@@ -46,7 +46,7 @@ async def ready(request: Request) -> JSONResponse:
     """Ready while one path can keep a heartbeat: Redis (normal) or Postgres directly (degraded)."""
     redis_check, postgres_check = await asyncio.gather(_check_redis(request), _check_postgres(request))
     sink = request.app.state.ingest.sink
-    if redis_check == "ok" and sink is not None and sink.degraded:
+    if redis_check == "ok" and sink is not None and sink.redis_writes_failing:
         # PING answers, writes do not (a full Redis under noeviction, a node of the cluster down)
         redis_check = "answers, but heartbeat writes fail: degraded mode"
     checks = {"redis": redis_check}

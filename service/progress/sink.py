@@ -150,6 +150,13 @@ class HeartbeatSink:
         except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:  # TimeoutError is among them
             raise Unavailable("progress buffer and database both unavailable, retry later") from exc
 
+    @property
+    def redis_writes_failing(self) -> bool:
+        """A write to some Redis node failed within the retry interval. Not the sticky `degraded` flag:
+        with no traffic that would never clear, and a pod reported unready gets no traffic to clear it."""
+        now = time.monotonic()
+        return any(until > now for until in self._redis_down_until.values())
+
     def _recovered(self, node: str) -> None:
         self._redis_down_until.pop(node, None)
         # a node whose retry time passed unused gets no heartbeats any more (its slots failed over to a

@@ -88,7 +88,8 @@ async def test_a_full_redis_sends_heartbeats_to_postgres_not_to_a_500(
     settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool, token: str
 ) -> None:
     await seed(db, users=7, contents=1)
-    app = create_app(degraded_settings(settings, own_redis))
+    # a retry interval longer than the test: readiness looks within the interval that follows the failure
+    app = create_app(degraded_settings(settings, own_redis, degraded_redis_retry_seconds=30.0))
     full = Redis.from_url(own_redis.url)
     try:
         async with running(app) as client:
