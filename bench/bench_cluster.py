@@ -135,7 +135,7 @@ def http_run(name: str, env: dict[str, str], wrk: str, tokens: Path, args: argpa
         name,
         [sys.executable, "-m", "service", "serve", "--workers", "1", "--host", "127.0.0.1", "--port", str(port)],
         {**os.environ, "JWT_SECRET": ingest.JWT_SECRET, "LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
-         "PROGRESS_FLUSHER_ENABLED": "false", **env},
+         "PROGRESS_FLUSHER_ENABLED": "false", "RELAY_ENABLED": "false", "EMAIL_PUBLISHER": "redis-stream", **env},
         work_dir / f"{name}.log",
     )  # fmt: skip
     try:

@@ -84,7 +84,8 @@ async def main(args: argparse.Namespace) -> None:
         url = postgres.url("bench")
         await _fill(url)
         common = Settings(redis_url=redis.url, database_url=url, jwt_secret="bench-secret-" + "x" * 32,
-                          progress_flusher_enabled=False, trial_journey_interval_seconds=0)  # fmt: skip
+                          progress_flusher_enabled=False, trial_journey_interval_seconds=0,
+                          relay_enabled=False, email_publisher="redis-stream")  # fmt: skip
         door_off = {"content_catalog_enabled": False, "rate_limit_per_user_per_second": 0}
         # door on: the catalog and the rate limit at their defaults
         variants = {"door off": common.model_copy(update=door_off), "door on": common}

@@ -606,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--port", str(door_port)],
                 {**common_env, "REDIS_URL": door_url_redis, "DATABASE_URL": database_url,
                  "PROGRESS_FLUSHER_ENABLED": "false", "TRIAL_JOURNEY_INTERVAL_SECONDS": "0",
+                 "RELAY_ENABLED": "false", "EMAIL_PUBLISHER": "redis-stream",
                  "CONTENT_CATALOG_ENABLED": "true"},  # the rate limit at its defaults
                 work_dir / "door.log",
             )  # fmt: skip

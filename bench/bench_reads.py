@@ -98,7 +98,8 @@ async def in_process(redis_url: str, database_url: str, users: int, contents: in
     from service.config import Settings
 
     settings = Settings(redis_url=redis_url, database_url=database_url, jwt_secret=JWT_SECRET,
-                        progress_flusher_enabled=False, trial_journey_interval_seconds=0)  # fmt: skip
+                        progress_flusher_enabled=False, trial_journey_interval_seconds=0,
+                        relay_enabled=False, email_publisher="redis-stream")  # fmt: skip
     app = create_app(settings)
     authorizations = [f"Bearer {make_token(settings, user_id)}".encode() for user_id in range(1, users + 1)]
 
@@ -176,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         make_tokens(args.users, tokens)
         env = {**os.environ, "JWT_SECRET": JWT_SECRET, "LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
                "REDIS_URL": redis_url, "DATABASE_URL": database_url, "PROGRESS_FLUSHER_ENABLED": "false",
-               "TRIAL_JOURNEY_INTERVAL_SECONDS": "0"}  # fmt: skip
+               "TRIAL_JOURNEY_INTERVAL_SECONDS": "0", "RELAY_ENABLED": "false",
+               "EMAIL_PUBLISHER": "redis-stream"}  # fmt: skip
         port = free_port()
         child = Child("service", [sys.executable, "-m", "service", "serve", "--workers", "1", "--host", "127.0.0.1",
                                   "--port", str(port)], env, work_dir / "service.log")  # fmt: skip
