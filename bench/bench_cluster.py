@@ -135,7 +135,8 @@ def http_run(name: str, env: dict[str, str], wrk: str, tokens: Path, args: argpa
         name,
         [sys.executable, "-m", "service", "serve", "--workers", "1", "--host", "127.0.0.1", "--port", str(port)],
         {**os.environ, "JWT_SECRET": ingest.JWT_SECRET, "LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1",
-         "PROGRESS_FLUSHER_ENABLED": "false", "RELAY_ENABLED": "false", "EMAIL_PUBLISHER": "redis-stream", **env},
+         "PROGRESS_FLUSHER_ENABLED": "false", "RELAY_ENABLED": "false", "EMAIL_PUBLISHER": "redis-stream",
+         "CONTENT_CATALOG_ENABLED": "false", "RATE_LIMIT_PER_USER_PER_SECOND": "0", **env},
         work_dir / f"{name}.log",
     )  # fmt: skip
     try:
