@@ -317,7 +317,8 @@ def check_writes(redis: Redis, name: str) -> dict[str, int]:
         assert isinstance(member, bytes)
         content_id, user_id = member.decode().split(":")
         value = redis.get(f"progress:latest_position:{kind}:{content_id}:{user_id}")
-        if not isinstance(value, bytes) or not re.fullmatch(rb"[\d.]+:\d{13}(\.\d+)?(:[\d.]+)?", value):
+        # "{position}:{ms}", then ":{peak}" and ":{microseconds}" (service.progress.buffer)
+        if not isinstance(value, bytes) or not re.fullmatch(rb"[\d.]+:\d{13}(:[\d.]+)?(:\d{1,3})?", value):
             raise RuntimeError(f"{name}: pending member {kind} {member!r} has value {value!r}")
     return counts
 

@@ -142,6 +142,8 @@ class PositionWriter:
 
     def node_of(self, content_type: str, content_id: int, user_id: int) -> str:
         """The Redis node this heartbeat's write goes to ("" on a standalone server; "?" if none is known)."""
+        if not self.layout.cluster:
+            return ""  # the request path: no key to work out for the one server there is
         try:
             return node_name(self._redis, self.layout.value_key(content_type, content_id, user_id))
         except REDIS_UNAVAILABLE:
