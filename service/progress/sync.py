@@ -43,6 +43,8 @@ _ISO_DATE = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]")
 
 def _iso_8601(value: object) -> object:
     # pydantic would also read "1796034445" or 1796034445 as a Unix time: the contract says ISO-8601
+    if isinstance(value, datetime):  # built in Python, not parsed from a request
+        return value
     if not isinstance(value, str) or not _ISO_DATE.match(value):
         raise ValueError("listened_at must be an ISO-8601 date and time with a time zone")
     return value
