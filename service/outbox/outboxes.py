@@ -45,36 +45,44 @@ class Outbox:
 # The lease, not an open transaction, keeps other relays off a claimed batch: the claim commits at
 # once, so a slow broker holds no row lock and no PgBouncer server connection. Rows the broker refused
 # for good (publish_failed_at) are never claimed again: no hot retry loop.
-CLAIM_COMPLETIONS_SQL = """
-UPDATE progress_completion_event e
-   SET claimed_until = now() + make_interval(secs => $2::float8), publish_attempts = e.publish_attempts + 1
- WHERE e.id IN (
-        SELECT id FROM progress_completion_event
+_CLAIM_SQL = """
+UPDATE {table} o
+   SET claimed_until = now() + make_interval(secs => $2::float8), publish_attempts = o.publish_attempts + 1
+ WHERE o.{key} IN (
+        SELECT {key} FROM {table}
          WHERE published_at IS NULL AND publish_failed_at IS NULL
            AND (claimed_until IS NULL OR claimed_until < now())
-         ORDER BY id
+         ORDER BY {key}
          LIMIT $1
            FOR UPDATE SKIP LOCKED)
-RETURNING e.id, e.content_type, e.content_id, e.user_id, e.completed_at, e.publish_attempts
+RETURNING o.{key} AS id, {returning}, o.publish_attempts
 """
-MARK_COMPLETIONS_SQL = """
-UPDATE progress_completion_event SET published_at = now(), claimed_until = NULL WHERE id = ANY($1::bigint[])
+_MARK_SQL = """
+UPDATE {table} SET published_at = now(), claimed_until = NULL WHERE {key} = ANY($1::bigint[])
 """
 # the claim counted an attempt that never reached the broker: take it back so a later publish is not
 # reported as a republish
-RELEASE_COMPLETIONS_SQL = """
-UPDATE progress_completion_event SET claimed_until = NULL, publish_attempts = publish_attempts - 1
- WHERE id = ANY($1::bigint[]) AND published_at IS NULL
+_RELEASE_SQL = """
+UPDATE {table} SET claimed_until = NULL, publish_attempts = publish_attempts - 1
+ WHERE {key} = ANY($1::bigint[]) AND published_at IS NULL
 """
-PARK_COMPLETIONS_SQL = """
-UPDATE progress_completion_event e SET publish_failed_at = now(), publish_error = r.error, claimed_until = NULL
+_PARK_SQL = """
+UPDATE {table} o SET publish_failed_at = now(), publish_error = r.error, claimed_until = NULL
   FROM unnest($1::bigint[], $2::text[]) AS r (id, error)
- WHERE e.id = r.id
+ WHERE o.{key} = r.id
 """
-OLDEST_COMPLETION_SQL = """
-SELECT extract(epoch FROM now() - min(created_at))::float8 FROM progress_completion_event
+_OLDEST_SQL = """
+SELECT extract(epoch FROM now() - min(created_at))::float8 FROM {table}
  WHERE published_at IS NULL AND publish_failed_at IS NULL
 """
+
+
+def _outbox(name: str, *, table: str, key: str, returning: str,
+            to_message: Callable[[asyncpg.Record, Settings], Message]) -> Outbox:  # fmt: skip
+    """Both outboxes are one shape: a table with a bigint key, published_at, a lease and a park."""
+    names = {"table": table, "key": key, "returning": returning}
+    return Outbox(name, _CLAIM_SQL.format(**names), _MARK_SQL.format(**names), _RELEASE_SQL.format(**names),
+                  _PARK_SQL.format(**names), _OLDEST_SQL.format(**names), to_message)  # fmt: skip
 
 
 def completion_message(row: asyncpg.Record, settings: Settings) -> Message:
@@ -88,39 +96,6 @@ def completion_message(row: asyncpg.Record, settings: Settings) -> Message:
     return Message(row["id"], settings.completion_task_name, settings.completion_task_queue, task_id, kwargs)
 
 
-# Same shape as the completions. A row is written already claimed by the batch that reserved it
-# (see service.trial_emails.reservations): the relay takes it only once that lease has run out,
-# so it does not race the batch's own publish of its winners.
-CLAIM_EMAILS_SQL = """
-UPDATE trial_email_outbox o
-   SET claimed_until = now() + make_interval(secs => $2::float8), publish_attempts = o.publish_attempts + 1
- WHERE o.dispatch_id IN (
-        SELECT dispatch_id FROM trial_email_outbox
-         WHERE published_at IS NULL AND publish_failed_at IS NULL
-           AND (claimed_until IS NULL OR claimed_until < now())
-         ORDER BY dispatch_id
-         LIMIT $1
-           FOR UPDATE SKIP LOCKED)
-RETURNING o.dispatch_id AS id, o.user_id, o.source, o.email_key, o.reserved_at, o.publish_attempts
-"""
-MARK_EMAILS_SQL = """
-UPDATE trial_email_outbox SET published_at = now(), claimed_until = NULL WHERE dispatch_id = ANY($1::bigint[])
-"""
-RELEASE_EMAILS_SQL = """
-UPDATE trial_email_outbox SET claimed_until = NULL, publish_attempts = publish_attempts - 1
- WHERE dispatch_id = ANY($1::bigint[]) AND published_at IS NULL
-"""
-PARK_EMAILS_SQL = """
-UPDATE trial_email_outbox o SET publish_failed_at = now(), publish_error = r.error, claimed_until = NULL
-  FROM unnest($1::bigint[], $2::text[]) AS r (id, error)
- WHERE o.dispatch_id = r.id
-"""
-OLDEST_EMAIL_SQL = """
-SELECT extract(epoch FROM now() - min(created_at))::float8 FROM trial_email_outbox
- WHERE published_at IS NULL AND publish_failed_at IS NULL
-"""
-
-
 def email_kwargs(dispatch_id: int, user_id: int, email_key: str, source: str) -> dict[str, object]:
     return {"dispatch_id": dispatch_id, "user_id": user_id, "email_key": email_key, "source": source}
 
@@ -131,13 +106,14 @@ def email_message(row: asyncpg.Record, settings: Settings) -> Message:
                    extra={"reserved_at": row["reserved_at"]})  # fmt: skip
 
 
-COMPLETIONS = Outbox(
-    "completion", CLAIM_COMPLETIONS_SQL, MARK_COMPLETIONS_SQL, RELEASE_COMPLETIONS_SQL, PARK_COMPLETIONS_SQL,
-    OLDEST_COMPLETION_SQL, completion_message,
-)  # fmt: skip
-EMAILS = Outbox(
-    "email", CLAIM_EMAILS_SQL, MARK_EMAILS_SQL, RELEASE_EMAILS_SQL, PARK_EMAILS_SQL, OLDEST_EMAIL_SQL, email_message
-)
+COMPLETIONS = _outbox("completion", table="progress_completion_event", key="id",
+                      returning="o.content_type, o.content_id, o.user_id, o.completed_at",
+                      to_message=completion_message)  # fmt: skip
+# A row of the email outbox is written already claimed by the batch that reserved it (see
+# service.trial_emails.reservations): the relay takes it only once that lease has run out, so it
+# does not race the batch's own publish of its winners.
+EMAILS = _outbox("email", table="trial_email_outbox", key="dispatch_id",
+                 returning="o.user_id, o.source, o.email_key, o.reserved_at", to_message=email_message)  # fmt: skip
 
 
 async def mark_published(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox, row_ids: list[int]) -> None:

@@ -11,7 +11,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from service.config import Settings
-from service.outbox.outboxes import MARK_EMAILS_SQL
+from service.outbox.outboxes import EMAILS
 from service.trial_emails.batch import reserve_and_enqueue, send_trial_journey_emails_batch
 from service.trial_emails.journey import JOURNEY
 from service.trial_emails.queue import QueuedEmail, RedisStreamQueue
@@ -41,7 +41,7 @@ async def test_several_due_emails_per_trial_are_reserved_in_one_statement_and_al
 
     assert result == {"status": "ok", "user_trials": 3, "sent": 9}
     # the reservation writes the outbox rows too; the mark records what the block published (one each)
-    assert await statements.settled() == [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL, RESERVE_BLOCK_SQL, MARK_EMAILS_SQL]
+    assert await statements.settled() == [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL, RESERVE_BLOCK_SQL, EMAILS.mark_sql]
     expected = {(user, key) for user in (1, 2, 3) for key in ("trial_welcome", "trial_tips", "trial_midpoint")}
     assert await reserved(pool) == expected
     assert await enqueued(redis, queue.stream) == dict.fromkeys(expected, 1)
@@ -62,7 +62,7 @@ async def test_200_trials_owing_6_emails_take_6_reservation_statements(
 
     assert result == {"status": "ok", "user_trials": 200, "sent": 1200}
     # six reservation statements, each marking the previous block's published winners, and one closing mark
-    expected = [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL] + [RESERVE_BLOCK_SQL] * 6 + [MARK_EMAILS_SQL]
+    expected = [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL] + [RESERVE_BLOCK_SQL] * 6 + [EMAILS.mark_sql]
     assert await statements.settled() == expected
     assert len(await reserved(pool)) == 1200
     # every block's winners marked published (by the next block's statement, the last by the closing mark):
