@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
+from service.signals import stop_on_signals
 from service.trial_emails.commands import add_commands as add_trial_email_commands
 
 DEV_JWT_SECRET = "dev-only-secret-not-for-production"
@@ -131,10 +132,7 @@ async def _run_flusher(settings: Settings, *, once: bool) -> int:
             result = await flusher.flush_cycle()
             print(json.dumps(asdict(result)), flush=True)
             return 1 if result.failed_batches else 0
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         _progress(f"flushing every {settings.progress_flush_interval_seconds:g}s; SIGTERM or Ctrl-C stops")
         await flusher.run(stop)
         return 0

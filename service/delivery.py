@@ -7,7 +7,6 @@ writers: the email outbox goes where EMAIL_PUBLISHER says (Celery, or the trial-
 import argparse
 import asyncio
 import json
-import signal
 import sys
 from dataclasses import asdict
 
@@ -17,6 +16,7 @@ from service.logs import configure_logging
 from service.outbox.celery_publisher import Publisher, publisher_from_settings
 from service.outbox.outboxes import COMPLETIONS, EMAILS
 from service.outbox.relay import Relay, Route
+from service.signals import stop_on_signals
 from service.trial_emails.queue import email_relay_publisher
 
 
@@ -50,10 +50,7 @@ async def run_relay(settings: Settings, *, once: bool) -> int:
             result = await relay.relay_once()
             print(json.dumps(asdict(result)), flush=True)
             return 1 if result.broker_unavailable else 0
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
         print("[progress-service] relaying the outboxes; SIGTERM or Ctrl-C stops", file=sys.stderr, flush=True)
         await relay.run(stop)
         return 0

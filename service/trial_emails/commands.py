@@ -8,7 +8,6 @@ new batch starts, the partial result is printed with "status": "stopped", and th
 import argparse
 import asyncio
 import json
-import signal
 import sys
 
 import asyncpg
@@ -18,6 +17,7 @@ from service.clients import connect_redis, create_db_pool
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
+from service.signals import stop_on_signals
 from service.trial_emails.batch import BatchResult
 from service.trial_emails.queue import build_email_queue
 from service.trial_emails.sweep import sweep_journeys
@@ -50,10 +50,7 @@ def run_once_command(args: argparse.Namespace) -> int:
 
 
 async def run_once(settings: Settings) -> BatchResult:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     publisher: CeleryPublisher | None = None
     if settings.email_publisher == "celery" and settings.send_email:
         publisher = publisher_from_settings(settings)
