@@ -114,7 +114,9 @@ class KeyLayout:
             raise ValueError("a layout needs at least one shard")
 
     def shard(self, content_type: str, content_id: int, user_id: int) -> Shard:
-        return self._shard(content_type, shard_index(content_id, user_id, self.shards), self.shards)
+        # one shard (the standalone default): no hash to work out on the request path
+        index = shard_index(content_id, user_id, self.shards) if self.shards > 1 else 0
+        return self._shard(content_type, index, self.shards)
 
     def value_key(self, content_type: str, content_id: int, user_id: int) -> str:
         return self.shard(content_type, content_id, user_id).value_key(content_id, user_id)
