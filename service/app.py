@@ -9,7 +9,6 @@ from functools import partial
 from typing import Any
 
 from fastapi import FastAPI
-from redis.exceptions import RedisError
 
 from service.api import health
 from service.api.catalog import CATALOG_MAX_ANSWERS, CATALOG_MAX_LOOKUPS, ContentCatalog
@@ -30,6 +29,7 @@ from service.progress.reads import ProgressReader
 from service.progress.redis_memory import run_redis_memory_sampler
 from service.progress.sink import DirectWriter, HeartbeatSink
 from service.progress.sync import OfflineSync
+from service.stores import REDIS_FAILED
 from service.trial_emails.queue import build_email_queue
 from service.trial_emails.sweep import run_periodic_sweep
 
@@ -73,7 +73,7 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
         resources.push_async_callback(redis.aclose)
         try:
             await redis.script_load(WRITE_SCRIPT)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILED as exc:
             # not fatal: readiness reports it, and the writer loads the script once Redis is back
             log.warning("Redis not reachable at start-up (%s); /health/ready will say so", exc)
         api.state.redis = redis

@@ -13,22 +13,14 @@ from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode, PipelineCommand
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import AskError, ClusterError, MovedError, RedisClusterException, RedisError, TryAgainError
+from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.config import Settings
 from service.progress.keys import CLUSTER_DEFAULT_SHARDS, KeyLayout
+from service.stores import REDIS_UNAVAILABLE
 
 RedisClient: TypeAlias = Redis | RedisCluster
-
-# "this node (or the cluster's view of it) is not there now", not "this command is wrong": a failover
-# shows as ClusterDownError/TryAgain, an uncovered slot or a cluster that cannot be reached at all as
-# RedisClusterException (which redis-py does not derive from RedisError)
-REDIS_UNAVAILABLE: tuple[type[Exception], ...] = (
-    RedisConnectionError, RedisTimeoutError, ClusterError, RedisClusterException,
-)
-
 
 def connect_redis(settings: Settings) -> RedisClient:
     common = dict(

@@ -18,12 +18,11 @@ import asyncpg
 
 from service import metrics
 from service.progress.content import CONTENT_KINDS, ContentKind
-from service.progress.flusher import DB_UNAVAILABLE
 from service.progress.known_content import exists, load_ids
+from service.stores import POSTGRES_FAILED
 
 log = logging.getLogger(__name__)
 
-_DB_ERRORS = (*DB_UNAVAILABLE, asyncpg.PostgresError)
 # after a failed lookup, unseen ids are accepted without asking for this long: an outage must not
 # cost each heartbeat a connection attempt
 _DB_RETRY_S = 1.0
@@ -85,7 +84,7 @@ class ContentCatalog:
         try:
             async with asyncio.timeout(self._lookup_timeout_s):
                 known = await exists(self._pool, kind, content_id, timeout_s=self._lookup_timeout_s)
-        except _DB_ERRORS as exc:
+        except POSTGRES_FAILED as exc:
             self._db_down_until = self._clock() + _DB_RETRY_S
             log.warning("content lookup failed (%s: %s): unseen ids accepted unverified", type(exc).__name__, exc,
                         extra={"content_type": kind.name})  # fmt: skip
@@ -117,7 +116,7 @@ class ContentCatalog:
     async def try_refresh(self) -> bool:
         try:
             await self.refresh()
-        except _DB_ERRORS as exc:
+        except POSTGRES_FAILED as exc:
             # until a load succeeds, ids outside the last snapshot are looked up one by one
             log.warning("content catalog refresh failed (%s: %s); keeping the last snapshot",
                         type(exc).__name__, exc)  # fmt: skip

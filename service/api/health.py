@@ -3,19 +3,17 @@
 import asyncio
 from typing import Literal
 
-import asyncpg
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from redis.exceptions import RedisError
 
 from service import metrics
-from service.clients import REDIS_UNAVAILABLE, ping
+from service.clients import ping
+from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
 router = APIRouter(tags=["operations"])
 
 _READY_TIMEOUT_S = 1.0
-_REDIS_DOWN: tuple[type[BaseException], ...] = (RedisError, *REDIS_UNAVAILABLE, OSError, TimeoutError)
 
 
 class Readiness(BaseModel):
@@ -65,7 +63,7 @@ async def _check_redis(request: Request) -> str:
     try:
         async with asyncio.timeout(_READY_TIMEOUT_S):
             await ping(request.app.state.redis)
-    except _REDIS_DOWN as exc:
+    except REDIS_FAILED as exc:  # TimeoutError is an OSError
         return f"unreachable: {type(exc).__name__}: {exc}"
     return "ok"
 
@@ -77,7 +75,7 @@ async def _check_postgres(request: Request) -> str | None:
     try:
         async with asyncio.timeout(_READY_TIMEOUT_S):
             await pool.fetchval("SELECT 1")
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
+    except POSTGRES_FAILED as exc:
         return f"unreachable: {type(exc).__name__}: {exc}"
     return "ok"
 

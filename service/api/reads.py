@@ -11,10 +11,8 @@ import logging
 from collections.abc import Callable
 from urllib.parse import parse_qsl
 
-import asyncpg
 from prometheus_client import Counter
 from pydantic import ValidationError
-from redis.exceptions import RedisError
 
 from service import metrics
 from service.api.ingest import (
@@ -31,9 +29,9 @@ from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator, AuthError
 from service.progress.buffer import now_ms
 from service.progress.content import MAX_ID, ContentKind
-from service.progress.flusher import DB_UNAVAILABLE
 from service.progress.reads import Progress, ProgressReader
 from service.progress.sync import KIND_BY_NAME, OfflineSync, SyncRequest
+from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +54,7 @@ def sync_items_limit(items: RateLimiter) -> SyncLimit:
 
     return check
 
-_STORES_DOWN = (RedisError, *DB_UNAVAILABLE, asyncpg.PostgresError)
+_STORES_DOWN = (*REDIS_FAILED, *POSTGRES_FAILED)
 
 
 class _Refused(Exception):

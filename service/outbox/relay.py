@@ -28,10 +28,10 @@ from service import metrics
 from service.config import Settings
 from service.outbox.celery_publisher import Publisher, PublishResult
 from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox
+from service.stores import POSTGRES_FAILED
 
 log = logging.getLogger(__name__)
 
-_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +89,7 @@ class Relay:
                     await self._drain(route, result, stop)
             finally:
                 # the lag must show even when the pass failed: it is what the alert watches
-                with contextlib.suppress(*_DB_ERRORS):
+                with contextlib.suppress(*POSTGRES_FAILED):
                     await self._report_oldest(route.outbox)
         return result
 
@@ -117,7 +117,7 @@ class Relay:
                 # cancelled after it committed only delays its rows until their lease runs out)
                 try:
                     next_rows = await claiming if claiming is not None else []
-                except _DB_ERRORS as exc:
+                except POSTGRES_FAILED as exc:
                     # the broker has this batch: it is marked below before the claim's error goes up,
                     # or it would all go out again once its lease ran out
                     next_rows, claim_error = [], exc
@@ -185,7 +185,7 @@ class Relay:
         try:
             async with asyncio.timeout(timeout_s):
                 result = await self.relay_once()
-        except (*_DB_ERRORS, TimeoutError) as exc:
+        except POSTGRES_FAILED as exc:
             log.warning("outbox relay: final pass on shutdown did not finish (%r); the rows wait in the outbox",
                         exc)  # fmt: skip
             return
@@ -203,7 +203,7 @@ class Relay:
                 self._wake.clear()
                 try:
                     result = await self.relay_once(stop=stop)
-                except _DB_ERRORS as exc:
+                except POSTGRES_FAILED as exc:
                     result = None
                     log.warning("outbox relay: database error, retrying: %r", exc, extra={"error": repr(exc)})
                 except Exception:
@@ -228,7 +228,7 @@ class Relay:
                     await self._sleep(stop, backoff_s, wake_on_notify=False)
         finally:
             if listener is not None:
-                with contextlib.suppress(*_DB_ERRORS):
+                with contextlib.suppress(*POSTGRES_FAILED):
                     await listener.close(timeout=2)
 
     async def _sleep(self, stop: asyncio.Event, seconds: float, *, wake_on_notify: bool) -> None:
@@ -252,7 +252,7 @@ class Relay:
             listener = await asyncpg.connect(self._listen_dsn, timeout=self._connect_timeout_s,
                                              statement_cache_size=0)  # fmt: skip
             await listener.add_listener(NOTIFY_CHANNEL, self._on_notify)
-        except _DB_ERRORS as exc:
+        except POSTGRES_FAILED as exc:
             log.warning("outbox relay: cannot LISTEN (%r); polling every %.1fs", exc, self._poll_s)
             return None
         return listener

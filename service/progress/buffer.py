@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from redis.exceptions import NoScriptError, RedisError
 
 from service import metrics
-from service.clients import REDIS_UNAVAILABLE, RedisClient, execute_by_node, node_name
+from service.clients import RedisClient, execute_by_node, node_name
 from service.progress.batching import TurnBatcher
 from service.progress.keys import STANDALONE, KeyLayout, pending_member
+from service.stores import REDIS_UNAVAILABLE
 
 # The value is "{position}:{receive time ms}:{peak}:{microseconds}": peak is the furthest position
 # heard while the value lived, so a listener who reaches the end and restarts within one flush interval

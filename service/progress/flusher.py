@@ -15,23 +15,19 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 import asyncpg
-from redis.exceptions import RedisError
 
 from service import metrics
-from service.clients import REDIS_UNAVAILABLE, RedisClient, execute_by_node, key_layout, node_name
+from service.clients import RedisClient, execute_by_node, key_layout, node_name
 from service.config import Settings
 from service.progress.buffer import decode_value, now_ms
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import KeyLayout, Shard, parse_member
 from service.progress.leases import Claim, Leases
 from service.progress.store import BatchResult, Heartbeat, persist_batch, report_batch
+from service.stores import POSTGRES_FAILED, POSTGRES_UNAVAILABLE, REDIS_FAILED, REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
-# Errors that say "the database is not there right now", not "this batch is wrong": the batch
-# goes back to the pending set and the loop backs off.
-DB_UNAVAILABLE = (asyncpg.PostgresConnectionError, asyncpg.InterfaceError, asyncpg.CannotConnectNowError,
-                  asyncpg.AdminShutdownError, OSError, TimeoutError)  # fmt: skip
 _MAX_BACKOFF_S = 30.0
 
 
@@ -80,7 +76,7 @@ class Flusher:
                 if result.batches:  # one line per cycle that did something: a heartbeat can be followed
                     log.info("flush cycle: %d rows written, %d completion events", result.written,
                              result.completions, extra={"count": result.written})  # fmt: skip
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILED as exc:
                 failures += 1
                 log.warning("flush cycle failed: Redis unavailable (%s); retrying", exc)
             except Exception:
@@ -104,7 +100,7 @@ class Flusher:
         except TimeoutError:
             log.warning("final flush did not finish in %.0fs; unfinished batches were released to the pending "
                         "set for another pod", self._shutdown_timeout_s)  # fmt: skip
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILED as exc:
             log.warning("final flush failed: Redis unavailable (%s); the pending set keeps everything", exc)
 
     async def flush_cycle(self, stop: asyncio.Event | None = None) -> CycleResult:
@@ -168,7 +164,7 @@ class Flusher:
                         metrics.FLUSH_FAILURES.labels(kind.name).inc()
                         log.warning("flush of %s skipped: Redis unavailable (%s: %s)", shard.pending_key,
                                     type(exc).__name__, exc, extra={"content_type": kind.name})  # fmt: skip
-        except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:
+        except POSTGRES_FAILED as exc:
             # no connection to be had (down, full, refused our password): nothing was claimed
             metrics.FLUSH_FAILURES.labels(kind.name).inc()
             log.warning("flush of %s skipped: database unavailable (%s: %s)", kind.name, type(exc).__name__, exc,
@@ -217,11 +213,11 @@ class Flusher:
         started = time.perf_counter()
         try:
             batch = await self._persist_with_retry(conn, kind, heartbeats)
-        except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:
+        except POSTGRES_FAILED as exc:
             await asyncio.shield(self._leases.release(claim))
             metrics.FLUSH_REQUEUED.inc(len(claim.entries))
             metrics.FLUSH_FAILURES.labels(kind.name).inc()
-            outage = isinstance(exc, DB_UNAVAILABLE)
+            outage = isinstance(exc, POSTGRES_UNAVAILABLE)
             # an outage is expected weather; any other database error is a bug or a schema drift
             log.log(logging.WARNING if outage else logging.ERROR,
                     "batch of %d requeued: %s (%s: %s)", len(claim.entries),

@@ -6,10 +6,10 @@ import asyncio
 import logging
 
 from redis.asyncio import RedisCluster
-from redis.exceptions import RedisError
 
 from service import metrics
 from service.clients import RedisClient
+from service.stores import REDIS_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ async def run_redis_memory_sampler(
     while not stop.is_set():
         try:
             await sample_redis_memory(redis)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILED as exc:
             # Redis down is reported by readiness and the write metrics; the gauge keeps its last value
             log.debug("Redis memory not sampled: %s", exc)
         try:

@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from functools import partial
 
 import asyncpg
-from redis.exceptions import RedisError
 
 from service import metrics
 from service.progress.batching import TurnBatcher
 from service.progress.buffer import PositionWriter
 from service.progress.content import CONTENT_KINDS, ContentKind
-from service.progress.flusher import DB_UNAVAILABLE
 from service.progress.store import Heartbeat, persist_batch, report_batch
+from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +132,7 @@ class HeartbeatSink:
                 if self._redis_down_until:
                     self._recovered(node)
                 return
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILED as exc:
                 metrics.REDIS_WRITE_ERRORS.labels(kind.name).inc()
                 self._redis_down_until[node] = time.monotonic() + self._redis_retry_s
                 if not self.degraded:
@@ -147,7 +146,7 @@ class HeartbeatSink:
         try:
             await self._direct.write(kind, Heartbeat(content_id, user_id, position, received_ms, peak=position),
                                      deadline=deadline)  # fmt: skip
-        except (*DB_UNAVAILABLE, asyncpg.PostgresError) as exc:  # TimeoutError is among them
+        except POSTGRES_FAILED as exc:  # TimeoutError (the request's deadline) is among them
             raise Unavailable("progress buffer and database both unavailable, retry later") from exc
 
     @property

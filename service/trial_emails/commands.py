@@ -10,14 +10,12 @@ import asyncio
 import json
 import sys
 
-import asyncpg
-from redis.exceptions import RedisError
-
 from service.clients import connect_redis, create_db_pool
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
 from service.signals import stop_on_signals
+from service.stores import POSTGRES_FAILED, REDIS_FAILED
 from service.trial_emails.batch import BatchResult
 from service.trial_emails.queue import build_email_queue
 from service.trial_emails.sweep import sweep_journeys
@@ -42,7 +40,7 @@ def run_once_command(args: argparse.Namespace) -> int:
         settings.check_celery_broker()
     try:
         result = asyncio.run(run_once(settings))
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, RedisError) as exc:
+    except (*POSTGRES_FAILED, *REDIS_FAILED) as exc:
         print(f"trial-emails run-once failed: {exc!r}", file=sys.stderr)
         return 1
     print(json.dumps(result), flush=True)

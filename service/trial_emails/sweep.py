@@ -7,11 +7,11 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 import asyncpg
-from redis.exceptions import RedisError
 
 from service import metrics
 from service.clients import RedisClient
 from service.config import Settings
+from service.stores import POSTGRES_FAILED, REDIS_FAILED
 from service.trial_emails.batch import BatchResult, send_trial_journey_emails_batch
 from service.trial_emails.journey import GRACE
 from service.trial_emails.queue import EmailQueue, RedisStreamQueue
@@ -88,7 +88,7 @@ async def sweep_if_no_other_pod_is(
         finally:
             # on a broken connection the server has dropped the lock with the session already; an
             # error here would only hide the one that got us here
-            with contextlib.suppress(asyncpg.PostgresError, asyncpg.InterfaceError, OSError):
+            with contextlib.suppress(*POSTGRES_FAILED):
                 await lock_conn.execute("SELECT pg_advisory_unlock($1)", SWEEP_LOCK_KEY)
 
 
@@ -109,7 +109,7 @@ async def run_periodic_sweep(
     while not stop.is_set():
         try:
             result = await sweep_if_no_other_pod_is(pool=pool, queue=queue, settings=settings, stop=stop)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, RedisError) as exc:
+        except (*POSTGRES_FAILED, *REDIS_FAILED) as exc:
             metrics.TRIAL_JOURNEY_SWEEPS.labels("failed").inc()
             log.exception("trial-journey sweep failed; next in %.0f s", interval_s, extra={"error": repr(exc)})
         else:

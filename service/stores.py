@@ -1,0 +1,42 @@
+"""What "Redis is unavailable" and "Postgres is unavailable" mean, said once for the whole service.
+
+Callers catch these tuples, never a client library's exceptions of their own choosing:
+- `*_UNAVAILABLE`: the store is not there now (down, unreachable, failing over, a connection that
+  died under a call). Expected weather: the work waits, degraded mode takes the heartbeat, the
+  answer is 503 and nothing is lost.
+- `*_FAILED`: any failure of a call to the store, the above included (a full Redis, a refused
+  statement). Whoever catches it must still give the work back; it may log a non-outage louder.
+
+A closed transport does not always raise a library's own error: redis-py writes on a connection the
+peer closed and raises `AttributeError`/`TypeError` (redis-py #4287, #3546), and asyncpg raises
+`InternalClientError` ("cannot switch to state ...") on a connection an outage left mid-operation.
+The Redis connection class of `service.clients` turns the former into `ConnectionError` where it
+enters; the latter is counted as unavailable here.
+"""
+
+import asyncpg
+from redis.exceptions import ClusterError, RedisClusterException, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# A failover shows as ClusterDownError/TryAgain (ClusterError), an uncovered slot or a cluster that
+# cannot be reached at all as RedisClusterException, which redis-py does not derive from RedisError.
+REDIS_UNAVAILABLE: tuple[type[Exception], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterError,
+    RedisClusterException,
+    OSError,
+)
+REDIS_FAILED: tuple[type[Exception], ...] = (RedisError, *REDIS_UNAVAILABLE)
+
+POSTGRES_UNAVAILABLE: tuple[type[Exception], ...] = (
+    asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.AdminShutdownError,
+    asyncpg.InterfaceError,  # the connection was closed or lost under the call
+    asyncpg.exceptions.InternalClientError,  # a connection an outage left mid-operation
+    OSError,
+    TimeoutError,  # a pool that cannot connect, a statement past its deadline
+)
+POSTGRES_FAILED: tuple[type[Exception], ...] = (asyncpg.PostgresError, *POSTGRES_UNAVAILABLE)
