@@ -15,7 +15,8 @@ from service.api.catalog import CATALOG_MAX_ANSWERS, CATALOG_MAX_LOOKUPS, Conten
 from service.api.ingest import ProgressIngest
 from service.api.openapi import build_openapi
 from service.api.ratelimit import RateLimiter
-from service.api.reads import ProgressReads, sync_items_limit
+from service.api.reads import ProgressReads
+from service.api.sync import ProgressSync
 from service.auth import Authenticator
 from service.clients import connect_redis, create_db_pool, key_layout
 from service.config import Settings, load_settings
@@ -68,6 +69,7 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
     settings: Settings = api.state.settings
     ingest: ProgressIngest = api.state.ingest
     reads: ProgressReads = api.state.reads
+    sync: ProgressSync = api.state.sync
     async with AsyncExitStack() as resources:  # closed in reverse order of opening
         redis = connect_redis(settings)
         resources.push_async_callback(redis.aclose)
@@ -134,12 +136,12 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             resources.push_async_callback(reader.aclose)
             reads.reader = reader
             # its own writer: a sync's pipeline is its own, not shared with the heartbeats of the turn
-            reads.sync = OfflineSync(PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds,
-                                                    layout=writer.layout, wait_replicas=settings.redis_wait_replicas,
-                                                    wait_timeout_ms=settings.redis_wait_timeout_ms), pool,
-                                     ttl_s=settings.progress_position_ttl_seconds,
-                                     max_skew_s=settings.sync_max_clock_skew_seconds,
-                                     max_age_s=settings.sync_max_age_days * 86_400)  # fmt: skip
+            sync.offline = OfflineSync(PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds,
+                                                      layout=writer.layout, wait_replicas=settings.redis_wait_replicas,
+                                                      wait_timeout_ms=settings.redis_wait_timeout_ms), pool,
+                                       ttl_s=settings.progress_position_ttl_seconds,
+                                       max_skew_s=settings.sync_max_clock_skew_seconds,
+                                       max_age_s=settings.sync_max_age_days * 86_400)  # fmt: skip
         # Everything alive now lives as long as the process: moved out of the collector's sight,
         # a full collection under load scans ~1 k objects instead of ~80 k (a 37 ms pause at p99.9).
         gc.collect()
@@ -149,7 +151,7 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             yield
         finally:
             ingest.sink = None
-            reads.reader = reads.sync = None
+            reads.reader = sync.offline = None
             ingest.catalog = None
             log.info("progress-service stopping", extra={"pod": settings.pod_name})
 
@@ -174,20 +176,21 @@ def create_app(settings: Settings | None = None) -> ProgressIngest:
     authenticator = Authenticator(settings)
     # the reads and the sync have a bucket of their own, at the same rate: a screen that reads through
     # this service (the monolith, with the user's token) never takes the user's heartbeats away
-    reads_limiter = None
+    reads_limiter = items_limiter = None
     if limiter is not None:
         reads_limiter = RateLimiter(per_second=settings.rate_limit_per_user_per_second, burst=settings.rate_limit_burst)
-    reads = ProgressReads(api, authenticator=authenticator, max_body_bytes=settings.sync_max_body_bytes,
-                          body_read_timeout_s=settings.body_read_timeout_seconds, limiter=reads_limiter)  # fmt: skip
-    if limiter is not None:
-        reads.sync_items_limit = sync_items_limit(RateLimiter(per_second=settings.sync_items_per_user_per_second,
-                                                              burst=settings.sync_items_burst))  # fmt: skip
+        items_limiter = RateLimiter(per_second=settings.sync_items_per_user_per_second, burst=settings.sync_items_burst)
+    sync = ProgressSync(api, authenticator=authenticator, max_body_bytes=settings.sync_max_body_bytes,
+                        body_read_timeout_s=settings.body_read_timeout_seconds, limiter=reads_limiter,
+                        items_limiter=items_limiter)  # fmt: skip
+    reads = ProgressReads(sync, authenticator=authenticator, limiter=reads_limiter)
     app = ProgressIngest(api, authenticator=authenticator, max_body_bytes=settings.max_body_bytes,
                          body_read_timeout_s=settings.body_read_timeout_seconds, limiter=limiter,
                          reads=reads)  # fmt: skip
     api.state.settings = settings
     api.state.ingest = app
     api.state.reads = reads
+    api.state.sync = sync
     return app
 
 

@@ -1,11 +1,12 @@
-"""The OpenAPI document: FastAPI's own routes plus the routes served as plain ASGI in `ingest.py` and `reads.py`."""
+"""The OpenAPI document: FastAPI's own routes plus the plain ASGI ones of `ingest.py`, `reads.py` and `sync.py`."""
 
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from service.api.reads import MANY_ROUTE, MAX_IDS, ONE_ROUTE, SYNC_ROUTE
+from service.api.reads import MANY_ROUTE, MAX_IDS, ONE_ROUTE
+from service.api.sync import SYNC_ROUTE
 from service.progress.content import CONTENT_KINDS, MAX_ID
 from service.progress.sync import SYNC_MAX_ITEMS, SyncRequest
 

@@ -221,11 +221,12 @@ async def test_the_rate_limit_seam_refuses_before_anything_is_written(
     await seed(db, users=7)
     calls: list[tuple[int, int]] = []
 
-    def limit(user_id: int, items: int) -> float | None:
-        calls.append((user_id, items))
-        return 2.4 if items > 1 else None
+    class Limit:  # the items' limiter: one call per sync, costing its number of items
+        def allow(self, user_id: int, cost: float = 1.0) -> float | None:
+            calls.append((user_id, int(cost)))
+            return 2.4 if cost > 1 else None
 
-    app.app.state.reads.sync_items_limit = limit
+    app.app.state.sync.items_limiter = Limit()
     response = await client.post("/progress/sync", content=_body(3), headers=auth(token))
     assert (response.status_code, response.headers["retry-after"]) == (429, "3")  # 2.4 s, rounded up
     assert await redis.keys("*") == []

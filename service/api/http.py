@@ -1,0 +1,134 @@
+"""The door's HTTP plumbing, shared by the routes served as plain ASGI (`ingest.py`, `reads.py`, `sync.py`).
+
+A route answers its success itself and raises `HttpError` for anything else, from wherever the
+refusal is found; its `__call__` sends the error with `send_json`. The answers keep the shapes of
+FastAPI's (`{"detail": ...}`, validation errors with `loc`/`msg`/`type`), so the OpenAPI document
+describes one API whichever part serves a route.
+"""
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from service import metrics
+from service.api.ratelimit import RateLimiter, retry_after_header
+from service.asgi import Receive, Send
+from service.auth import Authenticator, AuthError
+
+Headers = list[tuple[bytes, bytes]]
+Body = TypeVar("Body", bound=BaseModel)
+
+
+class HttpError(Exception):
+    """An answer other than the route's success: a status, a `detail` and any headers it needs."""
+
+    def __init__(self, status: int, detail: object, headers: Headers | None = None) -> None:
+        super().__init__(status, detail)
+        self.status = status
+        self.detail = detail
+        self.headers = headers or []
+
+
+class ClientGone(Exception):
+    """The client hung up mid-body: nothing to store and nobody to answer."""
+
+
+def json_body(data: object) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def error_body(detail: object) -> bytes:
+    return json_body({"detail": detail})
+
+
+async def send_json(send: Send, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]]) -> None:
+    """One answer: content-type, then `headers`, then content-length."""
+    headers = [(b"content-type", b"application/json"), *headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, error: HttpError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """`error` as JSON, after the route's own `headers` (cache-control on the reads)."""
+    await send_json(send, error.status, error_body(error.detail), [*headers, *error.headers])
+
+
+def identify(authenticator: Authenticator, headers: Headers) -> tuple[int, int]:
+    """(user id, declared content length) of a request; HttpError 401 when it does not prove one user.
+
+    The content type is not checked: the body is JSON by contract, whatever the app's builds
+    declare, and refusing one would cost real heartbeats; the body is validated all the same.
+    """
+    # only the header of the configured mode names the user: a gateway that authenticates may still
+    # forward Authorization, and a JWT deployment ignores a user header nobody vouches for
+    identity_name = authenticator.gateway_header if authenticator.use_gateway else b"authorization"
+    identity: bytes | None = None
+    identity_headers = 0
+    declared_length = 0
+    for name, value in headers:
+        if name == identity_name:
+            identity = value
+            identity_headers += 1
+        elif name == b"content-length":
+            declared_length = int(value) if value.isdigit() else 0
+    if identity_headers > 1:
+        # which of two would be the user is the proxy's guess, not ours
+        raise HttpError(401, f"more than one {identity_name.decode('latin-1')} header")
+    try:
+        if authenticator.use_gateway:
+            return authenticator.user_id(None, identity), declared_length
+        return authenticator.user_id(identity, None), declared_length
+    except AuthError as exc:
+        raise HttpError(401, str(exc)) from None
+
+
+def charge(limiter: RateLimiter | None, user_id: int, detail: str, cost: float = 1.0) -> None:
+    """`cost` against the user's limit; HttpError 429 with Retry-After past it (no limiter: no limit)."""
+    if limiter is not None and (retry_after_s := limiter.allow(user_id, cost)) is not None:
+        metrics.REFUSED.labels("rate_limited").inc()
+        raise HttpError(429, detail, [(b"retry-after", retry_after_header(retry_after_s))])
+
+
+async def read_json(receive: Receive, model: type[Body], declared_length: int, *, limit: int,
+                    timeout_s: float) -> Body:  # fmt: skip
+    """The body as `model`; HttpError 413 past `limit` bytes, 408 past `timeout_s`, 400/422 when invalid.
+
+    ClientGone when the client hangs up before the end of its body.
+    """
+    if declared_length > limit:
+        raise HttpError(413, f"body larger than {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise HttpError(413, f"body larger than {limit} bytes")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        # a client trickling its body holds a socket and a request: cut it off and close the connection
+        metrics.REFUSED.labels("body_timeout").inc()
+        raise HttpError(408, f"body not received within {timeout_s:g} s", [(b"connection", b"close")]) from None
+    try:
+        return model.model_validate_json(b"".join(chunks))
+    except ValidationError as exc:
+        raise invalid_body(exc) from None
+
+
+def invalid_body(exc: ValidationError) -> HttpError:
+    """FastAPI's shape: unparseable JSON is a malformed request (400), wrong fields are unprocessable (422)."""
+    detail = [
+        {"loc": ["body", *err["loc"]], "msg": err["msg"], "type": err["type"]}
+        for err in exc.errors(include_url=False, include_context=False, include_input=False)
+    ]
+    return HttpError(400 if any(err["type"] == "json_invalid" for err in detail) else 422, detail)

@@ -1,0 +1,72 @@
+"""The offline sync, POST /progress/sync, served as plain ASGI in front of FastAPI like the heartbeats.
+
+One request carries up to SYNC_MAX_ITEMS positions heard offline (`service/progress/sync.py` settles
+them). It is charged twice: the request is one call against the reads' per-user limit before its
+body is read, as for a heartbeat, so a flood of bodies, valid or not, costs its sender the limit,
+not this process its parsing; once parsed, its items count against their own per-user limit,
+before anything is written.
+"""
+
+import logging
+
+from service import metrics
+from service.api.http import ClientGone, HttpError, charge, identify, json_body, read_json, send_error, send_json
+from service.api.ratelimit import RateLimiter
+from service.asgi import ASGIApp, Receive, Scope, Send
+from service.auth import Authenticator
+from service.progress.buffer import now_ms
+from service.progress.sync import OfflineSync, SyncRequest
+from service.stores import POSTGRES_FAILED, REDIS_FAILED
+
+log = logging.getLogger(__name__)
+
+SYNC_ROUTE = "/progress/sync"
+_TOO_MANY = "too many requests from this user, retry later"
+
+
+class ProgressSync:
+    """ASGI middleware: every request to /progress/sync ends here; anything else goes to `app`."""
+
+    def __init__(self, app: ASGIApp, *, authenticator: Authenticator, max_body_bytes: int,
+                 body_read_timeout_s: float = 10.0, limiter: RateLimiter | None = None,
+                 items_limiter: RateLimiter | None = None) -> None:  # fmt: skip
+        self.app = app
+        self.authenticator = authenticator
+        self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
+        self.limiter = limiter  # per user: a sync is one call against it (shared with the reads)
+        self.items_limiter = items_limiter  # per user: a sync costs one per item
+        self.offline: OfflineSync | None = None  # set by the lifespan once its clients exist; None without a database
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != SYNC_ROUTE:
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await self._handle(scope, receive)
+        except HttpError as error:
+            await send_error(send, error)
+            metrics.HTTP_REQUESTS.labels(SYNC_ROUTE, str(error.status)).inc()
+            return
+        except ClientGone:
+            return
+        await send_json(send, 200, body, ())
+        metrics.HTTP_REQUESTS.labels(SYNC_ROUTE, "200").inc()
+
+    async def _handle(self, scope: Scope, receive: Receive) -> bytes:
+        if scope["method"] != "POST":
+            raise HttpError(405, "method not allowed: use POST", [(b"allow", b"POST")])
+        user_id, declared_length = identify(self.authenticator, scope["headers"])
+        charge(self.limiter, user_id, _TOO_MANY)
+        request = await read_json(receive, SyncRequest, declared_length, limit=self.max_body_bytes,
+                                  timeout_s=self.body_read_timeout_s)  # fmt: skip
+        offline = self.offline  # once: the lifespan may take it away while the items are applied
+        if offline is None:
+            raise HttpError(503, "offline sync needs the database (DATABASE_URL), or the service is starting")
+        charge(self.items_limiter, user_id, _TOO_MANY, len(request.items))
+        try:
+            outcomes = await offline.apply(user_id, request.items, now_ms=now_ms())
+        except (*REDIS_FAILED, *POSTGRES_FAILED) as exc:
+            log.warning("offline sync failed: %s: %s", type(exc).__name__, exc)
+            raise HttpError(503, "progress store unavailable, retry later") from exc
+        return json_body({"items": [{"applied": o.applied, "reason": o.reason} for o in outcomes]})
