@@ -23,6 +23,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from service.embedded import _die_with_parent, free_port
 from tests.conftest import Servers
+from tests.deploy import prometheus
 
 PGBOUNCER_INSTALL_TIMEOUT_S = 300
 
@@ -183,3 +184,15 @@ def _listening(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+@pytest.fixture(scope="session")
+def prometheus_bin() -> Path:
+    """The directory holding Debian's `prometheus` and `promtool`, fetched into .cache/ on first use."""
+    try:
+        promtool = prometheus.binary("promtool")
+        server = prometheus.binary("prometheus")
+    except prometheus.Unavailable as exc:
+        pytest.fail(f"no Prometheus for the tests: {exc} (or `apt-get install -y prometheus`)")
+    assert promtool.parent == server.parent, f"{promtool} and {server} come from two installs"
+    return server.parent

@@ -17,6 +17,12 @@ DOCKERFILE = REPO / "Dockerfile"
 COMPOSE_FILE = REPO / "docker-compose.yml"
 K8S_DIR = REPO / "deploy" / "k8s"
 ALERTS_FILE = REPO / "deploy" / "prometheus" / "alerts.yml"
+ALERTS_TEST_FILE = REPO / "deploy" / "prometheus" / "alerts_test.yml"
+DASHBOARD_FILE = REPO / "deploy" / "grafana" / "progress-service.json"
+DASHBOARD_SCRIPT = REPO / "deploy" / "grafana" / "dashboard.py"
+RUNBOOK = REPO / "docs" / "runbook.md"
+# every alert's annotations.runbook_url is this plus `#<section slug>` (a fork changes it in one sed)
+RUNBOOK_BASE_URL = "https://github.com/onion/progress-service/blob/main/docs/runbook.md"
 README = REPO / "README.md"
 # the console script and the tools of the `test` extra live next to the interpreter running the tests
 VENV_BIN = Path(sys.executable).parent
@@ -125,3 +131,60 @@ def readme_metrics_table() -> dict[str, MetricInfo] | None:
         if name:
             rows[name.group(1)] = MetricInfo(cells[1], tuple(re.findall(r"`(\w+)`", cells[2])))
     return rows
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    groups = yaml.safe_load(ALERTS_FILE.read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
+
+
+@dataclass
+class PanelQuery:
+    row: str
+    panel: str
+    expr: str
+
+
+# Grafana's built-in variables, as a query for the last few minutes would see them
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h"}
+
+
+def dashboard_queries(rate_interval: str = GRAFANA_VARIABLES["$__rate_interval"]) -> list[PanelQuery]:
+    """Every target of every panel, in order, with Grafana's variables replaced by durations."""
+    dashboard = json.loads(DASHBOARD_FILE.read_text())
+    queries, row = [], ""
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            row = panel["title"]
+            continue
+        for target in panel.get("targets", []):
+            expr = target["expr"].replace("$__rate_interval", rate_interval)
+            for variable, value in GRAFANA_VARIABLES.items():
+                expr = expr.replace(variable, value)
+            queries.append(PanelQuery(row, panel["title"], expr))
+    return queries
+
+
+def served_metric_names(exposition: str) -> set[str]:
+    """Every series name a /metrics text can carry: each family of its TYPE lines (histograms with their
+    _bucket/_sum/_count, summaries with _sum/_count) and each sample's name."""
+    names = set()
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", exposition, re.MULTILINE):
+        names.add(name)
+        if kind == "histogram":
+            names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+        elif kind == "summary":
+            names |= {f"{name}_sum", f"{name}_count"}
+    names |= set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", exposition, re.MULTILINE))
+    return names
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lowercase, punctuation dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def runbook_slugs() -> list[str]:
+    """The anchor of every heading of docs/runbook.md (lines in fenced code blocks are no headings)."""
+    text = re.sub(r"^```.*?^```", "", RUNBOOK.read_text(), flags=re.MULTILINE | re.DOTALL)
+    return [github_slug(title) for title in re.findall(r"^#{1,6} (.+?)\s*$", text, re.MULTILINE)]
