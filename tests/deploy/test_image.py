@@ -21,8 +21,8 @@ from redis.asyncio import Redis
 from service.auth import make_token
 from service.config import Settings
 from service.embedded import free_port
-from tests.conftest import TEST_JWT_SECRET, Servers, auth, seed
 from tests.deploy.files import VENV_BIN, image
+from tests.helpers import TEST_JWT_SECRET, Servers, auth, seed
 
 HEARTBEATS = 30
 IMAGE_VENV = "/opt/venv/bin"

@@ -16,8 +16,7 @@ from service.outbox.outboxes import EMAILS
 from service.outbox.relay import Relay, Route
 from service.trial_emails.batch import reserve_and_enqueue
 from service.trial_emails.queue import QueuedEmail, RedisStreamQueue, StreamPublisher
-from tests.conftest import seed
-from tests.trial_emails.conftest import enqueued, stream_entries
+from tests.helpers import enqueued, seed, stream_entries
 
 
 class DownQueue:
