@@ -140,6 +140,7 @@ async def test_in_jwt_mode_a_user_header_nobody_vouches_for_is_ignored(
     assert await redis.keys("progress:latest_position:*") == ["progress:latest_position:audio:1:7"]
 
 
+@pytest.mark.slow
 def test_a_hundred_thousand_distinct_tokens_stay_bounded_and_verified(settings: Settings) -> None:
     authenticator = Authenticator(settings)
     header = _b64(b'{"alg":"HS256","typ":"JWT"}')

@@ -201,6 +201,7 @@ async def test_bad_tokens_get_401_and_write_nothing(
     assert await all_keys(redis) == []
 
 
+@pytest.mark.slow
 async def test_a_cached_token_is_still_refused_once_expired(
     client: httpx.AsyncClient, redis: Redis
 ) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import asyncpg
 import httpx
+import pytest
 from redis.asyncio import Redis
 
 from service.auth import make_token
@@ -23,6 +24,8 @@ from service.config import Settings
 from service.embedded import free_port
 from tests.deploy.files import VENV_BIN, image
 from tests.helpers import TEST_JWT_SECRET, Servers, auth, seed
+
+pytestmark = pytest.mark.slow  # runs the image's command as a process
 
 HEARTBEATS = 30
 IMAGE_VENV = "/opt/venv/bin"

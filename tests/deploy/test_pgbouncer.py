@@ -20,6 +20,8 @@ from service.progress.flusher import Flusher
 from tests.helpers import PgBouncer, Tls, auth, seed
 from tests.monolith.fixtures import Broker, Executions
 
+pytestmark = pytest.mark.slow  # a real PgBouncer, installed on first use
+
 USERS = CONTENTS = 3
 
 

@@ -16,6 +16,8 @@ from service.trial_emails.queue import BrokerUnavailableError, CeleryEmailQueue
 from tests.helpers import add_trials, post_near_end, running_app, seed
 from tests.monolith.fixtures import Broker, Executions
 
+pytestmark = pytest.mark.slow  # a 10 s broker outage, a real Celery worker
+
 OUTAGE_S = 10.0
 
 

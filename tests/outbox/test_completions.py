@@ -5,12 +5,15 @@ import uuid
 from datetime import datetime
 
 import asyncpg
+import pytest
 from redis.asyncio import Redis
 
 from service.config import Settings
 from service.progress.flusher import Flusher
 from tests.helpers import post_near_end, running_app, seed
 from tests.monolith.fixtures import Executions, kwargs_of
+
+pytestmark = pytest.mark.slow  # a real Celery worker
 
 USERS, LESSONS = 20, 10  # 200 keys, post_near_end's default
 

@@ -3,11 +3,14 @@
 import asyncio
 
 import asyncpg
+import pytest
 
 from service.embedded import free_port
 from tests.helpers import RELAY_LEASE_S as LEASE_S
 from tests.helpers import Servers, limited_broker_user, relay_once, seed
 from tests.monolith.fixtures import Broker, Executions
+
+pytestmark = pytest.mark.slow  # relay processes and a real Celery worker
 
 
 async def add_events(db: asyncpg.Pool, count: int) -> None:

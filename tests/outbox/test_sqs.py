@@ -15,6 +15,8 @@ from service.progress.flusher import Flusher
 from tests.helpers import post_near_end, running_app, seed, with_broker
 from tests.monolith.fixtures import Executions, kwargs_of, start_worker, stop_worker, wait_worker_ready
 
+pytestmark = pytest.mark.slow  # a local SQS server and a real Celery worker
+
 # credentials in the URL (the server takes any); in production they come from the environment
 # (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the pod's role) with a bare sqs:// URL
 TRANSPORT_OPTIONS = {"region": "us-east-1", "polling_interval": 0.2, "wait_time_seconds": 1}

@@ -96,6 +96,7 @@ class SlowQueue:
         await self.inner.publish(email)
 
 
+@pytest.mark.slow
 async def test_a_slow_broker_leaves_the_rest_to_the_relay_before_the_lease_ends_and_nothing_goes_twice(
     settings: Settings, redis: Redis, db: asyncpg.Pool
 ) -> None:

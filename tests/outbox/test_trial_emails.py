@@ -7,6 +7,7 @@ import sys
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
+import pytest
 
 from service.config import Settings
 from service.embedded import free_port
@@ -17,6 +18,8 @@ from service.trial_emails.queue import CeleryEmailQueue
 from tests.helpers import RELAY_LEASE_S as LEASE_S
 from tests.helpers import Servers, add_trials, limited_broker_user, relay_env, relay_once, running_app
 from tests.monolith.fixtures import Broker, Executions, kwargs_of
+
+pytestmark = pytest.mark.slow  # relay processes and a real Celery worker
 
 NOW = datetime.now(UTC)
 SEND_EMAIL = "apps.emails.tasks.send_email"

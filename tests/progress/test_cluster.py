@@ -41,6 +41,8 @@ from tests.helpers import (
     write,
 )
 
+pytestmark = pytest.mark.slow  # a 6-node Valkey Cluster, a failover, flusher processes
+
 LESSON_PATH = "/engagements/progress/lesson"
 
 

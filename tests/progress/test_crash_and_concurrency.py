@@ -9,6 +9,7 @@ import sys
 import time
 
 import asyncpg
+import pytest
 from redis.asyncio import Redis
 
 from tests.helpers import FLUSH_LEASE_S as LEASE_S
@@ -23,6 +24,8 @@ from tests.helpers import (
     seed,
     write,
 )
+
+pytestmark = pytest.mark.slow  # flusher processes killed and raced
 
 
 async def test_sigkill_after_claim_loses_nothing(servers: Servers, redis: Redis, db: asyncpg.Pool) -> None:
