@@ -7,7 +7,6 @@ Redis database and empty tables.
 
 import os
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
@@ -17,11 +16,9 @@ from redis.asyncio import Redis
 
 from service import embedded
 from service.api.ingest import ProgressIngest
-from service.app import create_app
 from service.auth import make_token
 from service.config import Settings
-
-TEST_JWT_SECRET = "test-secret-0123456789abcdef-0123456789"
+from tests.helpers import TEST_JWT_SECRET, RunningApp, Servers, running_app
 
 # every table the tests write; TRUNCATE ... CASCADE keeps the order irrelevant
 _TABLES = (
@@ -29,14 +26,6 @@ _TABLES = (
     "engagements_lessonprogress", "audios_audioprogress", "audios_meditationprogress", "lives_liveprogress",
     "progress_completion_event", "trials_usertrial", "emails_emaildispatch", "trial_email_outbox",
 )  # fmt: skip
-
-
-@dataclass
-class Servers:
-    redis_url: str
-    database_url: str
-    redis: embedded.EmbeddedRedis | None
-    postgres: embedded.EmbeddedPostgres | None
 
 
 @pytest.fixture(scope="session")
@@ -115,37 +104,21 @@ def token(settings: Settings) -> str:
     return make_token(settings, 7)
 
 
-def auth(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
+@pytest.fixture
+async def served(settings: Settings, redis: Redis) -> AsyncIterator[RunningApp]:
+    """The app with its lifespan running, as uvicorn would run it, and a client of it."""
+    async with running_app(settings) as served:
+        yield served
 
 
 @pytest.fixture
-async def app(settings: Settings, redis: Redis) -> AsyncIterator[ProgressIngest]:
-    """The app with its lifespan running, as uvicorn would run it."""
-    app = create_app(settings)
-    async with app.app.router.lifespan_context(app.app):
-        yield app
+def app(served: RunningApp) -> ProgressIngest:
+    return served.app
 
 
 @pytest.fixture
-async def client(app: ProgressIngest) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
-        yield client
-
-
-async def seed(
-    db: asyncpg.Pool, *, users: int = 3, contents: int = 3, duration_s: int = 600
-) -> None:
-    """Users 1..users and content 1..contents of every kind, each `duration_s` long."""
-    await db.execute(
-        "INSERT INTO users_user (id, email) SELECT i, 'user' || i || '@example.com' FROM generate_series(1, $1) i",
-        users,
-    )
-    for table in ("courses_lesson", "audios_audio", "audios_meditation", "lives_live"):
-        await db.execute(
-            f"INSERT INTO {table} (id, title, duration) SELECT i, 'content ' || i, $2 FROM generate_series(1, $1) i",
-            contents, duration_s,
-        )  # fmt: skip
+def client(served: RunningApp) -> httpx.AsyncClient:
+    return served.client
 
 
 # the monolith stand-in (broker, real Celery worker), started only by the tests that ask for it

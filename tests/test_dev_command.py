@@ -9,8 +9,11 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from service.embedded import free_port
+
+pytestmark = pytest.mark.slow  # starts `progress-service dev` with its own servers
 
 
 def _start_dev(data_dir: Path, ports: tuple[int, int, int], **extra: str) -> tuple[subprocess.Popen[str], str]:

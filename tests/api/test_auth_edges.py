@@ -18,7 +18,7 @@ from service.api.ingest import ProgressIngest
 from service.app import create_app
 from service.auth import _VERIFIED_GENERATION_SIZE, Authenticator, AuthError
 from service.config import ConfigError, Settings
-from tests.conftest import TEST_JWT_SECRET, auth
+from tests.helpers import TEST_JWT_SECRET, auth, running_app
 
 _FUTURE = int(time.time()) + 3600
 _RSA = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -47,7 +47,6 @@ async def test_mixed_algorithm_tokens_are_401_with_no_error_logged(
 ) -> None:
     rsa_only = settings.model_copy(update={"jwt_secret": "", "jwt_public_key": _RSA_PUBLIC_PEM,
                                            "jwt_algorithms": "RS256"})  # fmt: skip
-    app = create_app(rsa_only)
     # configurations start-up now refuses, as a deployment before this check could have them
     mixed = [
         (rsa_only.model_copy(update={"jwt_algorithms": "RS256,ES256"}),
@@ -55,13 +54,12 @@ async def test_mixed_algorithm_tokens_are_401_with_no_error_logged(
         (rsa_only.model_copy(update={"jwt_algorithms": "HS256,RS256"}),
          jwt.encode({"user_id": 5, "exp": _FUTURE}, TEST_JWT_SECRET, algorithm="HS256")),
     ]  # fmt: skip
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            with caplog.at_level(logging.INFO):
-                for config, token in mixed:
-                    app.authenticator = Authenticator(config)
-                    response = await post(client, auth(token))
-                    assert response.status_code == 401, response.text
+    async with running_app(rsa_only) as (app, client):
+        with caplog.at_level(logging.INFO):
+            for config, token in mixed:
+                app.authenticator = Authenticator(config)
+                response = await post(client, auth(token))
+                assert response.status_code == 401, response.text
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert await redis.keys("*") == []
 
@@ -105,14 +103,12 @@ async def test_hostile_tokens_are_401_and_write_nothing(
 async def test_hs256_signed_with_the_rsa_public_key_is_401(settings: Settings, redis: Redis) -> None:
     rsa_only = settings.model_copy(update={"jwt_secret": "", "jwt_public_key": _RSA_PUBLIC_PEM,
                                            "jwt_algorithms": "RS256"})  # fmt: skip
-    app = create_app(rsa_only)
     forged = hand_made({"alg": "HS256", "typ": "JWT"}, {"user_id": 7, "exp": _FUTURE}, _RSA_PUBLIC_PEM.encode())
     genuine = jwt.encode({"user_id": 7, "exp": _FUTURE}, _RSA, algorithm="RS256")
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            assert (await post(client, auth(forged))).status_code == 401
-            assert await redis.keys("*") == []
-            assert (await post(client, auth(genuine))).status_code == 201
+    async with running_app(rsa_only) as (_, client):
+        assert (await post(client, auth(forged))).status_code == 401
+        assert await redis.keys("*") == []
+        assert (await post(client, auth(genuine))).status_code == 201
 
 
 async def test_doubled_authorization_is_401(client: httpx.AsyncClient, redis: Redis, token: str) -> None:
@@ -123,19 +119,17 @@ async def test_doubled_authorization_is_401(client: httpx.AsyncClient, redis: Re
 
 
 async def test_gateway_header_must_be_canonical_and_single(settings: Settings, redis: Redis) -> None:
-    app: ProgressIngest = create_app(settings.model_copy(update={"auth_mode": "gateway"}))
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            for value in (b"+9", b" 8 ", b"1_0", "٣".encode(), b"007", b"9223372036854775808", b"0", b"1e3"):
-                assert (await post(client, [(b"X-User-Id", value)])).status_code == 401, value
-            doubled = await post(client, [("X-User-Id", "5"), ("X-User-Id", "6")])
-            assert doubled.status_code == 401
-            assert await redis.keys("*") == []
-            assert (await post(client, [("X-User-Id", "9223372036854775807")])).status_code == 201
-            # a gateway that authenticates may forward the app's Authorization too: only its header counts
-            forwarded = await post(client, [("X-User-Id", "5"), ("Authorization", "Bearer whatever")])
-            assert forwarded.status_code == 201
-            assert await redis.exists("progress:latest_position:audio:1:5") == 1
+    async with running_app(settings.model_copy(update={"auth_mode": "gateway"})) as (_, client):
+        for value in (b"+9", b" 8 ", b"1_0", "٣".encode(), b"007", b"9223372036854775808", b"0", b"1e3"):
+            assert (await post(client, [(b"X-User-Id", value)])).status_code == 401, value
+        doubled = await post(client, [("X-User-Id", "5"), ("X-User-Id", "6")])
+        assert doubled.status_code == 401
+        assert await redis.keys("*") == []
+        assert (await post(client, [("X-User-Id", "9223372036854775807")])).status_code == 201
+        # a gateway that authenticates may forward the app's Authorization too: only its header counts
+        forwarded = await post(client, [("X-User-Id", "5"), ("Authorization", "Bearer whatever")])
+        assert forwarded.status_code == 201
+        assert await redis.exists("progress:latest_position:audio:1:5") == 1
 
 
 async def test_in_jwt_mode_a_user_header_nobody_vouches_for_is_ignored(
@@ -146,6 +140,7 @@ async def test_in_jwt_mode_a_user_header_nobody_vouches_for_is_ignored(
     assert await redis.keys("progress:latest_position:*") == ["progress:latest_position:audio:1:7"]
 
 
+@pytest.mark.slow
 def test_a_hundred_thousand_distinct_tokens_stay_bounded_and_verified(settings: Settings) -> None:
     authenticator = Authenticator(settings)
     header = _b64(b'{"alg":"HS256","typ":"JWT"}')

@@ -2,33 +2,21 @@
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
 import asyncpg
-import httpx
 import pytest
 from redis.asyncio import Redis
 
 from service import metrics
 from service.api import catalog as catalog_module
 from service.api.catalog import ContentCatalog, LookupsSaturated
-from service.api.ingest import ProgressIngest
 from service.api.ratelimit import RateLimiter
-from service.app import create_app
 from service.config import Settings
 from service.progress.content import KIND_BY_PATH
 from service.progress.known_content import load_ids
-from tests.conftest import auth, seed
+from tests.helpers import auth, running_app, seed
 
 LESSON = KIND_BY_PATH["/engagements/progress/lesson"]
-
-
-@contextlib.asynccontextmanager
-async def running(settings: Settings) -> AsyncIterator[tuple[ProgressIngest, httpx.AsyncClient]]:
-    app = create_app(settings)
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            yield app, client
 
 
 @pytest.fixture
@@ -44,7 +32,7 @@ async def test_unknown_content_is_404_and_writes_nothing(
     door: Settings, db: asyncpg.Pool, redis: Redis, token: str
 ) -> None:
     await seed(db, users=7, contents=3)
-    async with running(door) as (_, client):
+    async with running_app(door) as (_, client):
         for path, field in (("/engagements/progress/lesson", "lesson_id"), ("/audios/progress", "audio_id"),
                             ("/meditations/progress", "meditation_id"), ("/lives/progress", "live_id")):  # fmt: skip
             response = await client.post(path, json={field: 4, "position": 1}, headers=auth(token))
@@ -59,7 +47,7 @@ async def test_content_published_a_moment_ago_is_accepted_at_once(
     door: Settings, db: asyncpg.Pool, redis: Redis, token: str
 ) -> None:
     await seed(db, users=7, contents=1)
-    async with running(door) as (app, client):
+    async with running_app(door) as (app, client):
         assert app.catalog is not None and app.catalog.is_known(LESSON, 1) is True  # in memory: no await
         await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (50, 'new', 600)")
         response = await client.post("/engagements/progress/lesson", json={"lesson_id": 50, "position": 3},
@@ -80,7 +68,7 @@ async def test_concurrent_requests_for_one_unseen_id_share_one_query(
         return await real_exists(pool, kind, content_id, timeout_s=timeout_s)  # type: ignore[arg-type]
 
     monkeypatch.setattr(catalog_module, "exists", counted)
-    async with running(door.model_copy(update={"rate_limit_per_user_per_second": 0})) as (_, client):
+    async with running_app(door.model_copy(update={"rate_limit_per_user_per_second": 0})) as (_, client):
         answers = await asyncio.gather(*(
             client.post("/engagements/progress/lesson", json={"lesson_id": 999, "position": 1}, headers=auth(token))
             for _ in range(20)
@@ -133,7 +121,7 @@ async def test_postgres_down_an_unseen_id_is_accepted_and_counted(
     proxy = _Proxy(dsn_port)
     port = await proxy.start()
     through_proxy = door.database_url.replace(f":{dsn_port}/", f":{port}/")
-    async with running(door.model_copy(update={"database_url": through_proxy})) as (_, client):
+    async with running_app(door.model_copy(update={"database_url": through_proxy})) as (_, client):
         await proxy.cut()
         before = unverified("audio")
         unseen = await client.post("/audios/progress", json={"audio_id": 77, "position": 1}, headers=auth(token))
@@ -189,7 +177,7 @@ async def test_a_flood_from_one_user_gets_429_and_no_writes_beyond_the_limit(
 ) -> None:
     await seed(db, users=7, contents=50)
     flood = door.model_copy(update={"rate_limit_per_user_per_second": 0.01, "rate_limit_burst": 10})
-    async with running(flood) as (_, client):
+    async with running_app(flood) as (_, client):
         answers = [
             await client.post("/lives/progress", json={"live_id": i, "position": 1}, headers=auth(token))
             for i in range(1, 51)
@@ -204,7 +192,7 @@ async def test_a_flood_from_one_user_gets_429_and_no_writes_beyond_the_limit(
 
 async def test_a_refresh_replaces_the_snapshot(door: Settings, db: asyncpg.Pool, redis: Redis) -> None:
     await seed(db, users=1, contents=2)
-    async with running(door) as (app, _):
+    async with running_app(door) as (app, _):
         assert app.catalog is not None
         await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (70, 'new', 600)")
         await db.execute("DELETE FROM courses_lesson WHERE id = 2")
@@ -248,7 +236,7 @@ async def test_the_sync_and_the_reads_pass_the_same_door(
         return {"items": [{"content_type": "lesson", "content_id": c, "position": 5.0, "listened_at": listened_at}
                           for c in range(first, first + count)]}  # fmt: skip
 
-    async with running(settings) as (_, client):
+    async with running_app(settings) as (_, client):
         first = await client.post("/progress/sync", json=items(1, 500), headers=auth(token))
         assert first.status_code == 200 and len(first.json()["items"]) == 500
         # 500 of the 600 items are spent: a second full request is refused for its items, writing nothing

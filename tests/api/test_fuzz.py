@@ -37,7 +37,9 @@ from service.config import Settings
 from service.embedded import free_port
 from service.progress.content import CONTENT_KINDS, KIND_BY_PATH
 from service.progress.keys import latest_position_key, pending_flush_key, pending_member
-from tests.conftest import TEST_JWT_SECRET, Servers
+from tests.helpers import TEST_JWT_SECRET, Servers
+
+pytestmark = pytest.mark.slow  # schemathesis against a live server
 
 OPENAPI_FILE = Path(__file__).resolve().parents[2] / "openapi.yaml"
 USER_ID = 7

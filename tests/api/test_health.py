@@ -6,9 +6,8 @@ import httpx
 from redis.asyncio import Redis
 
 from service import embedded
-from service.app import create_app
 from service.config import Settings
-from tests.conftest import auth
+from tests.helpers import auth, running_app
 
 
 async def test_live_is_always_ok(client: httpx.AsyncClient) -> None:
@@ -21,21 +20,20 @@ async def test_readiness_follows_redis_down_and_back(settings: Settings, tmp_pat
     server = embedded.EmbeddedRedis(tmp_path / "valkey", None)
     server.start()
     try:
-        app = create_app(settings.model_copy(update={"redis_url": server.url, "database_url": ""}))
-        async with app.app.router.lifespan_context(app.app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-                assert (await client.get("/health/ready")).status_code == 200
+        api_only = settings.model_copy(update={"redis_url": server.url, "database_url": ""})
+        async with running_app(api_only) as (_, client):
+            assert (await client.get("/health/ready")).status_code == 200
 
-                server.stop()
-                down = await client.get("/health/ready")
-                assert down.status_code == 503
-                assert down.json()["status"] == "unavailable"
-                assert down.json()["checks"]["redis"].startswith("unreachable")
+            server.stop()
+            down = await client.get("/health/ready")
+            assert down.status_code == 503
+            assert down.json()["status"] == "unavailable"
+            assert down.json()["checks"]["redis"].startswith("unreachable")
 
-                server.start()  # same port, same data dir
-                back = await client.get("/health/ready")
-                assert back.status_code == 200
-                assert back.json() == {"status": "ready", "mode": "normal", "checks": {"redis": "ok"}}
+            server.start()  # same port, same data dir
+            back = await client.get("/health/ready")
+            assert back.status_code == 200
+            assert back.json() == {"status": "ready", "mode": "normal", "checks": {"redis": "ok"}}
     finally:
         server.stop()
 
@@ -47,8 +45,7 @@ async def test_lifespan_opens_and_closes_the_redis_client(settings: Settings, re
         return sum(1 for c in await redis.client_list() if c.get("name") == name)
 
     assert await named_clients() == 0
-    app = create_app(settings)
-    async with app.app.router.lifespan_context(app.app):
+    async with running_app(settings) as (app, _):
         assert app.sink is not None
         await app.app.state.redis.ping()
         assert await named_clients() >= 1

@@ -13,18 +13,15 @@ from redis.asyncio import Redis
 
 from service.api import http_limits
 from service.api.http_limits import LimitedHttpToolsProtocol
-from service.api.ingest import ProgressIngest
-from service.app import create_app
 from service.config import Settings
-from tests.conftest import seed
+from tests.helpers import running_app, seed
 
 BODY_DEADLINE_S = 0.5
 
 
 @pytest.fixture
 async def server(settings: Settings, redis: Redis) -> AsyncIterator[int]:
-    app: ProgressIngest = create_app(settings.model_copy(update={"body_read_timeout_seconds": BODY_DEADLINE_S}))
-    async with app.app.router.lifespan_context(app.app):
+    async with running_app(settings.model_copy(update={"body_read_timeout_seconds": BODY_DEADLINE_S})) as (app, _):
         config = uvicorn.Config(app, host="127.0.0.1", port=0, http=LimitedHttpToolsProtocol, lifespan="off",
                                 log_config=None, access_log=False)  # fmt: skip
         server = uvicorn.Server(config)

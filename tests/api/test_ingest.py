@@ -14,7 +14,7 @@ from service.api.ingest import ProgressIngest
 from service.app import create_app
 from service.config import ConfigError, Settings
 from service.progress.buffer import decode_value
-from tests.conftest import TEST_JWT_SECRET, auth
+from tests.helpers import TEST_JWT_SECRET, auth, running_app
 
 ROUTES = [
     ("/engagements/progress/lesson", "lesson_id", "lesson"),
@@ -201,6 +201,7 @@ async def test_bad_tokens_get_401_and_write_nothing(
     assert await all_keys(redis) == []
 
 
+@pytest.mark.slow
 async def test_a_cached_token_is_still_refused_once_expired(
     client: httpx.AsyncClient, redis: Redis
 ) -> None:
@@ -223,14 +224,12 @@ async def test_other_methods_on_progress_routes_are_405(client: httpx.AsyncClien
 
 async def test_gateway_mode_trusts_the_configured_header(settings: Settings, redis: Redis) -> None:
     gateway = settings.model_copy(update={"auth_mode": "gateway", "jwt_secret": ""})
-    app = create_app(gateway)
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            ok = await client.post("/audios/progress", json={"audio_id": 4, "position": 2},
-                                   headers={"X-User-Id": "31"})  # fmt: skip
-            missing = await client.post("/audios/progress", json={"audio_id": 4, "position": 2})
-            bad = await client.post("/audios/progress", json={"audio_id": 4, "position": 2},
-                                    headers={"X-User-Id": "abc"})  # fmt: skip
+    async with running_app(gateway) as (_, client):
+        ok = await client.post("/audios/progress", json={"audio_id": 4, "position": 2},
+                               headers={"X-User-Id": "31"})  # fmt: skip
+        missing = await client.post("/audios/progress", json={"audio_id": 4, "position": 2})
+        bad = await client.post("/audios/progress", json={"audio_id": 4, "position": 2},
+                                headers={"X-User-Id": "abc"})  # fmt: skip
     assert (ok.status_code, missing.status_code, bad.status_code) == (201, 401, 401)
     assert await redis.smembers("progress:pending_flush:audio") == {"4:31"}
 
@@ -242,17 +241,15 @@ async def test_es256_public_key_verification(settings: Settings, redis: Redis) -
     ).decode()
     asymmetric = settings.model_copy(update={"jwt_secret": "", "jwt_public_key": public_pem,
                                              "jwt_algorithms": "ES256", "jwt_audience": "progress"})  # fmt: skip
-    app = create_app(asymmetric)
     good = jwt.encode({"user_id": 12, "exp": _FUTURE, "aud": "progress"}, private, algorithm="ES256")
     wrong_aud = jwt.encode({"user_id": 12, "exp": _FUTURE, "aud": "other"}, private, algorithm="ES256")
     other_key = jwt.encode({"user_id": 12, "exp": _FUTURE, "aud": "progress"}, ec.generate_private_key(ec.SECP256R1()),
                            algorithm="ES256")  # fmt: skip
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            statuses = [
-                (await client.post("/audios/progress", json={"audio_id": 1, "position": 1}, headers=auth(t)))
-                .status_code for t in (good, wrong_aud, other_key)
-            ]  # fmt: skip
+    async with running_app(asymmetric) as (_, client):
+        statuses = [
+            (await client.post("/audios/progress", json={"audio_id": 1, "position": 1}, headers=auth(t)))
+            .status_code for t in (good, wrong_aud, other_key)
+        ]  # fmt: skip
     assert statuses == [201, 401, 401]
     assert await redis.smembers("progress:pending_flush:audio") == {"1:12"}
 

@@ -9,13 +9,12 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service.app import create_app
 from service.auth import make_token
 from service.config import Settings
 from service.progress.buffer import decode_value
 from service.progress.flusher import Flusher
 from service.progress.reads import from_ms
-from tests.conftest import auth, seed
+from tests.helpers import auth, running_app, seed
 
 
 async def heartbeat(client: httpx.AsyncClient, token: str, lesson_id: int, position: float) -> None:
@@ -180,12 +179,10 @@ async def test_reads_need_a_token_and_get(client: httpx.AsyncClient, redis: Redi
 
 
 async def test_without_a_database_reads_answer_503(settings: Settings, redis: Redis, token: str) -> None:
-    app = create_app(settings.model_copy(update={"database_url": ""}))
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            response = await client.get("/progress/lesson/1", headers=auth(token))
-            assert response.status_code == 503
-            assert "DATABASE_URL" in response.json()["detail"]
+    async with running_app(settings.model_copy(update={"database_url": ""})) as (_, client):
+        response = await client.get("/progress/lesson/1", headers=auth(token))
+        assert response.status_code == 503
+        assert "DATABASE_URL" in response.json()["detail"]
 
 
 async def test_a_store_that_fails_is_503_not_500(
@@ -204,16 +201,15 @@ async def test_an_unreachable_redis_is_503_for_reads_and_sync(settings: Settings
     from service.embedded import free_port
 
     await seed(db, users=7)
-    app = create_app(settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"}))
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            assert (await client.get("/progress/lesson/1", headers=auth(token))).status_code == 503
-            assert (await client.get("/progress/lesson?ids=1,2", headers=auth(token))).status_code == 503
-            listened_at = (datetime.now(UTC) - timedelta(minutes=1)).isoformat()
-            body = {"items": [{"content_type": "lesson", "content_id": 1, "position": 3.0, "listened_at": listened_at}]}
-            response = await client.post("/progress/sync", json=body, headers=auth(token))
-            assert response.status_code == 503, response.text
-            assert "retry later" in response.json()["detail"]
+    unreachable = settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"})
+    async with running_app(unreachable) as (_, client):
+        assert (await client.get("/progress/lesson/1", headers=auth(token))).status_code == 503
+        assert (await client.get("/progress/lesson?ids=1,2", headers=auth(token))).status_code == 503
+        listened_at = (datetime.now(UTC) - timedelta(minutes=1)).isoformat()
+        body = {"items": [{"content_type": "lesson", "content_id": 1, "position": 3.0, "listened_at": listened_at}]}
+        response = await client.post("/progress/sync", json=body, headers=auth(token))
+        assert response.status_code == 503, response.text
+        assert "retry later" in response.json()["detail"]
 
 
 async def test_a_value_nobody_could_read_spoils_no_other_read_of_its_turn(

@@ -14,7 +14,7 @@ from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.flusher import Flusher
 from service.progress.reads import as_ms
 from service.progress.sync import OLDER_THAN_STORED, SUPERSEDED, UNKNOWN_CONTENT
-from tests.conftest import auth, seed
+from tests.helpers import auth, seed
 
 VALUE = "progress:latest_position:{}:{}:7"
 

@@ -11,7 +11,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -22,18 +21,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from service.embedded import _die_with_parent, free_port
-from tests.conftest import Servers
 from tests.deploy import prometheus
+from tests.helpers import PgBouncer, Servers, Tls
 
 PGBOUNCER_INSTALL_TIMEOUT_S = 300
-
-
-@dataclass
-class Tls:
-    ca: Path
-    cert: Path
-    key: Path
-
 
 @pytest.fixture(scope="session")
 def shared_dir() -> Iterator[Path]:
@@ -117,16 +108,6 @@ def _unprivileged() -> tuple[int, int] | None:
         return None
     nobody = pwd.getpwnam("nobody")
     return nobody.pw_uid, nobody.pw_gid
-
-
-@dataclass
-class PgBouncer:
-    port: int
-    database: str
-
-    def url(self, **params: str) -> str:
-        query = "&".join(f"{key}={value}" for key, value in params.items())
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}" + (f"?{query}" if query else "")
 
 
 @pytest.fixture(scope="session")

@@ -16,13 +16,16 @@ from pathlib import Path
 
 import asyncpg
 import httpx
+import pytest
 from redis.asyncio import Redis
 
 from service.auth import make_token
 from service.config import Settings
 from service.embedded import free_port
-from tests.conftest import TEST_JWT_SECRET, Servers, auth, seed
 from tests.deploy.files import VENV_BIN, image
+from tests.helpers import TEST_JWT_SECRET, Servers, auth, seed
+
+pytestmark = pytest.mark.slow  # runs the image's command as a process
 
 HEARTBEATS = 30
 IMAGE_VENV = "/opt/venv/bin"

@@ -16,8 +16,8 @@ from redis.asyncio import Redis
 from service.config import Settings
 from service.embedded import free_port
 from service.logs import JsonFormatter, RequestIdMiddleware
-from tests.conftest import Servers, auth, seed
 from tests.deploy.files import VENV_BIN
+from tests.helpers import Servers, auth, seed
 
 DOCUMENTED_FIELDS = {"time", "level", "message", "logger"}
 

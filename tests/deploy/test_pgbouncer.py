@@ -17,9 +17,10 @@ from service.outbox.outboxes import COMPLETIONS
 from service.outbox.relay import Relay, Route
 from service.progress.content import CONTENT_KINDS
 from service.progress.flusher import Flusher
-from tests.conftest import auth, seed
-from tests.deploy.conftest import PgBouncer, Tls
+from tests.helpers import PgBouncer, Tls, auth, seed
 from tests.monolith.fixtures import Broker, Executions
+
+pytestmark = pytest.mark.slow  # a real PgBouncer, installed on first use
 
 USERS = CONTENTS = 3
 

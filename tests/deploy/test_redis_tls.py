@@ -10,17 +10,14 @@ import ssl
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-import httpx
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from service.app import create_app
 from service.auth import make_token
 from service.clients import connect_redis
 from service.config import Settings
-from tests.conftest import Servers, auth
-from tests.deploy.conftest import Tls
+from tests.helpers import Servers, Tls, auth, running_app
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -57,13 +54,11 @@ async def test_service_stores_heartbeats_through_rediss_url(
     database = urlsplit(servers.redis_url).path
     async with tls_terminator(tls, servers.redis_url) as port:
         over_tls = settings.model_copy(update={"redis_url": f"rediss://127.0.0.1:{port}{database}?ssl_ca_certs={tls.ca}"})
-        app = create_app(over_tls)
-        async with app.app.router.lifespan_context(app.app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-                assert (await client.get("/health/ready")).status_code == 200
-                response = await client.post("/audios/progress", json={"audio_id": 4, "position": 12.5},
-                                             headers=auth(make_token(over_tls, 5)))  # fmt: skip
-                assert response.status_code == 201
+        async with running_app(over_tls) as (_, client):
+            assert (await client.get("/health/ready")).status_code == 200
+            response = await client.post("/audios/progress", json={"audio_id": 4, "position": 12.5},
+                                         headers=auth(make_token(over_tls, 5)))  # fmt: skip
+            assert response.status_code == 201
     assert await redis.exists("progress:latest_position:audio:4:5")
 
 

@@ -6,6 +6,8 @@ import pytest
 
 from tests.faults.suite import SCENARIOS, SHORT, run_scenario
 
+pytestmark = pytest.mark.slow  # each scenario runs the service under load for ~10 s
+
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_every_acknowledged_heartbeat_survives(scenario: str, tmp_path: Path) -> None:

@@ -3,17 +3,8 @@
 import pytest
 
 from service.config import Settings
+from tests.helpers import with_broker
 from tests.monolith.fixtures import Broker
-
-LEASE_S = 3.0
-
-
-def with_broker(settings: Settings, broker_url: str, **update: object) -> Settings:
-    return settings.model_copy(update={
-        "celery_broker_url": broker_url, "relay_enabled": True, "email_publisher": "celery",
-        "relay_poll_interval_seconds": 0.5, "relay_lease_seconds": LEASE_S, "celery_publish_timeout_seconds": 2.0,
-        "relay_max_backoff_seconds": 1.0, **update,
-    })  # fmt: skip
 
 
 @pytest.fixture

@@ -5,20 +5,18 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
-import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service.app import create_app
 from service.config import Settings
 from service.outbox.celery_publisher import publisher_from_settings
 from service.progress.flusher import Flusher
 from service.trial_emails.batch import send_trial_journey_emails_batch
 from service.trial_emails.queue import BrokerUnavailableError, CeleryEmailQueue
-from tests.conftest import seed
+from tests.helpers import add_trials, post_near_end, running_app, seed
 from tests.monolith.fixtures import Broker, Executions
-from tests.outbox.test_completions import post_near_end
-from tests.trial_emails.conftest import add_trials
+
+pytestmark = pytest.mark.slow  # a 10 s broker outage, a real Celery worker
 
 OUTAGE_S = 10.0
 
@@ -33,23 +31,21 @@ async def test_a_broker_outage_delays_delivery_and_loses_or_repeats_nothing(
     flusher = Flusher(redis=redis, pool=db, settings=relay_settings)
     publisher = publisher_from_settings(relay_settings)
     emails = CeleryEmailQueue(publisher, relay_settings)
-    app = create_app(relay_settings)
     try:
-        async with app.app.router.lifespan_context(app.app):
-            await post_near_end(app, relay_settings, users=5, lessons=2)
+        async with running_app(relay_settings) as (_, client):
+            await post_near_end(client, relay_settings, users=5, lessons=2)
             await flusher.flush_cycle()
             await executions.wait_for(10, settle_s=0)
 
             broker.stop()
             stopped_at = time.monotonic()
             try:
-                await post_near_end(app, relay_settings, users=10, lessons=4)  # 30 new completions
+                await post_near_end(client, relay_settings, users=10, lessons=4)  # 30 new completions
                 await flusher.flush_cycle()
                 with pytest.raises(BrokerUnavailableError):
                     await send_trial_journey_emails_batch(trial_ids[:20], pool=db, queue=emails,
                                                           settings=relay_settings)  # fmt: skip
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-                    assert (await client.get("/health/ready")).status_code == 200  # heartbeats are still safe
+                assert (await client.get("/health/ready")).status_code == 200  # heartbeats are still safe
                 await asyncio.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped_at)))
                 owed = await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL")
                 assert owed == 30  # waiting, not dropped

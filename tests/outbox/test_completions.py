@@ -5,36 +5,25 @@ import uuid
 from datetime import datetime
 
 import asyncpg
-import httpx
+import pytest
 from redis.asyncio import Redis
 
-from service.app import create_app
-from service.auth import make_token
 from service.config import Settings
 from service.progress.flusher import Flusher
-from tests.conftest import auth, seed
+from tests.helpers import post_near_end, running_app, seed
 from tests.monolith.fixtures import Executions, kwargs_of
 
-USERS, LESSONS = 20, 10  # 200 keys
+pytestmark = pytest.mark.slow  # a real Celery worker
 
-
-async def post_near_end(app: object, settings: Settings, users: int = USERS, lessons: int = LESSONS) -> None:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:  # type: ignore[arg-type]
-        for user_id in range(1, users + 1):
-            headers = auth(make_token(settings, user_id))
-            for lesson_id in range(1, lessons + 1):
-                response = await client.post("/engagements/progress/lesson", headers=headers,
-                                             json={"lesson_id": lesson_id, "position": 595})  # fmt: skip
-                assert response.status_code == 201
+USERS, LESSONS = 20, 10  # 200 keys, post_near_end's default
 
 
 async def test_200_completions_in_one_flush_run_advance_user_journey_once_each_with_the_contract_kwargs(
     relay_settings: Settings, redis: Redis, db: asyncpg.Pool, executions: Executions
 ) -> None:
     await seed(db, users=USERS, contents=LESSONS, duration_s=600)
-    app = create_app(relay_settings)
-    async with app.app.router.lifespan_context(app.app):
-        await post_near_end(app, relay_settings)
+    async with running_app(relay_settings) as (_, client):
+        await post_near_end(client, relay_settings)
         result = await Flusher(redis=redis, pool=db, settings=relay_settings).flush_cycle()
         assert result.failed_batches == 0
         assert await db.fetchval("SELECT count(*) FROM progress_completion_event") == 200
@@ -63,10 +52,9 @@ async def test_the_flush_notifies_the_relay_so_it_does_not_wait_for_a_poll(
 ) -> None:
     await seed(db, users=2, contents=2, duration_s=600)
     # a poll every minute: only the NOTIFY of the flush statement can bring the event out in time
-    app = create_app(relay_settings.model_copy(update={"relay_poll_interval_seconds": 60}))
-    async with app.app.router.lifespan_context(app.app):
+    async with running_app(relay_settings.model_copy(update={"relay_poll_interval_seconds": 60})) as (_, client):
         await asyncio.sleep(0.5)  # the relay's first pass (at start) is done and it waits
-        await post_near_end(app, relay_settings, users=1, lessons=1)
+        await post_near_end(client, relay_settings, users=1, lessons=1)
         await Flusher(redis=redis, pool=db, settings=relay_settings).flush_cycle()
         rows = await executions.wait_for(1, timeout_s=5)
     assert [kwargs_of(row)["user_id"] for row in rows] == [1]
@@ -80,10 +68,9 @@ async def test_completions_of_the_final_flush_on_shutdown_go_out_before_the_pod_
     # relay's loop has stopped; the relay's final pass must still publish it
     settings = relay_settings.model_copy(update={"progress_flusher_enabled": True,
                                                  "progress_flush_interval_seconds": 60})  # fmt: skip
-    app = create_app(settings)
-    async with app.app.router.lifespan_context(app.app):
+    async with running_app(settings) as (_, client):
         await asyncio.sleep(0.3)  # the flusher's first cycle (at start) has run
-        await post_near_end(app, settings, users=1, lessons=1)
+        await post_near_end(client, settings, users=1, lessons=1)
     assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
     rows = await executions.wait_for(1, timeout_s=10)
     assert [kwargs_of(row)["user_id"] for row in rows] == [1]

@@ -1,40 +1,16 @@
 """The relay as its own process (`relay --once`): killed at named points, and three of them racing."""
 
 import asyncio
-import json
-import os
-import sys
-from typing import Any
 
 import asyncpg
-from redis.asyncio import Redis
+import pytest
 
 from service.embedded import free_port
-from tests.conftest import Servers, seed
+from tests.helpers import RELAY_LEASE_S as LEASE_S
+from tests.helpers import Servers, limited_broker_user, relay_once, seed
 from tests.monolith.fixtures import Broker, Executions
-from tests.outbox.conftest import LEASE_S
 
-
-def relay_env(servers: Servers, broker: Broker, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROGRESS_", "REDIS_", "DATABASE_", "RELAY_"))}
-    env.update(REDIS_URL=servers.redis_url, DATABASE_URL=servers.database_url, CELERY_BROKER_URL=broker.url,
-               LOG_LEVEL="WARNING", RELAY_LEASE_SECONDS=str(LEASE_S), CELERY_PUBLISH_TIMEOUT_SECONDS="2",
-               RELAY_BATCH_SIZE="50")  # fmt: skip
-    env.update(extra)
-    return env
-
-
-async def relay_once(servers: Servers, broker: Broker, **extra: str) -> tuple[int, dict[str, Any] | None]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "service", "relay", "--once", env=relay_env(servers, broker, **extra),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
-    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
-    assert process.returncode is not None
-    summary = json.loads(stdout.decode().splitlines()[-1]) if stdout.strip() else None
-    if process.returncode not in (0, 1, -9):
-        raise AssertionError(f"relay exited {process.returncode}: {stderr.decode()[-2000:]}")
-    return process.returncode, summary
+pytestmark = pytest.mark.slow  # relay processes and a real Celery worker
 
 
 async def add_events(db: asyncpg.Pool, count: int) -> None:
@@ -110,15 +86,6 @@ async def test_relay_once_with_the_broker_down_exits_1_and_leaves_every_row_owed
     # released, not left leased: the next relay takes them at once, and not as a republish
     rows = await db.fetch("SELECT claimed_until, publish_attempts, published_at FROM progress_completion_event")
     assert [tuple(row) for row in rows] == [(None, 0, None)] * 5
-
-
-async def limited_broker_user(broker: Broker) -> str:
-    """The URL of a broker user that may not write the queue "forbidden": a publish there gets NOPERM."""
-    admin = Redis.from_url(broker.url)
-    await admin.execute_command("ACL", "SETUSER", "relay-limited", "on", ">limited-password", "resetkeys",
-                                "~onion-progress", "~emails", "~_kombu.*", "+@all")  # fmt: skip
-    await admin.aclose()
-    return broker.url.replace("redis://", "redis://relay-limited:limited-password@")
 
 
 async def test_a_message_the_broker_refuses_for_good_is_parked_and_counted_once_not_retried(

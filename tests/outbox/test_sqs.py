@@ -9,14 +9,13 @@ import pytest
 from moto.server import ThreadedMotoServer
 from redis.asyncio import Redis
 
-from service.app import create_app
 from service.config import Settings
 from service.embedded import free_port
 from service.progress.flusher import Flusher
-from tests.conftest import seed
+from tests.helpers import post_near_end, running_app, seed, with_broker
 from tests.monolith.fixtures import Executions, kwargs_of, start_worker, stop_worker, wait_worker_ready
-from tests.outbox.conftest import with_broker
-from tests.outbox.test_completions import post_near_end
+
+pytestmark = pytest.mark.slow  # a local SQS server and a real Celery worker
 
 # credentials in the URL (the server takes any); in production they come from the environment
 # (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the pod's role) with a bare sqs:// URL
@@ -46,9 +45,8 @@ async def test_200_completions_reach_the_worker_through_sqs_once_each(
     over_sqs = with_broker(settings, sqs_url, celery_broker_transport_options=TRANSPORT_OPTIONS,
                            celery_publish_timeout_seconds=20.0, relay_lease_seconds=30.0)  # fmt: skip
     await seed(db, users=20, contents=10, duration_s=600)
-    app = create_app(over_sqs)
-    async with app.app.router.lifespan_context(app.app):
-        await post_near_end(app, over_sqs)
+    async with running_app(over_sqs) as (_, client):
+        await post_near_end(client, over_sqs)
         await Flusher(redis=redis, pool=db, settings=over_sqs).flush_cycle()
         rows = await executions.wait_for(200, timeout_s=90, settle_s=1.0)
 

@@ -16,8 +16,7 @@ from service.outbox.outboxes import EMAILS
 from service.outbox.relay import Relay, Route
 from service.trial_emails.batch import reserve_and_enqueue
 from service.trial_emails.queue import QueuedEmail, RedisStreamQueue, StreamPublisher
-from tests.conftest import seed
-from tests.trial_emails.conftest import enqueued, stream_entries
+from tests.helpers import enqueued, seed, stream_entries
 
 
 class DownQueue:
@@ -97,6 +96,7 @@ class SlowQueue:
         await self.inner.publish(email)
 
 
+@pytest.mark.slow
 async def test_a_slow_broker_leaves_the_rest_to_the_relay_before_the_lease_ends_and_nothing_goes_twice(
     settings: Settings, redis: Redis, db: asyncpg.Pool
 ) -> None:

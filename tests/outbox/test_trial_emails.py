@@ -7,19 +7,19 @@ import sys
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
+import pytest
 
-from service.app import create_app
 from service.config import Settings
 from service.embedded import free_port
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
 from service.outbox.outboxes import email_task_id
 from service.trial_emails.batch import send_trial_journey_emails_batch
 from service.trial_emails.queue import CeleryEmailQueue
-from tests.conftest import Servers
+from tests.helpers import RELAY_LEASE_S as LEASE_S
+from tests.helpers import Servers, add_trials, limited_broker_user, relay_env, relay_once, running_app
 from tests.monolith.fixtures import Broker, Executions, kwargs_of
-from tests.outbox.conftest import LEASE_S
-from tests.outbox.test_relay_crashes import limited_broker_user, relay_env, relay_once
-from tests.trial_emails.conftest import add_trials
+
+pytestmark = pytest.mark.slow  # relay processes and a real Celery worker
 
 NOW = datetime.now(UTC)
 SEND_EMAIL = "apps.emails.tasks.send_email"
@@ -208,8 +208,7 @@ async def test_the_serve_sweep_with_the_broker_down_loses_no_block(
     await add_trials(db, 30, started_at=NOW - timedelta(hours=1), ends_at=NOW + timedelta(days=7))
     down = relay_settings.model_copy(update={"celery_broker_url": f"redis://127.0.0.1:{free_port()}/0",
                                              "trial_journey_interval_seconds": 3600})  # fmt: skip
-    app = create_app(down)
-    async with app.app.router.lifespan_context(app.app):
+    async with running_app(down):
         deadline = asyncio.get_running_loop().time() + 10
         while await db.fetchval("SELECT count(*) FROM trial_email_outbox") < 30:
             assert asyncio.get_running_loop().time() < deadline, "the sweep did not reserve at start"

@@ -1,4 +1,5 @@
-"""A real Valkey Cluster (3 masters, 3 replicas), started once per session for the tests that ask for it."""
+"""A real Valkey Cluster (3 masters, 3 replicas), started once per session for the tests that ask for it,
+and a standalone Valkey of a test's own to stop and start."""
 
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -6,6 +7,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import RedisCluster
 
+from service import embedded
 from service.clients import key_layout
 from service.config import Settings
 from service.embedded import EmbeddedCluster
@@ -44,3 +46,14 @@ async def cluster_redis(valkey_cluster: EmbeddedCluster) -> AsyncIterator[RedisC
         yield client
     finally:
         await client.aclose()
+
+
+@pytest.fixture
+async def own_redis(tmp_path: Path) -> AsyncIterator[embedded.EmbeddedRedis]:
+    """A Redis of this test's own, to stop and start without disturbing the session's."""
+    server = embedded.EmbeddedRedis(tmp_path / "valkey", None)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

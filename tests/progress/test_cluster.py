@@ -24,17 +24,24 @@ from service.progress.content import CONTENT_KINDS
 from service.progress.flusher import Flusher
 from service.progress.keys import KeyLayout, latest_position_key
 from service.trial_emails.queue import QueuedEmail, RedisStreamQueue, publish_guard_key
-from tests.conftest import Servers, auth, seed
-from tests.progress.test_crash_and_concurrency import (
-    LEASE_S,
+from tests.helpers import FLUSH_LEASE_S as LEASE_S
+from tests.helpers import (
+    Servers,
     assert_all_persisted,
+    auth,
     backlog,
+    events,
     fill,
     flush_once,
     flusher_env,
+    lesson_rows,
     race_three_flushers,
+    running_app,
+    seed,
+    write,
 )
-from tests.progress.test_flusher import events, lesson_rows, write
+
+pytestmark = pytest.mark.slow  # a 6-node Valkey Cluster, a failover, flusher processes
 
 LESSON_PATH = "/engagements/progress/lesson"
 
@@ -134,16 +141,14 @@ async def test_heartbeats_through_http_land_in_every_table(
     cluster_settings: Settings, cluster_redis: RedisCluster, db: asyncpg.Pool, token: str
 ) -> None:
     await seed(db, users=7)
-    app = create_app(cluster_settings)
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            for kind in CONTENT_KINDS:
-                for content_id in (1, 2, 3):
-                    response = await client.post(kind.path, json={kind.id_column: content_id, "position": 33.5},
-                                                 headers=auth(token))  # fmt: skip
-                    assert response.status_code == 201
-            ready = await client.get("/health/ready")
-            assert ready.json()["mode"] == "normal"
+    async with running_app(cluster_settings) as (app, client):
+        for kind in CONTENT_KINDS:
+            for content_id in (1, 2, 3):
+                response = await client.post(kind.path, json={kind.id_column: content_id, "position": 33.5},
+                                             headers=auth(token))  # fmt: skip
+                assert response.status_code == 201
+        ready = await client.get("/health/ready")
+        assert ready.json()["mode"] == "normal"
         pending = await all_keys(cluster_redis, "progress:pending_flush:*")
         assert len(pending) > 1  # spread over several shards
         result = await Flusher(redis=app.app.state.redis, pool=db, settings=cluster_settings).flush_cycle()
@@ -159,24 +164,22 @@ async def test_reads_and_offline_sync_span_shards_on_the_cluster(
     cluster_settings: Settings, cluster_redis: RedisCluster, db: asyncpg.Pool, token: str
 ) -> None:
     await seed(db, users=7, contents=40)
-    app = create_app(cluster_settings)
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            for content_id in range(1, 21):
-                response = await client.post(LESSON_PATH, json={"lesson_id": content_id, "position": content_id + 0.5},
-                                             headers=auth(token))  # fmt: skip
-                assert response.status_code == 201
-            now = datetime.now(UTC).isoformat()
-            items = [{"content_type": "lesson", "content_id": c, "position": 7.0, "listened_at": now}
-                     for c in range(21, 41)]  # fmt: skip
-            synced = await client.post("/progress/sync", json={"items": items}, headers=auth(token))
-            assert synced.status_code == 200
-            assert [item["applied"] for item in synced.json()["items"]] == [True] * 20
-            one = await client.get("/progress/lesson/3", headers=auth(token))
-            assert one.status_code == 200 and one.json()["position"] == 3.5
-            ids = ",".join(str(c) for c in range(1, 41))
-            many = await client.get(f"/progress/lesson?ids={ids}", headers=auth(token))
-            assert many.status_code == 200
+    async with running_app(cluster_settings) as (_, client):
+        for content_id in range(1, 21):
+            response = await client.post(LESSON_PATH, json={"lesson_id": content_id, "position": content_id + 0.5},
+                                         headers=auth(token))  # fmt: skip
+            assert response.status_code == 201
+        now = datetime.now(UTC).isoformat()
+        items = [{"content_type": "lesson", "content_id": c, "position": 7.0, "listened_at": now}
+                 for c in range(21, 41)]  # fmt: skip
+        synced = await client.post("/progress/sync", json={"items": items}, headers=auth(token))
+        assert synced.status_code == 200
+        assert [item["applied"] for item in synced.json()["items"]] == [True] * 20
+        one = await client.get("/progress/lesson/3", headers=auth(token))
+        assert one.status_code == 200 and one.json()["position"] == 3.5
+        ids = ",".join(str(c) for c in range(1, 41))
+        many = await client.get(f"/progress/lesson?ids={ids}", headers=auth(token))
+        assert many.status_code == 200
     # the 40 values live in many shards (so many slots): the read gathered them all before any flush
     positions = {entry["content_id"]: entry["position"] for entry in many.json()["data"]}
     assert positions == {**{c: c + 0.5 for c in range(1, 21)}, **{c: 7.0 for c in range(21, 41)}}
@@ -238,23 +241,20 @@ async def test_with_wait_a_201_means_a_replica_has_the_write(
     await seed(db, users=7)
     degraded_before = _degraded_writes()
     waiting = cluster_settings.model_copy(update={"redis_wait_replicas": 1, "redis_wait_timeout_ms": 1000})
-    app = create_app(waiting)
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            for content_id in (1, 2, 3):
-                response = await client.post(LESSON_PATH, json={"lesson_id": content_id, "position": 5},
-                                             headers=auth(token))  # fmt: skip
-                assert response.status_code == 201
+    async with running_app(waiting) as (_, client):
+        for content_id in (1, 2, 3):
+            response = await client.post(LESSON_PATH, json={"lesson_id": content_id, "position": 5},
+                                         headers=auth(token))  # fmt: skip
+            assert response.status_code == 201
     assert _degraded_writes() == degraded_before  # every master had its replica confirm
     for content_id in (1, 2, 3):
         assert await cluster_redis.get(cluster_layout.value_key("lesson", content_id, 7)) is not None
 
     # a standalone server has no replica to confirm: the heartbeat is kept by Postgres instead
-    app = create_app(settings.model_copy(update={"redis_wait_replicas": 1, "redis_wait_timeout_ms": 10}))
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            response = await client.post(LESSON_PATH, json={"lesson_id": 1, "position": 9}, headers=auth(token))
-            assert response.status_code == 201
+    standalone = settings.model_copy(update={"redis_wait_replicas": 1, "redis_wait_timeout_ms": 10})
+    async with running_app(standalone) as (_, client):
+        response = await client.post(LESSON_PATH, json={"lesson_id": 1, "position": 9}, headers=auth(token))
+        assert response.status_code == 201
     assert await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7") == 9
     assert _degraded_writes() == degraded_before + 1
 

@@ -2,9 +2,6 @@
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from pathlib import Path
 
 import asyncpg
 import httpx
@@ -12,42 +9,17 @@ import pytest
 from redis.asyncio import Redis
 
 from service import embedded
-from service.api.ingest import ProgressIngest
-from service.app import create_app
 from service.auth import make_token
 from service.config import Settings
 from service.progress.flusher import Flusher
-from tests.conftest import auth, seed
-
-
-@pytest.fixture
-async def own_redis(tmp_path: Path) -> AsyncIterator[embedded.EmbeddedRedis]:
-    """A Redis of this test's own, to stop and start without disturbing the session's."""
-    server = embedded.EmbeddedRedis(tmp_path / "valkey", None)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@asynccontextmanager
-async def running(app: ProgressIngest) -> AsyncIterator[httpx.AsyncClient]:
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            yield client
-
-
-def degraded_settings(settings: Settings, server: embedded.EmbeddedRedis, **update: object) -> Settings:
-    return settings.model_copy(update={"redis_url": server.url, "degraded_redis_retry_seconds": 0.2, **update})
+from tests.helpers import auth, degraded_settings, running_app, seed
 
 
 async def test_redis_down_writes_straight_to_postgres_then_recovers(
     settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool, token: str
 ) -> None:
     await seed(db, users=7, duration_s=600)
-    app = create_app(degraded_settings(settings, own_redis))
-    async with running(app) as client:
+    async with running_app(degraded_settings(settings, own_redis)) as (_, client):
         own_redis.stop()
         response = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": 595},
                                      headers=auth(token))  # fmt: skip
@@ -81,8 +53,7 @@ async def test_an_older_heartbeat_left_in_redis_does_not_undo_a_direct_write(
     settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool, token: str
 ) -> None:
     await seed(db, users=7)
-    app = create_app(degraded_settings(settings, own_redis))
-    async with running(app) as client:
+    async with running_app(degraded_settings(settings, own_redis)) as (_, client):
         await client.post("/audios/progress", json={"audio_id": 1, "position": 10}, headers=auth(token))
         own_redis.stop()  # the 10 s heartbeat waits in Redis's append-only file
         await client.post("/audios/progress", json={"audio_id": 1, "position": 20}, headers=auth(token))
@@ -98,8 +69,7 @@ async def test_both_down_is_503_and_writes_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     dead_db = f"postgresql://postgres@127.0.0.1:{embedded.free_port()}/nothing"
-    app = create_app(degraded_settings(settings, own_redis, database_url=dead_db))
-    async with running(app) as client:
+    async with running_app(degraded_settings(settings, own_redis, database_url=dead_db)) as (_, client):
         own_redis.stop()
         with caplog.at_level(logging.WARNING, logger="service.api.ingest"):
             for _ in range(20):
@@ -118,8 +88,9 @@ async def test_degraded_mode_is_bounded_and_every_201_is_persisted(
     settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool
 ) -> None:
     await seed(db, users=300, contents=1)
-    app = create_app(degraded_settings(settings, own_redis, degraded_max_concurrency=1, degraded_max_waiting=40))
-    async with running(app) as client:
+    async with running_app(
+        degraded_settings(settings, own_redis, degraded_max_concurrency=1, degraded_max_waiting=40)
+    ) as (_, client):
         own_redis.stop()
 
         async def one(user_id: int, client: httpx.AsyncClient = client) -> tuple[int, int]:

@@ -11,15 +11,11 @@ import pytest
 from redis.asyncio import Redis
 
 from service import embedded, metrics
-from service.app import create_app
 from service.auth import make_token
 from service.config import Settings
 from service.progress.buffer import receive_ms
 from service.progress.redis_memory import sample_redis_memory
-from tests.conftest import auth, seed
-from tests.progress.test_degraded import degraded_settings, own_redis, running
-
-__all__ = ["own_redis"]  # the fixture, shared with test_degraded.py
+from tests.helpers import auth, degraded_settings, running_app, seed
 
 
 def test_receive_times_are_strictly_increasing() -> None:
@@ -32,8 +28,7 @@ async def test_the_later_of_two_same_millisecond_heartbeats_wins_in_degraded_mod
 ) -> None:
     await seed(db, users=100, contents=1)
     tokens = {user_id: make_token(settings, user_id) for user_id in range(1, 101)}
-    app = create_app(degraded_settings(settings, own_redis))
-    async with running(app) as client:
+    async with running_app(degraded_settings(settings, own_redis)) as (_, client):
         own_redis.stop()
         # The wall clock stands still: every heartbeat of the test arrives in the same millisecond,
         # which a fast Postgres and one keep-alive connection make happen now and then for real.
@@ -58,8 +53,7 @@ async def test_a_503_from_degraded_mode_writes_nothing_even_after_postgres_recov
 ) -> None:
     await seed(db, users=6, contents=1)
     slow = degraded_settings(settings, own_redis, degraded_write_timeout_seconds=0.5, degraded_max_concurrency=1)
-    app = create_app(slow)
-    async with running(app) as client:
+    async with running_app(slow) as (app, client):
         own_redis.stop()
         async with db.acquire() as blocker:
             # a slow Postgres: the table is locked, so every degraded statement waits
@@ -89,10 +83,11 @@ async def test_a_full_redis_sends_heartbeats_to_postgres_not_to_a_500(
 ) -> None:
     await seed(db, users=7, contents=1)
     # a retry interval longer than the test: readiness looks within the interval that follows the failure
-    app = create_app(degraded_settings(settings, own_redis, degraded_redis_retry_seconds=30.0))
     full = Redis.from_url(own_redis.url)
     try:
-        async with running(app) as client:
+        async with running_app(
+            degraded_settings(settings, own_redis, degraded_redis_retry_seconds=30.0)
+        ) as (_, client):
             await full.config_set("maxmemory-policy", "noeviction")
             await full.config_set("maxmemory", 1)  # used memory is over it at once: every write gets OOM
             await sample_redis_memory(full)

@@ -10,36 +10,13 @@ import pytest
 from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
-from service.app import create_app
-from service.clients import RedisClient
 from service.config import Settings
-from service.progress.buffer import WRITE_SCRIPT, StoredPosition, decode_value, receive_ms, write_args
+from service.progress.buffer import StoredPosition, decode_value
 from service.progress.content import CONTENT_KINDS
 from service.progress.flusher import Flusher
-from service.progress.keys import STANDALONE, KeyLayout
+from service.progress.keys import STANDALONE
 from service.progress.leases import Leases
-from tests.conftest import Servers, auth, seed
-
-
-async def write(redis: RedisClient, content_type: str, content_id: int, user_id: int, position: float,
-                received_ms: float | None = None, ttl_s: int = 3600,
-                layout: KeyLayout = STANDALONE) -> float:  # fmt: skip
-    """What the request path writes, through the same script (receive times strictly increasing, as there)."""
-    received_ms = received_ms if received_ms is not None else receive_ms()
-    await redis.script_load(WRITE_SCRIPT)
-    await redis.execute_command(*write_args(content_type, content_id, user_id, position, received_ms, ttl_s,
-                                            layout))  # type: ignore[arg-type]  # fmt: skip
-    return received_ms
-
-
-async def lesson_rows(db: asyncpg.Pool) -> dict[tuple[int, int], asyncpg.Record]:
-    rows = await db.fetch("SELECT * FROM engagements_lessonprogress")
-    return {(row["lesson_id"], row["user_id"]): row for row in rows}
-
-
-async def events(db: asyncpg.Pool) -> list[tuple[str, int, int]]:
-    rows = await db.fetch("SELECT content_type, content_id, user_id FROM progress_completion_event ORDER BY id")
-    return [tuple(row) for row in rows]  # type: ignore[misc]
+from tests.helpers import Servers, auth, events, lesson_rows, running_app, seed, write
 
 
 @pytest.fixture
@@ -67,27 +44,25 @@ async def test_heartbeats_through_http_land_in_every_table(
 async def test_the_pods_own_loop_persists_within_two_intervals(settings: Settings, redis: Redis,
                                                                db: asyncpg.Pool, token: str) -> None:  # fmt: skip
     await seed(db, users=7)
-    app = create_app(settings.model_copy(update={"progress_flusher_enabled": True,
-                                                 "progress_flush_interval_seconds": 0.5}))  # fmt: skip
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            response = await client.post("/audios/progress", json={"audio_id": 3, "position": 12}, headers=auth(token))
-            assert response.status_code == 201
-            deadline = time.monotonic() + 2 * 0.5 * 1.1 + 0.5
-            while time.monotonic() < deadline and not await db.fetchval("SELECT count(*) FROM audios_audioprogress"):
-                await asyncio.sleep(0.05)
-            assert await db.fetchval("SELECT position FROM audios_audioprogress WHERE user_id = 7") == 12
+    async with running_app(
+        settings.model_copy(update={"progress_flusher_enabled": True, "progress_flush_interval_seconds": 0.5})
+    ) as (_, client):
+        response = await client.post("/audios/progress", json={"audio_id": 3, "position": 12}, headers=auth(token))
+        assert response.status_code == 201
+        deadline = time.monotonic() + 2 * 0.5 * 1.1 + 0.5
+        while time.monotonic() < deadline and not await db.fetchval("SELECT count(*) FROM audios_audioprogress"):
+            await asyncio.sleep(0.05)
+        assert await db.fetchval("SELECT position FROM audios_audioprogress WHERE user_id = 7") == 12
 
 
 async def test_shutdown_flushes_what_was_acknowledged(settings: Settings, redis: Redis, db: asyncpg.Pool,
                                                       token: str) -> None:  # fmt: skip
     await seed(db, users=7)
-    app = create_app(settings.model_copy(update={"progress_flusher_enabled": True,
-                                                 "progress_flush_interval_seconds": 3600}))  # fmt: skip
-    async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-            response = await client.post("/lives/progress", json={"live_id": 1, "position": 99}, headers=auth(token))
-            assert response.status_code == 201
+    async with running_app(
+        settings.model_copy(update={"progress_flusher_enabled": True, "progress_flush_interval_seconds": 3600})
+    ) as (_, client):
+        response = await client.post("/lives/progress", json={"live_id": 1, "position": 99}, headers=auth(token))
+        assert response.status_code == 201
         await asyncio.sleep(0.1)  # the loop's first cycle ran at start, before this heartbeat
     assert await db.fetchval("SELECT position FROM lives_liveprogress WHERE user_id = 7 AND live_id = 1") == 99
     assert await redis.scard("progress:pending_flush:live") == 0

@@ -15,7 +15,7 @@ from service.progress.buffer import WRITE_SCRIPT, PositionWriter
 from service.progress.content import CONTENT_KINDS
 from service.progress.reads import ProgressReader, rows_sql
 from service.progress.sync import OfflineSync, SyncItem
-from tests.conftest import Servers, seed
+from tests.helpers import Servers, seed
 
 KINDS = {kind.name: kind for kind in CONTENT_KINDS}
 

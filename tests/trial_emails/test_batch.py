@@ -2,7 +2,6 @@
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -16,7 +15,7 @@ from service.trial_emails.batch import reserve_and_enqueue, send_trial_journey_e
 from service.trial_emails.journey import JOURNEY
 from service.trial_emails.queue import QueuedEmail, RedisStreamQueue
 from service.trial_emails.reservations import LOAD_SENT_KEYS_SQL, LOAD_TRIALS_SQL, RESERVE_BLOCK_SQL
-from tests.trial_emails.conftest import Statements, Window, add_trials, enqueued, metric, reserved, stream_entries
+from tests.helpers import Statements, Window, add_trials, enqueued, metric, reserved, stream_entries, wait_for
 
 NOW = datetime(2025, 3, 10, 12, tzinfo=UTC)
 # a 20-day trial at its midpoint owes welcome, tips and midpoint
@@ -268,10 +267,3 @@ async def test_a_batch_cancelled_mid_reservation_reports_what_the_statement_rese
 
 async def orphan_count_above(before: float) -> bool:
     return metric("progress_trial_email_orphans_total") > before
-
-
-async def wait_for(condition: "Callable[[], Awaitable[object]]", timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)

@@ -16,8 +16,7 @@ from service.embedded import free_port
 from service.trial_emails.batch import BatchResult
 from service.trial_emails.queue import RedisStreamQueue
 from service.trial_emails.sweep import SWEEP_LOCK_KEY, run_periodic_sweep, sweep_journeys
-from tests.trial_emails.conftest import add_trials, enqueued, metric, reserved
-from tests.trial_emails.test_batch import wait_for
+from tests.helpers import add_trials, enqueued, metric, reserved, wait_for
 
 NOW = datetime(2025, 3, 10, 12, tzinfo=UTC)
 

@@ -1,0 +1,359 @@
+"""What several test modules share: the running app, seeding, tokens, waiting, and each area's helpers.
+
+Test modules and conftest.py files import from here (and from the helper modules tests/monolith/fixtures.py,
+tests/faults/, tests/deploy/files.py), never from one another; conftest.py files keep only fixtures.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NamedTuple, TypedDict
+
+import asyncpg
+import httpx
+from prometheus_client import REGISTRY
+from redis.asyncio import Redis
+
+from service import embedded
+from service.api.ingest import ProgressIngest
+from service.app import create_app
+from service.auth import make_token
+from service.clients import RedisClient
+from service.config import Settings
+from service.progress.buffer import WRITE_SCRIPT, receive_ms, write_args
+from service.progress.keys import STANDALONE, KeyLayout
+from tests.monolith.fixtures import Broker
+
+TEST_JWT_SECRET = "test-secret-0123456789abcdef-0123456789"
+
+
+@dataclass
+class Servers:
+    redis_url: str
+    database_url: str
+    redis: embedded.EmbeddedRedis | None
+    postgres: embedded.EmbeddedPostgres | None
+
+
+# --- the app, as uvicorn runs it --------------------------------------------------------------------------
+
+
+class RunningApp(NamedTuple):
+    app: ProgressIngest
+    client: httpx.AsyncClient
+
+
+@asynccontextmanager
+async def running_app(settings: Settings) -> AsyncIterator[RunningApp]:
+    """The app built from `settings`, its lifespan running, and a client that talks to it in-process."""
+    app = create_app(settings)
+    async with app.app.router.lifespan_context(app.app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            yield RunningApp(app, client)
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+async def seed(
+    db: asyncpg.Pool, *, users: int = 3, contents: int = 3, duration_s: int = 600
+) -> None:
+    """Users 1..users and content 1..contents of every kind, each `duration_s` long."""
+    await db.execute(
+        "INSERT INTO users_user (id, email) SELECT i, 'user' || i || '@example.com' FROM generate_series(1, $1) i",
+        users,
+    )
+    for table in ("courses_lesson", "audios_audio", "audios_meditation", "lives_live"):
+        await db.execute(
+            f"INSERT INTO {table} (id, title, duration) SELECT i, 'content ' || i, $2 FROM generate_series(1, $1) i",
+            contents, duration_s,
+        )  # fmt: skip
+
+
+async def wait_for(condition: Callable[[], Awaitable[object]], timeout_s: float = 5.0) -> None:
+    """Poll `condition` until it is true; fail once `timeout_s` has passed."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+# --- the progress buffer and the flusher ------------------------------------------------------------------
+
+FLUSH_LEASE_S = 1.0  # the lease of the flusher processes the crash tests start
+
+
+async def write(redis: RedisClient, content_type: str, content_id: int, user_id: int, position: float,
+                received_ms: float | None = None, ttl_s: int = 3600,
+                layout: KeyLayout = STANDALONE) -> float:  # fmt: skip
+    """What the request path writes, through the same script (receive times strictly increasing, as there)."""
+    received_ms = received_ms if received_ms is not None else receive_ms()
+    await redis.script_load(WRITE_SCRIPT)
+    await redis.execute_command(*write_args(content_type, content_id, user_id, position, received_ms, ttl_s,
+                                            layout))  # type: ignore[arg-type]  # fmt: skip
+    return received_ms
+
+
+async def lesson_rows(db: asyncpg.Pool) -> dict[tuple[int, int], asyncpg.Record]:
+    rows = await db.fetch("SELECT * FROM engagements_lessonprogress")
+    return {(row["lesson_id"], row["user_id"]): row for row in rows}
+
+
+async def events(db: asyncpg.Pool) -> list[tuple[str, int, int]]:
+    rows = await db.fetch("SELECT content_type, content_id, user_id FROM progress_completion_event ORDER BY id")
+    return [tuple(row) for row in rows]  # type: ignore[misc]
+
+
+def degraded_settings(settings: Settings, server: embedded.EmbeddedRedis, **update: object) -> Settings:
+    return settings.model_copy(update={"redis_url": server.url, "degraded_redis_retry_seconds": 0.2, **update})
+
+
+def flusher_env(servers: Servers, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROGRESS_", "REDIS_", "DATABASE_"))}
+    env.update(REDIS_URL=servers.redis_url, DATABASE_URL=servers.database_url, LOG_LEVEL="WARNING",
+               PROGRESS_FLUSH_LEASE_SECONDS=str(FLUSH_LEASE_S), PROGRESS_FLUSH_BATCH_SIZE="100",
+               PROGRESS_FLUSH_CONCURRENCY="2")  # fmt: skip
+    env.update(extra)
+    return env
+
+
+def flush_once(servers: Servers, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "service", "flush", "--once"], env=flusher_env(servers, **extra),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+async def fill(redis: RedisClient, db: asyncpg.Pool, keys: int,
+               layout: KeyLayout = STANDALONE) -> dict[tuple[int, int], float]:  # fmt: skip
+    """`keys` lessons-by-user, each with a few heartbeats; returns the last position of each."""
+    await seed(db, users=keys // 10, contents=10)
+    last = {}
+    for round_ in range(3):
+        async with redis.pipeline(transaction=False) as pipe:
+            for i in range(keys):
+                content_id, user_id = i % 10 + 1, i // 10 + 1
+                position = float(round_ * 100 + i % 97)
+                pipe.execute_command(*_args(content_id, user_id, position, layout))
+                last[(content_id, user_id)] = position
+            await pipe.execute()
+    return last
+
+
+def _args(content_id: int, user_id: int, position: float, layout: KeyLayout = STANDALONE) -> tuple[object, ...]:
+    return write_args("lesson", content_id, user_id, position, time.time_ns() // 1_000_000, 3600, layout)
+
+
+async def backlog(redis: RedisClient, layout: KeyLayout = STANDALONE) -> tuple[int, int]:
+    """Lesson members pending and in flight, over every shard."""
+    pending = in_flight = 0
+    for shard in layout.shards_to_flush("lesson"):
+        pending += await redis.scard(shard.pending_key)
+        in_flight += await redis.zcard(shard.in_flight_key)
+    return pending, in_flight
+
+
+async def assert_all_persisted(redis: RedisClient, db: asyncpg.Pool, last: dict[tuple[int, int], float],
+                               layout: KeyLayout = STANDALONE) -> None:  # fmt: skip
+    rows = await lesson_rows(db)
+    missing = [key for key in last if key not in rows]
+    wrong = [key for key, position in last.items() if key in rows and rows[key]["position"] != position]
+    assert (missing, wrong) == ([], []), f"{len(missing)} missing, {len(wrong)} with an old position"
+    assert await backlog(redis, layout) == (0, 0)
+
+
+async def race_three_flushers(redis: RedisClient, db: asyncpg.Pool, env: dict[str, str],
+                              layout: KeyLayout = STANDALONE) -> None:  # fmt: skip
+    """Three `flush` processes on the same 2,000 keys: one event per key, and no position ever moves back."""
+    await redis.script_load(WRITE_SCRIPT)
+    await seed(db, users=200, contents=10, duration_s=1000)  # 2000 keys
+    keys = [(c, u) for c in range(1, 11) for u in range(1, 201)]
+    crossing = set(keys[:500])
+    env = env | {"PROGRESS_FLUSH_INTERVAL_SECONDS": "0.1", "PROGRESS_FLUSH_LEASE_SECONDS": "10"}
+    flushers = [subprocess.Popen([sys.executable, "-m", "service", "flush"], env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(3)]  # fmt: skip
+    seen: dict[tuple[int, int], tuple[float, float]] = {}  # key -> (updated_at, position) last sampled
+    moved_back = []
+
+    async def sample() -> None:
+        for row in await db.fetch("SELECT lesson_id, user_id, position, updated_at FROM engagements_lessonprogress"):
+            key, now = (row["lesson_id"], row["user_id"]), (row["updated_at"].timestamp(), row["position"])
+            if key in seen and now < seen[key]:
+                moved_back.append((key, seen[key], now))
+            seen[key] = now
+
+    last: dict[tuple[int, int], float] = {}
+    try:
+        for round_ in range(12):
+            async with redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    if round_ == 6 and key in crossing:
+                        position = 995.0  # 500 keys cross the margin in the same instant
+                    elif round_ > 6 and key in crossing:
+                        position = rng_position(round_, key, near_end=True)
+                    else:
+                        position = float(round_ * 10)
+                    pipe.execute_command(*_args(*key, position, layout))
+                    last[key] = position
+                await pipe.execute()
+            await sample()
+            await asyncio.sleep(0.15)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if sum(await backlog(redis, layout)) == 0:
+                break
+            await sample()
+            await asyncio.sleep(0.1)
+    finally:
+        for process in flushers:
+            process.send_signal(signal.SIGTERM)
+        codes = [process.wait(timeout=30) for process in flushers]
+    assert codes == [0, 0, 0], [p.stderr.read() if p.stderr else "" for p in flushers]
+    await sample()
+    assert moved_back == []
+    await assert_all_persisted(redis, db, last, layout)
+    assert sorted(await events(db)) == sorted(("lesson", c, u) for c, u in crossing)
+
+
+def rng_position(round_: int, key: tuple[int, int], *, near_end: bool) -> float:
+    """After crossing: rewinds and near-end heartbeats again, which must not add events."""
+    return 999.0 if (round_ + key[1]) % 2 else float(round_)
+
+
+# --- the outbox: a real broker, the relay, the monolith's worker ------------------------------------------
+
+RELAY_LEASE_S = 3.0  # the relay's lease in the outbox tests (in-process and `relay --once`)
+
+
+def with_broker(settings: Settings, broker_url: str, **update: object) -> Settings:
+    return settings.model_copy(update={
+        "celery_broker_url": broker_url, "relay_enabled": True, "email_publisher": "celery",
+        "relay_poll_interval_seconds": 0.5, "relay_lease_seconds": RELAY_LEASE_S, "celery_publish_timeout_seconds": 2.0,
+        "relay_max_backoff_seconds": 1.0, **update,
+    })  # fmt: skip
+
+
+async def post_near_end(client: httpx.AsyncClient, settings: Settings, users: int = 20, lessons: int = 10) -> None:
+    """Users 1..users each post a heartbeat near the end of lessons 1..lessons (600 s long): all complete."""
+    for user_id in range(1, users + 1):
+        headers = auth(make_token(settings, user_id))
+        for lesson_id in range(1, lessons + 1):
+            response = await client.post("/engagements/progress/lesson", headers=headers,
+                                         json={"lesson_id": lesson_id, "position": 595})  # fmt: skip
+            assert response.status_code == 201
+
+
+def relay_env(servers: Servers, broker: Broker, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROGRESS_", "REDIS_", "DATABASE_", "RELAY_"))}
+    env.update(REDIS_URL=servers.redis_url, DATABASE_URL=servers.database_url, CELERY_BROKER_URL=broker.url,
+               LOG_LEVEL="WARNING", RELAY_LEASE_SECONDS=str(RELAY_LEASE_S), CELERY_PUBLISH_TIMEOUT_SECONDS="2",
+               RELAY_BATCH_SIZE="50")  # fmt: skip
+    env.update(extra)
+    return env
+
+
+async def relay_once(servers: Servers, broker: Broker, **extra: str) -> tuple[int, dict[str, Any] | None]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "service", "relay", "--once", env=relay_env(servers, broker, **extra),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode is not None
+    summary = json.loads(stdout.decode().splitlines()[-1]) if stdout.strip() else None
+    if process.returncode not in (0, 1, -9):
+        raise AssertionError(f"relay exited {process.returncode}: {stderr.decode()[-2000:]}")
+    return process.returncode, summary
+
+
+async def limited_broker_user(broker: Broker) -> str:
+    """The URL of a broker user that may not write the queue "forbidden": a publish there gets NOPERM."""
+    admin = Redis.from_url(broker.url)
+    await admin.execute_command("ACL", "SETUSER", "relay-limited", "on", ">limited-password", "resetkeys",
+                                "~onion-progress", "~emails", "~_kombu.*", "+@all")  # fmt: skip
+    await admin.aclose()
+    return broker.url.replace("redis://", "redis://relay-limited:limited-password@")
+
+
+# --- trial-journey emails ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Statements:
+    """Every statement the pool's connections sent, as asyncpg's query logger saw it."""
+
+    sql: list[str] = field(default_factory=list)
+
+    async def settled(self) -> list[str]:
+        await asyncio.sleep(0)  # the logger runs in a call_soon after each statement
+        return self.sql
+
+
+class Window(TypedDict):
+    started_at: datetime
+    ends_at: datetime
+
+
+async def add_trials(
+    db: asyncpg.Pool, count: int, *, started_at: datetime, ends_at: datetime, first_user: int = 1
+) -> list[int]:
+    """Users first_user.. with one trial each; returns the trial ids."""
+    last_user = first_user + count - 1
+    await db.execute(
+        "INSERT INTO users_user (id, email) SELECT i, 'user' || i || '@example.com' "
+        "FROM generate_series($1::bigint, $2::bigint) i",
+        first_user, last_user,
+    )  # fmt: skip
+    rows = await db.fetch(
+        "INSERT INTO trials_usertrial (user_id, started_at, ends_at) "
+        "SELECT i, $3, $4 FROM generate_series($1::bigint, $2::bigint) i ORDER BY i RETURNING id",
+        first_user, last_user, started_at, ends_at,
+    )  # fmt: skip
+    return sorted(row["id"] for row in rows)
+
+
+async def stream_entries(redis: Redis, stream: str) -> list[dict[str, str]]:
+    entries = await redis.xrange(stream) or []
+    return [{str(name): str(value) for name, value in (fields or {}).items()} for _, fields in entries]
+
+
+async def enqueued(redis: Redis, stream: str) -> Counter[tuple[int, str]]:
+    """How many times each (user_id, email_key) was XADDed."""
+    return Counter((int(entry["user_id"]), entry["email_key"]) for entry in await stream_entries(redis, stream))
+
+
+async def reserved(db: asyncpg.Pool) -> set[tuple[int, str]]:
+    rows = await db.fetch("SELECT user_id, email_key FROM emails_emaildispatch WHERE source = 'trial_journey'")
+    return {(row["user_id"], row["email_key"]) for row in rows}
+
+
+# --- deployment: what the session servers of tests/deploy hand out ----------------------------------------
+
+
+@dataclass
+class Tls:
+    ca: Path
+    cert: Path
+    key: Path
+
+
+@dataclass
+class PgBouncer:
+    port: int
+    database: str
+
+    def url(self, **params: str) -> str:
+        query = "&".join(f"{key}={value}" for key, value in params.items())
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}" + (f"?{query}" if query else "")
