@@ -17,7 +17,7 @@ from service.api.openapi import build_openapi
 from service.api.ratelimit import RateLimiter
 from service.api.reads import ProgressReads, sync_items_limit
 from service.auth import Authenticator
-from service.clients import connect_redis, create_db_pool, key_layout
+from service.clients import connect_redis, create_db_pool
 from service.config import Settings, load_settings
 from service.delivery import relay_routes
 from service.logs import RequestIdMiddleware, configure_logging
@@ -25,6 +25,7 @@ from service.outbox.celery_publisher import CeleryPublisher, publisher_from_sett
 from service.outbox.relay import Relay
 from service.progress.buffer import WRITE_SCRIPT, PositionWriter
 from service.progress.flusher import Flusher
+from service.progress.keys import KeyLayout, key_layout
 from service.progress.reads import ProgressReader
 from service.progress.redis_memory import run_redis_memory_sampler
 from service.progress.sink import DirectWriter, HeartbeatSink
@@ -61,6 +62,11 @@ class BackgroundTasks:
             log.warning("background task %s did not stop in %.0fs; cancelling it", task.get_name(), timeout_s)
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def build_key_layout(settings: Settings) -> KeyLayout:
+    return key_layout(shards=settings.progress_buffer_shards, cluster=settings.redis_cluster,
+                      previous_shards=settings.progress_buffer_previous_shards)  # fmt: skip
 
 
 @asynccontextmanager
@@ -109,7 +115,7 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             direct = DirectWriter(pool, margin_s=settings.progress_completion_margin_seconds,
                                   max_concurrency=settings.degraded_max_concurrency,
                                   max_waiting=settings.degraded_max_waiting)  # fmt: skip
-        writer = PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds, layout=key_layout(settings),
+        writer = PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds, layout=build_key_layout(settings),
                                 wait_replicas=settings.redis_wait_replicas,
                                 wait_timeout_ms=settings.redis_wait_timeout_ms)  # fmt: skip
         sink = HeartbeatSink(writer, direct,

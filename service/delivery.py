@@ -13,7 +13,8 @@ from dataclasses import asdict
 from service.clients import RedisClient, connect_redis, create_db_pool
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
-from service.outbox.celery_publisher import Publisher, publisher_from_settings
+from service.outbox.celery_publisher import publisher_from_settings
+from service.outbox.messages import Publisher
 from service.outbox.outboxes import COMPLETIONS, EMAILS
 from service.outbox.relay import Relay, Route
 from service.signals import stop_on_signals

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import asyncpg
 
 from service.config import Settings
-from service.outbox.celery_publisher import Message
+from service.outbox.messages import Message
 
 # the writers NOTIFY this channel in the statement that writes outbox rows (delivered at commit)
 NOTIFY_CHANNEL = "progress_outbox"

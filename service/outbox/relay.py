@@ -26,7 +26,7 @@ import asyncpg
 
 from service import metrics
 from service.config import Settings
-from service.outbox.celery_publisher import Publisher, PublishResult
+from service.outbox.messages import Publisher, PublishResult
 from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox
 from service.stores import POSTGRES_FAILED
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 import asyncpg
 
 from service import metrics
-from service.clients import RedisClient, execute_by_node, key_layout, node_name
+from service.clients import RedisClient, execute_by_node, node_name
 from service.config import Settings
 from service.progress.buffer import decode_value, now_ms
 from service.progress.content import CONTENT_KINDS, ContentKind
-from service.progress.keys import KeyLayout, Shard, parse_member
+from service.progress.keys import KeyLayout, Shard, key_layout, parse_member
 from service.progress.leases import Claim, Leases
 from service.progress.store import BatchResult, Heartbeat, persist_batch, report_batch
 from service.stores import POSTGRES_FAILED, POSTGRES_UNAVAILABLE, REDIS_FAILED, REDIS_UNAVAILABLE
@@ -55,7 +55,8 @@ class Flusher:
         self._redis = redis
         self._pool = pool
         self._leases = Leases(redis)
-        self._layout = layout or key_layout(settings)
+        self._layout = layout or key_layout(shards=settings.progress_buffer_shards, cluster=settings.redis_cluster,
+                                            previous_shards=settings.progress_buffer_previous_shards)  # fmt: skip
         self._batch_size = settings.progress_flush_batch_size
         self._lease_ms = int(settings.progress_flush_lease_seconds * 1000)
         self._margin_s = settings.progress_completion_margin_seconds

@@ -11,7 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from service import metrics
 from service.config import Settings
-from service.outbox.celery_publisher import Message, PublishResult
+from service.outbox.messages import Message, PublishResult
 from service.outbox.outboxes import EMAILS
 from service.outbox.relay import Relay, Route
 from service.trial_emails.batch import reserve_and_enqueue

@@ -14,9 +14,8 @@ from prometheus_client import REGISTRY
 from redis.asyncio import Redis, RedisCluster
 from redis.crc import key_slot
 
-from service.app import create_app
+from service.app import build_key_layout, create_app
 from service.auth import make_token
-from service.clients import key_layout
 from service.config import ConfigError, Settings
 from service.embedded import EmbeddedCluster
 from service.progress.buffer import decode_value
@@ -68,12 +67,12 @@ def test_a_cluster_url_with_a_database_number_refuses_to_start(settings: Setting
 
 
 def test_one_shard_on_a_standalone_server_keeps_the_monoliths_key_names() -> None:
-    layout = key_layout(Settings())
+    layout = build_key_layout(Settings())
     (shard,) = layout.shards_of("audio")
     assert layout.value_key("audio", 5, 7) == "progress:latest_position:audio:5:7" == latest_position_key("audio", 5, 7)
     assert (shard.pending_key, shard.in_flight_key) == ("progress:pending_flush:audio", "progress:in_flight:audio")
     # after a change of shard count, the flusher still drains the old layout
-    changed = key_layout(Settings(progress_buffer_shards=4, progress_buffer_previous_shards=1))
+    changed = build_key_layout(Settings(progress_buffer_shards=4, progress_buffer_previous_shards=1))
     assert changed.shards_to_flush("audio")[-1] == shard and len(changed.shards_to_flush("audio")) == 5
 
 
@@ -84,12 +83,12 @@ async def test_members_pending_under_the_previous_shard_count_are_still_flushed(
     for user_id in range(1, 6):
         await write(redis, "lesson", 1, user_id, 42)  # the standalone default: one shard, the monolith's names
     changed = settings.model_copy(update={"progress_buffer_shards": 4, "progress_buffer_previous_shards": 1})
-    await write(redis, "lesson", 2, 1, 43, layout=key_layout(changed))
+    await write(redis, "lesson", 2, 1, 43, layout=build_key_layout(changed))
     result = await Flusher(redis=redis, pool=db, settings=changed).flush_cycle()
     assert result.written == 6
     assert {key: row["position"] for key, row in (await lesson_rows(db)).items()} == {
         **{(1, user_id): 42 for user_id in range(1, 6)}, (2, 1): 43}
-    assert await backlog(redis, key_layout(changed)) == (0, 0)
+    assert await backlog(redis, build_key_layout(changed)) == (0, 0)
 
 async def test_keys_of_one_shard_share_one_slot(cluster_redis: RedisCluster, cluster_layout: KeyLayout) -> None:
     assert cluster_layout.shards == 60
