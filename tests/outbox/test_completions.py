@@ -8,10 +8,9 @@ import asyncpg
 import httpx
 from redis.asyncio import Redis
 
-from service.app import create_app
+from service.app import build_flusher, create_app
 from service.auth import make_token
 from service.config import Settings
-from service.progress.flusher import Flusher
 from tests.conftest import auth, seed
 from tests.monolith.fixtures import Executions, kwargs_of
 
@@ -35,7 +34,7 @@ async def test_200_completions_in_one_flush_run_advance_user_journey_once_each_w
     app = create_app(relay_settings)
     async with app.app.router.lifespan_context(app.app):
         await post_near_end(app, relay_settings)
-        result = await Flusher(redis=redis, pool=db, settings=relay_settings).flush_cycle()
+        result = await build_flusher(relay_settings, redis, db).flush_cycle()
         assert result.failed_batches == 0
         assert await db.fetchval("SELECT count(*) FROM progress_completion_event") == 200
         rows = await executions.wait_for(200)
@@ -67,7 +66,7 @@ async def test_the_flush_notifies_the_relay_so_it_does_not_wait_for_a_poll(
     async with app.app.router.lifespan_context(app.app):
         await asyncio.sleep(0.5)  # the relay's first pass (at start) is done and it waits
         await post_near_end(app, relay_settings, users=1, lessons=1)
-        await Flusher(redis=redis, pool=db, settings=relay_settings).flush_cycle()
+        await build_flusher(relay_settings, redis, db).flush_cycle()
         rows = await executions.wait_for(1, timeout_s=5)
     assert [kwargs_of(row)["user_id"] for row in rows] == [1]
 

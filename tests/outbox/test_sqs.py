@@ -9,10 +9,9 @@ import pytest
 from moto.server import ThreadedMotoServer
 from redis.asyncio import Redis
 
-from service.app import create_app
+from service.app import build_flusher, create_app
 from service.config import Settings
 from service.embedded import free_port
-from service.progress.flusher import Flusher
 from tests.conftest import seed
 from tests.monolith.fixtures import Executions, kwargs_of, start_worker, stop_worker, wait_worker_ready
 from tests.outbox.conftest import with_broker
@@ -49,7 +48,7 @@ async def test_200_completions_reach_the_worker_through_sqs_once_each(
     app = create_app(over_sqs)
     async with app.app.router.lifespan_context(app.app):
         await post_near_end(app, over_sqs)
-        await Flusher(redis=redis, pool=db, settings=over_sqs).flush_cycle()
+        await build_flusher(over_sqs, redis, db).flush_cycle()
         rows = await executions.wait_for(200, timeout_s=90, settle_s=1.0)
 
     assert len(rows) == 200
