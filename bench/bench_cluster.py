@@ -34,7 +34,8 @@ from redis.asyncio import RedisCluster
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ingest as ingest  # the sibling script: its wrk runner and process helpers
 
-from service.clients import RedisClient, key_layout
+from service.app import build_key_layout
+from service.clients import RedisClient
 from service.config import Settings
 from service.embedded import EmbeddedCluster, EmbeddedRedis
 from service.progress.buffer import WRITE_SCRIPT, now_ms, write_args
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         masters = [Redis(host=node.host, port=node.port) for node in sync_cluster.get_primaries()]
         standalone_sync = stack.enter_context(Redis.from_url(standalone.url))
 
-        cluster_layout = key_layout(Settings(redis_cluster=True))
+        cluster_layout = build_key_layout(Settings(redis_cluster=True))
         figures: dict[str, dict[str, float]] = {}
         for _ in range(args.repeat):  # the lowest of each: the run least disturbed by other processes
             runs = {

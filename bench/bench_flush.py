@@ -55,11 +55,11 @@ import asyncpg
 from redis.asyncio import Redis
 
 from service import embedded
+from service.app import build_flusher
 from service.clients import connect_redis
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, decode_value, now_ms, write_args
 from service.progress.content import CONTENT_KINDS
-from service.progress.flusher import Flusher
 from service.progress.keys import in_flight_key, latest_position_key, parse_member, pending_flush_key
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -593,7 +593,7 @@ class Bench:
             statement_cache_size=settings.database_statement_cache_size, init=counter.attach,
         )  # fmt: skip
         try:
-            flusher = Flusher(redis=redis, pool=pool, settings=settings)
+            flusher = build_flusher(settings, redis, pool)
             started = time.perf_counter()
             result = await asyncio.wait_for(flusher.flush_cycle(), DRAIN_TIMEOUT_S)
             seconds = time.perf_counter() - started

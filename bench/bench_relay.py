@@ -27,10 +27,9 @@ from pathlib import Path
 import asyncpg
 
 from service import embedded
+from service.app import build_relay, completion_route
 from service.config import Settings
 from service.outbox.celery_publisher import publisher_from_settings
-from service.outbox.outboxes import COMPLETIONS
-from service.outbox.relay import Relay, Route
 from service.progress.content import CONTENT_KINDS
 from service.progress.store import Heartbeat, persist_batch
 
@@ -73,7 +72,7 @@ async def relay_drain(settings: Settings, pool: asyncpg.Pool, count: int) -> tup
     )  # fmt: skip
     publisher = publisher_from_settings(settings)
     try:
-        relay = Relay(pool=pool, routes=[Route(COMPLETIONS, publisher)], settings=settings)
+        relay = build_relay(settings, pool, [completion_route(settings, publisher)])
         await publisher.publish([])  # nothing: the thread pool exists before the clock starts
         started = time.perf_counter()
         result = await relay.relay_once()
@@ -96,7 +95,7 @@ async def steady_latency(
     await pool.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (1, 'l', 600) ON CONFLICT DO NOTHING")
     publisher = publisher_from_settings(settings)
     stop = asyncio.Event()
-    relay = asyncio.create_task(Relay(pool=pool, routes=[Route(COMPLETIONS, publisher)], settings=settings).run(stop))
+    relay = asyncio.create_task(build_relay(settings, pool, [completion_route(settings, publisher)]).run(stop))
     try:
         await asyncio.sleep(1.0)  # LISTEN in place
         per_tick, tick_s = max(1, rate // 10), 0.1

@@ -8,6 +8,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from typing import Any
 
+import asyncpg
 from fastapi import FastAPI
 
 from service.api import health
@@ -18,20 +19,23 @@ from service.api.ratelimit import RateLimiter
 from service.api.reads import ProgressReads
 from service.api.sync import ProgressSync
 from service.auth import Authenticator
-from service.clients import connect_redis, create_db_pool, key_layout
+from service.clients import RedisClient, connect_redis, create_db_pool
 from service.config import Settings, load_settings
-from service.delivery import relay_routes
 from service.logs import RequestIdMiddleware, configure_logging
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
-from service.outbox.relay import Relay
+from service.outbox.messages import Publisher
+from service.outbox.outboxes import COMPLETIONS, EMAILS, publish_budget_s
+from service.outbox.relay import Relay, Route
 from service.progress.buffer import WRITE_SCRIPT, PositionWriter
 from service.progress.flusher import Flusher
+from service.progress.keys import KeyLayout, key_layout
 from service.progress.reads import ProgressReader
 from service.progress.redis_memory import run_redis_memory_sampler
 from service.progress.sink import DirectWriter, HeartbeatSink
 from service.progress.sync import OfflineSync
 from service.stores import REDIS_FAILED
-from service.trial_emails.queue import build_email_queue
+from service.trial_emails.batch import BatchOptions
+from service.trial_emails.queue import EmailQueue, build_email_queue, email_relay_publisher
 from service.trial_emails.sweep import run_periodic_sweep
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,59 @@ class BackgroundTasks:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+# The background parts from the settings: used by the lifespan, the commands (service.cli) and the tests.
+
+
+def build_key_layout(settings: Settings) -> KeyLayout:
+    return key_layout(shards=settings.progress_buffer_shards, cluster=settings.redis_cluster,
+                      previous_shards=settings.progress_buffer_previous_shards)  # fmt: skip
+
+
+def build_flusher(settings: Settings, redis: RedisClient, pool: asyncpg.Pool) -> Flusher:
+    return Flusher(redis=redis, pool=pool, layout=build_key_layout(settings),
+                   batch_size=settings.progress_flush_batch_size, lease_s=settings.progress_flush_lease_seconds,
+                   margin_s=settings.progress_completion_margin_seconds,
+                   interval_s=settings.progress_flush_interval_seconds,
+                   concurrency=settings.progress_flush_concurrency,
+                   shutdown_timeout_s=settings.progress_shutdown_timeout_seconds)  # fmt: skip
+
+
+def completion_route(settings: Settings, publisher: Publisher) -> Route:
+    return Route(COMPLETIONS, publisher, settings.completion_task_name, settings.completion_task_queue)
+
+
+def email_route(settings: Settings, publisher: Publisher) -> Route:
+    """`publisher` sends the email outbox where EMAIL_PUBLISHER says: Celery, or the trial-email stream."""
+    return Route(EMAILS, publisher, settings.email_task_name, settings.email_task_queue)
+
+
+def relay_routes(settings: Settings, redis: RedisClient, publisher: Publisher) -> list[Route]:
+    return [completion_route(settings, publisher),
+            email_route(settings, email_relay_publisher(settings, redis, publisher))]  # fmt: skip
+
+
+def build_relay(settings: Settings, pool: asyncpg.Pool, routes: list[Route]) -> Relay:
+    listen_dsn = settings.relay_listen_database_url or settings.database_url
+    return Relay(pool=pool, routes=routes, batch_size=settings.relay_batch_size,
+                 lease_s=settings.relay_lease_seconds, publish_timeout_s=settings.celery_publish_timeout_seconds,
+                 poll_s=settings.relay_poll_interval_seconds, max_backoff_s=settings.relay_max_backoff_seconds,
+                 listen_dsn=listen_dsn if settings.relay_listen else "",
+                 connect_timeout_s=settings.database_connect_timeout_seconds)  # fmt: skip
+
+
+def batch_options(settings: Settings) -> BatchOptions:
+    """What a trial-journey batch (and so the sweep) needs to know."""
+    return BatchOptions(send_email=settings.send_email, batch_size=settings.journey_batch_size,
+                        block_size=settings.reservation_block_size, lease_s=settings.relay_lease_seconds,
+                        publish_timeout_s=settings.celery_publish_timeout_seconds)  # fmt: skip
+
+
+def periodic_sweep(settings: Settings, pool: asyncpg.Pool, queue: EmailQueue,
+                   stop: asyncio.Event) -> Coroutine[Any, Any, None]:  # fmt: skip
+    return run_periodic_sweep(pool=pool, queue=queue, options=batch_options(settings),
+                              interval_s=settings.trial_journey_interval_seconds, stop=stop)  # fmt: skip
+
+
 @asynccontextmanager
 async def lifespan(api: FastAPI) -> AsyncIterator[None]:
     settings: Settings = api.state.settings
@@ -87,7 +144,7 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             resources.push_async_callback(pool.close)
             api.state.db_pool = pool
             if settings.progress_flusher_enabled:
-                flusher = Flusher(redis=redis, pool=pool, settings=settings)
+                flusher = build_flusher(settings, redis, pool)
                 background.start("progress-flusher", flusher.run(background.stop))
             publisher: CeleryPublisher | None = None
             if settings.celery_broker_url:
@@ -96,14 +153,14 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
                 resources.push_async_callback(asyncio.to_thread, publisher.close)
             if settings.trial_journey_interval_seconds > 0:
                 queue = build_email_queue(settings, redis, publisher)
-                background.start("trial-journey-sweep", run_periodic_sweep(
-                    pool=pool, redis=redis, settings=settings, stop=background.stop, queue=queue))  # fmt: skip
+                background.start("trial-journey-sweep", periodic_sweep(settings, pool, queue, background.stop))
             if settings.relay_enabled and publisher is not None:
-                relay = Relay(pool=pool, settings=settings, routes=relay_routes(settings, redis, publisher))
+                relay = build_relay(settings, pool, relay_routes(settings, redis, publisher))
                 background.start("outbox-relay", relay.run(background.stop))
                 # runs once the loops have stopped (callbacks run in reverse): the final flush's
                 # completions go out now instead of waiting for another pod's relay
-                resources.push_async_callback(relay.final_pass, settings.celery_publish_timeout_seconds + 2)
+                final_pass_s = publish_budget_s(settings.celery_publish_timeout_seconds)
+                resources.push_async_callback(relay.final_pass, final_pass_s)
         # the final flush must see every write acknowledged before shutdown: stop the loops after the writes
         resources.push_async_callback(background.aclose, settings.progress_shutdown_timeout_seconds + 5)
         direct = None
@@ -111,7 +168,7 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             direct = DirectWriter(pool, margin_s=settings.progress_completion_margin_seconds,
                                   max_concurrency=settings.degraded_max_concurrency,
                                   max_waiting=settings.degraded_max_waiting)  # fmt: skip
-        writer = PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds, layout=key_layout(settings),
+        writer = PositionWriter(redis, ttl_s=settings.progress_position_ttl_seconds, layout=build_key_layout(settings),
                                 wait_replicas=settings.redis_wait_replicas,
                                 wait_timeout_ms=settings.redis_wait_timeout_ms)  # fmt: skip
         sink = HeartbeatSink(writer, direct,

@@ -2,17 +2,28 @@
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import asyncpg
+
+from service.clients import RedisClient, connect_redis, create_db_pool
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
-from service.signals import stop_on_signals
-from service.trial_emails.commands import add_commands as add_trial_email_commands
+from service.loops import run_until_stopped
+from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
+from service.stores import POSTGRES_FAILED, REDIS_FAILED
+from service.trial_emails.batch import BatchResult
+from service.trial_emails.queue import build_email_queue
+from service.trial_emails.sweep import sweep_journeys
 
 DEV_JWT_SECRET = "dev-only-secret-not-for-production"
 
@@ -109,36 +120,129 @@ def _dev(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flush(args: argparse.Namespace) -> int:
+@dataclass(frozen=True, slots=True)
+class _Parts:
+    """What a long-running command is given: its settings, its stores, and the event SIGTERM sets."""
+
+    settings: Settings
+    redis: RedisClient
+    pool: asyncpg.Pool
+    publisher: CeleryPublisher | None
+    stop: asyncio.Event
+
+
+def _run_command(check: Callable[[Settings], bool], body: Callable[[_Parts], Awaitable[int]]) -> int:
+    """The skeleton of flush, relay and trial-emails run-once: settings, JSON logs, the stores, the exit code.
+
+    `check` raises ConfigError for what the command cannot run without, and says whether it publishes
+    with Celery. The stores are opened in order (publisher, Postgres, Redis) and closed in reverse;
+    SIGTERM or Ctrl-C sets `stop`, the body finishes what it has in hand and its code is the exit code.
+    """
     settings = load_settings()
     configure_logging(settings.log_level)
-    if not settings.database_url:
-        raise ConfigError("flush needs DATABASE_URL (postgresql://...)")
-    return asyncio.run(_run_flusher(settings, once=args.once))
+    with_publisher = check(settings)
+
+    async def main(stop: asyncio.Event) -> int:
+        async with AsyncExitStack() as stores:
+            publisher = None
+            if with_publisher:
+                publisher = publisher_from_settings(settings)
+                # off the loop: closing waits for a publish in flight
+                stores.push_async_callback(asyncio.to_thread, publisher.close)
+            pool = await create_db_pool(settings)
+            stores.push_async_callback(pool.close)
+            redis = connect_redis(settings)
+            stores.push_async_callback(redis.aclose)
+            return await body(_Parts(settings, redis, pool, publisher, stop))
+
+    return run_until_stopped(main)
 
 
-async def _run_flusher(settings: Settings, *, once: bool) -> int:
-    import json
-    from dataclasses import asdict
+def _flush(args: argparse.Namespace) -> int:
+    def check(settings: Settings) -> bool:
+        if not settings.database_url:
+            raise ConfigError("flush needs DATABASE_URL (postgresql://...)")
+        return False
 
-    from service.clients import connect_redis, create_db_pool
-    from service.progress.flusher import Flusher
+    return _run_command(check, partial(_run_flusher, once=args.once))
 
-    redis = connect_redis(settings)
-    pool = await create_db_pool(settings)
+
+async def _run_flusher(parts: _Parts, *, once: bool) -> int:
+    from service.app import build_flusher
+
+    flusher = build_flusher(parts.settings, parts.redis, parts.pool)
+    if once:
+        result = await flusher.flush_cycle(stop=parts.stop)
+        print(json.dumps(asdict(result)), flush=True)
+        return 1 if result.failed_batches else 0
+    _progress(f"flushing every {parts.settings.progress_flush_interval_seconds:g}s; SIGTERM or Ctrl-C stops")
+    await flusher.run(parts.stop)
+    return 0
+
+
+def _relay(args: argparse.Namespace) -> int:
+    def check(settings: Settings) -> bool:
+        if not settings.database_url:
+            raise ConfigError("relay needs DATABASE_URL (postgresql://...)")
+        if not settings.celery_broker_url:
+            raise ConfigError("relay needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or amqp://)")
+        return True
+
+    return _run_command(check, partial(_run_relay, once=args.once))
+
+
+async def _run_relay(parts: _Parts, *, once: bool) -> int:
+    from service.app import build_relay, relay_routes
+
+    assert parts.publisher is not None
+    relay = build_relay(parts.settings, parts.pool, relay_routes(parts.settings, parts.redis, parts.publisher))
+    if once:
+        result = await relay.relay_once(stop=parts.stop)
+        print(json.dumps(asdict(result)), flush=True)
+        return 1 if result.broker_unavailable else 0
+    _progress("relaying the outboxes; SIGTERM or Ctrl-C stops")
+    await relay.run(parts.stop)
+    return 0
+
+
+def _trial_emails_run_once(args: argparse.Namespace) -> int:
+    """One sweep, progress on stderr, the summed result on stdout.
+
+    SIGTERM (or Ctrl-C) stops it cleanly: the batch in hand finishes (its blocks are reserved and their
+    outbox rows written in one statement each, so whatever it could not publish is the relay's), no
+    new batch starts, the partial result is printed with "status": "stopped", and the exit code is 0.
+    """
+    def check(settings: Settings) -> bool:
+        if not settings.database_url:
+            raise ConfigError("DATABASE_URL is required (the primary: reservations never go to a replica)")
+        publishes_with_celery = settings.email_publisher == "celery" and settings.send_email
+        if publishes_with_celery:
+            settings.check_celery_broker()
+        return publishes_with_celery
+
     try:
-        flusher = Flusher(redis=redis, pool=pool, settings=settings)
-        if once:
-            result = await flusher.flush_cycle()
-            print(json.dumps(asdict(result)), flush=True)
-            return 1 if result.failed_batches else 0
-        stop = stop_on_signals()
-        _progress(f"flushing every {settings.progress_flush_interval_seconds:g}s; SIGTERM or Ctrl-C stops")
-        await flusher.run(stop)
-        return 0
-    finally:
-        await pool.close()
-        await redis.aclose()
+        return _run_command(check, _sweep_once)
+    except (*POSTGRES_FAILED, *REDIS_FAILED) as exc:
+        print(f"trial-emails run-once failed: {exc!r}", file=sys.stderr)
+        return 1
+
+
+async def _sweep_once(parts: _Parts) -> int:
+    from service.app import batch_options
+
+    result = await sweep_journeys(
+        pool=parts.pool, queue=build_email_queue(parts.settings, parts.redis, parts.publisher),
+        options=batch_options(parts.settings), on_batch=_show_sweep_progress, should_stop=parts.stop.is_set,
+    )  # fmt: skip
+    if parts.stop.is_set():
+        result["status"] = "stopped"
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def _show_sweep_progress(done: int, in_journey: int, batch: BatchResult) -> None:
+    print(f"[trial-emails] {done}/{in_journey} trials, batch of {batch['user_trials']}: {batch['sent']} enqueued",
+          file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _openapi(args: argparse.Namespace) -> int:
@@ -180,10 +284,17 @@ def _parser() -> argparse.ArgumentParser:
     flush.add_argument("--once", action="store_true", help="drain everything pending, print a summary, exit")
     flush.set_defaults(run=_flush)
 
-    add_trial_email_commands(commands)
-    from service.delivery import add_commands as add_relay_commands
+    trial_emails = commands.add_parser("trial-emails", help="trial-journey emails (reserve once, enqueue)")
+    actions = trial_emails.add_subparsers(dest="trial_emails_action", required=True)
+    run_once = actions.add_parser(
+        "run-once",
+        help="enqueue the due emails of every trial in its journey, once; print the result as JSON",
+    )
+    run_once.set_defaults(run=_trial_emails_run_once)
 
-    add_relay_commands(commands)
+    relay = commands.add_parser("relay", help="publish the outboxes to the monolith's Celery broker")
+    relay.add_argument("--once", action="store_true", help="publish everything owed now, print a summary, exit")
+    relay.set_defaults(run=_relay)
 
     openapi = commands.add_parser("openapi", help="print the OpenAPI document (YAML) the app serves")
     openapi.set_defaults(run=_openapi)

@@ -17,7 +17,6 @@ from redis.exceptions import AskError, MovedError, RedisClusterException, RedisE
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from service.config import Settings
-from service.progress.keys import CLUSTER_DEFAULT_SHARDS, KeyLayout
 from service.stores import REDIS_UNAVAILABLE
 
 RedisClient: TypeAlias = Redis | RedisCluster
@@ -47,14 +46,6 @@ def connect_redis(settings: Settings) -> RedisClient:
         **common,
     )
     return Redis.from_pool(pool)  # the client owns the pool and closes it
-
-
-def key_layout(settings: Settings) -> KeyLayout:
-    shards = settings.progress_buffer_shards
-    if not shards:
-        shards = CLUSTER_DEFAULT_SHARDS if settings.redis_cluster else 1
-    return KeyLayout(shards=shards, cluster=settings.redis_cluster,
-                     previous_shards=settings.progress_buffer_previous_shards)  # fmt: skip
 
 
 class NotReplicated(RedisError):

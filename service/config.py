@@ -125,8 +125,6 @@ class Settings(BaseSettings):
     def check_celery_broker(self) -> None:
         """Refuse to start a process that would owe the monolith messages it cannot send."""
         if self.celery_broker_url:
-            from service.outbox.celery_publisher import check_transport  # celery is imported only when used
-
             check_transport(self.celery_broker_url)
             return
         if self.email_publisher == "celery":
@@ -213,6 +211,31 @@ def _public_key_kind(pem: str) -> str:
     if isinstance(key, ed25519.Ed25519PublicKey | ed448.Ed448PublicKey):
         return "EdDSA public key"
     return type(key).__name__
+
+
+# scheme -> the extra that installs its transport (the transports celery needs nothing more for are absent)
+_TRANSPORT_EXTRAS = {"sqs": "sqs"}
+_BUILT_IN_SCHEMES = {"redis", "rediss", "amqp", "amqps", "pyamqp", "memory"}
+
+
+def check_transport(broker_url: str) -> None:
+    """Fail at start-up, naming what to install, rather than at the first publish (in the relay's thread)."""
+    from kombu.transport import resolve_transport  # kombu is imported only when a broker is used
+
+    scheme = urlsplit(broker_url).scheme.split("+")[0]
+    if scheme not in _BUILT_IN_SCHEMES and scheme not in _TRANSPORT_EXTRAS:
+        raise ConfigError(f"CELERY_BROKER_URL: unsupported transport {scheme!r} (use sqs://, redis:// or amqp://)")
+    try:
+        if scheme in _TRANSPORT_EXTRAS:
+            import boto3  # noqa: F401  # what kombu's SQS transport needs, imported by it only on first use
+        # kombu imports a transport's module (and what it needs) only at the first connection
+        resolve_transport(scheme)
+    except ImportError as exc:
+        extra = _TRANSPORT_EXTRAS.get(scheme)
+        hint = f"pip install 'progress-service[{extra}]'" if extra else f"install the missing module ({exc.name})"
+        raise ConfigError(
+            f"CELERY_BROKER_URL uses {scheme}://, whose transport cannot load ({exc}): {hint}"
+        ) from None
 
 
 def load_settings() -> Settings:

@@ -10,7 +10,8 @@ from datetime import UTC, datetime
 from service.asgi import ASGIApp, Message, Receive, Scope, Send
 
 # Context a log call may pass with `extra=`; anything else on the record is logging's own.
-CONTEXT_FIELDS = ("request_id", "content_type", "batch_size", "key", "pairs", "error", "pod", "count")
+CONTEXT_FIELDS = ("request_id", "content_type", "batch_size", "key", "pairs", "error", "pod", "count", "outbox",
+                  "row_id")  # fmt: skip
 
 # The request a log line was written for, set by RequestIdMiddleware. The heartbeat fast path
 # (service.api.ingest) does not go through it: its lines carry the content type instead.

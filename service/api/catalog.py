@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 import asyncpg
 
 from service import metrics
+from service.loops import every
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.known_content import exists, load_ids
 from service.stores import POSTGRES_FAILED
@@ -125,13 +126,7 @@ class ContentCatalog:
 
     async def run_refresh(self, stop: asyncio.Event, interval_s: float) -> None:
         """Refresh every interval until `stop` (the lifespan did the first load)."""
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=interval_s)
-                return
-            except TimeoutError:
-                pass
-            await self.try_refresh()
+        await every(interval_s, stop, self.try_refresh, name="content catalog refresh", wait_first=True, logger=log)
 
     async def aclose(self) -> None:
         for task in list(self._lookups.values()):

@@ -1,5 +1,6 @@
 """Delivering what this service owes the monolith's Celery workers: a transactional outbox and its relay.
 
+messages          Message, Publisher, PublishResult: what a publisher is given and answers
 outboxes          the two outbox tables (completion events, trial emails): claim, mark, park SQL; task ids
 celery_publisher  Celery's own client, off the event loop, bounded and with a deadline
 relay             claims unpublished rows, publishes, marks them; LISTEN/NOTIFY wake-up, polling, backoff

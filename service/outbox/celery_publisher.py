@@ -11,60 +11,13 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlsplit
 
-from service.config import ConfigError, Settings
+from service.config import Settings, check_transport
+from service.outbox.messages import Message, PublishResult
 
 log = logging.getLogger(__name__)
-
-# scheme -> the extra that installs its transport (the transports celery needs nothing more for are absent)
-_TRANSPORT_EXTRAS = {"sqs": "sqs"}
-_BUILT_IN_SCHEMES = {"redis", "rediss", "amqp", "amqps", "pyamqp", "memory"}
-
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    """One Celery task owed to the monolith; `row_id` is its outbox row."""
-
-    row_id: int
-    task_name: str
-    queue: str
-    task_id: str
-    kwargs: dict[str, Any]
-    # what a publisher other than Celery may need besides the kwargs (the email stream: reserved_at)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class PublishResult:
-    sent: list[int] = field(default_factory=list)  # row ids the broker acknowledged
-    refused: dict[int, str] = field(default_factory=dict)  # row id -> why the broker will never take it
-    # the broker could not be reached: the rows neither sent nor refused were not published
-    unavailable: str | None = None
-    # the call outlived its deadline: whether the rest went out is unknown
-    timed_out: bool = False
-
-
-def check_transport(broker_url: str) -> None:
-    """Fail at start-up, naming what to install, rather than at the first publish (in the relay's thread)."""
-    from kombu.transport import resolve_transport
-
-    scheme = urlsplit(broker_url).scheme.split("+")[0]
-    if scheme not in _BUILT_IN_SCHEMES and scheme not in _TRANSPORT_EXTRAS:
-        raise ConfigError(f"CELERY_BROKER_URL: unsupported transport {scheme!r} (use sqs://, redis:// or amqp://)")
-    try:
-        if scheme in _TRANSPORT_EXTRAS:
-            import boto3  # noqa: F401  # what kombu's SQS transport needs, imported by it only on first use
-        # kombu imports a transport's module (and what it needs) only at the first connection
-        resolve_transport(scheme)
-    except ImportError as exc:
-        extra = _TRANSPORT_EXTRAS.get(scheme)
-        hint = f"pip install 'progress-service[{extra}]'" if extra else f"install the missing module ({exc.name})"
-        raise ConfigError(
-            f"CELERY_BROKER_URL uses {scheme}://, whose transport cannot load ({exc}): {hint}"
-        ) from None
 
 
 def _connection_errors() -> tuple[type[BaseException], ...]:
@@ -115,11 +68,6 @@ def _is_refusal(exc: BaseException) -> bool:
             return code not in _SQS_TRANSIENT_CODES
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-class Publisher(Protocol):
-    async def publish(self, messages: Sequence[Message]) -> PublishResult:
-        """Send in order; report what the broker took, refused, or could not be asked."""
 
 
 class CeleryPublisher:

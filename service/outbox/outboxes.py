@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from service.config import Settings
-from service.outbox.celery_publisher import Message
+from service.outbox.messages import Message
 
 # the writers NOTIFY this channel in the statement that writes outbox rows (delivered at commit)
 NOTIFY_CHANNEL = "progress_outbox"
@@ -39,7 +38,7 @@ class Outbox:
     release_sql: str  # $1 row ids: claimed, not published, no harm done (the broker was unreachable)
     park_sql: str  # $1 row ids, $2 errors
     oldest_sql: str  # age (s) of the oldest row still owed, or NULL
-    to_message: Callable[[asyncpg.Record, Settings], Message]
+    to_message: Callable[[asyncpg.Record, str, str], Message]  # (row, task name, queue)
 
 
 # The lease, not an open transaction, keeps other relays off a claimed batch: the claim commits at
@@ -78,14 +77,14 @@ SELECT extract(epoch FROM now() - min(created_at))::float8 FROM {table}
 
 
 def _outbox(name: str, *, table: str, key: str, returning: str,
-            to_message: Callable[[asyncpg.Record, Settings], Message]) -> Outbox:  # fmt: skip
+            to_message: Callable[[asyncpg.Record, str, str], Message]) -> Outbox:  # fmt: skip
     """Both outboxes are one shape: a table with a bigint key, published_at, a lease and a park."""
     names = {"table": table, "key": key, "returning": returning}
     return Outbox(name, _CLAIM_SQL.format(**names), _MARK_SQL.format(**names), _RELEASE_SQL.format(**names),
                   _PARK_SQL.format(**names), _OLDEST_SQL.format(**names), to_message)  # fmt: skip
 
 
-def completion_message(row: asyncpg.Record, settings: Settings) -> Message:
+def completion_message(row: asyncpg.Record, task_name: str, queue: str) -> Message:
     kwargs = {
         "user_id": row["user_id"],
         "content_type": row["content_type"],
@@ -93,16 +92,16 @@ def completion_message(row: asyncpg.Record, settings: Settings) -> Message:
         "completed_at": row["completed_at"].isoformat(),
     }
     task_id = completion_task_id(row["content_type"], row["content_id"], row["user_id"])
-    return Message(row["id"], settings.completion_task_name, settings.completion_task_queue, task_id, kwargs)
+    return Message(row["id"], task_name, queue, task_id, kwargs)
 
 
 def email_kwargs(dispatch_id: int, user_id: int, email_key: str, source: str) -> dict[str, object]:
     return {"dispatch_id": dispatch_id, "user_id": user_id, "email_key": email_key, "source": source}
 
 
-def email_message(row: asyncpg.Record, settings: Settings) -> Message:
+def email_message(row: asyncpg.Record, task_name: str, queue: str) -> Message:
     kwargs = email_kwargs(row["id"], row["user_id"], row["email_key"], row["source"])
-    return Message(row["id"], settings.email_task_name, settings.email_task_queue, email_task_id(row["id"]), kwargs,
+    return Message(row["id"], task_name, queue, email_task_id(row["id"]), kwargs,
                    extra={"reserved_at": row["reserved_at"]})  # fmt: skip
 
 
@@ -114,6 +113,21 @@ COMPLETIONS = _outbox("completion", table="progress_completion_event", key="id",
 # does not race the batch's own publish of its winners.
 EMAILS = _outbox("email", table="trial_email_outbox", key="dispatch_id",
                  returning="o.user_id, o.source, o.email_key, o.reserved_at", to_message=email_message)  # fmt: skip
+
+
+def publish_window_s(lease_s: float, publish_timeout_s: float) -> float:
+    """How long after its lease began the holder of a batch may still start publishing it.
+
+    A batch may take its publish deadline, the wait for the publishing thread beyond it and the mark
+    statement (publish_budget_s) from the start of its publish to its mark; started later, it could
+    still be going out when the lease ends and another relay claims and sends it again.
+    """
+    return max(lease_s - publish_budget_s(publish_timeout_s), lease_s / 2)
+
+
+def publish_budget_s(publish_timeout_s: float) -> float:
+    """From the start of one batch's publish to its mark: the deadline, the thread's second, the mark."""
+    return publish_timeout_s + 2.0
 
 
 async def mark_published(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox, row_ids: list[int]) -> None:

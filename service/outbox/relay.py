@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import asyncpg
 
 from service import metrics
-from service.config import Settings
-from service.outbox.celery_publisher import Publisher, PublishResult
-from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox
+from service.loops import Backoff, every
+from service.outbox.messages import Publisher, PublishResult
+from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, publish_window_s
 from service.stores import POSTGRES_FAILED
 
 log = logging.getLogger(__name__)
@@ -36,10 +36,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """An outbox and the publisher its messages go to."""
+    """An outbox, the publisher its messages go to, and the Celery task and queue they name."""
 
     outbox: Outbox
     publisher: Publisher
+    task_name: str
+    queue: str
 
 
 @dataclass(slots=True)
@@ -54,22 +56,20 @@ class RelayResult:
 
 
 class Relay:
-    def __init__(self, *, pool: asyncpg.Pool, routes: Sequence[Route], settings: Settings) -> None:
+    def __init__(self, *, pool: asyncpg.Pool, routes: Sequence[Route], batch_size: int, lease_s: float,
+                 publish_timeout_s: float, poll_s: float, max_backoff_s: float, listen_dsn: str = "",
+                 connect_timeout_s: float) -> None:  # fmt: skip
+        """`listen_dsn`: where to LISTEN for the writers' NOTIFY; empty, poll only."""
         self._pool = pool
-        self._settings = settings
         self._routes = list(routes)
-        self._batch_size = settings.relay_batch_size
-        self._lease_s = settings.relay_lease_seconds
-        # What one batch may take from the start of its publish to its mark (the publish deadline, the
-        # wait for the publishing thread beyond it, the mark statement): a batch claimed ahead is
-        # published only while at least that much of its lease is left
-        publish_budget_s = settings.celery_publish_timeout_seconds + 2.0
-        self._fresh_for_s = max(self._lease_s - publish_budget_s, self._lease_s / 2)
-        self._poll_s = settings.relay_poll_interval_seconds
-        self._max_backoff_s = settings.relay_max_backoff_seconds
-        listen_dsn = settings.relay_listen_database_url or settings.database_url
-        self._listen_dsn = listen_dsn if settings.relay_listen else ""
-        self._connect_timeout_s = settings.database_connect_timeout_seconds
+        self._batch_size = batch_size
+        self._lease_s = lease_s
+        # a batch claimed ahead is published only while enough of its lease is left to publish and mark it
+        self._fresh_for_s = publish_window_s(lease_s, publish_timeout_s)
+        self._poll_s = poll_s
+        self._max_backoff_s = max_backoff_s
+        self._listen_dsn = listen_dsn
+        self._connect_timeout_s = connect_timeout_s
         self._wake = asyncio.Event()
         # Test-only failpoint: SIGKILL itself after a claim (after_claim) or after a batch is published
         # and before it is marked (after_publish), so the crash tests hit the moments they claim to.
@@ -105,7 +105,7 @@ class Relay:
                 rows, claimed_at = await self._claim(route.outbox), None
                 continue
             publishing = asyncio.ensure_future(route.publisher.publish(
-                [route.outbox.to_message(row, self._settings) for row in rows]))  # fmt: skip
+                [route.outbox.to_message(row, route.task_name, route.queue) for row in rows]))  # fmt: skip
             more = len(rows) == self._batch_size and (stop is None or not stop.is_set())
             claim_started = time.monotonic()  # the next batch's lease runs from about now
             claiming = asyncio.ensure_future(self._claim(route.outbox)) if more else None
@@ -195,52 +195,38 @@ class Relay:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until `stop`: on each NOTIFY, every poll interval, and after a backoff while the broker is down."""
-        backoff_s = 0.0
         listener: asyncpg.Connection | None = None
+
+        async def step() -> bool:
+            nonlocal listener
+            listener = await self._ensure_listener(listener)
+            return await self._pass(stop)
+
         try:
-            while not stop.is_set():
-                listener = await self._ensure_listener(listener)
-                self._wake.clear()
-                try:
-                    result = await self.relay_once(stop=stop)
-                except POSTGRES_FAILED as exc:
-                    result = None
-                    log.warning("outbox relay: database error, retrying: %r", exc, extra={"error": repr(exc)})
-                except Exception:
-                    # The relay is the only way out of the outboxes: if it died, every completion and
-                    # email would wait for ever with no alert. Whatever this is (a bug, a publisher
-                    # error nobody foresaw), it is logged loudly and the loop backs off and goes on.
-                    result = None
-                    metrics.OUTBOX_RELAY_ERRORS.inc()
-                    log.exception("outbox relay: unexpected error; retrying with backoff")
-                if result is not None and result.broker_unavailable is None:
-                    backoff_s = 0.0
-                    if result.did_something():
-                        log.info("outbox relay: tasks published %s (republished %s, refused and parked %s)",
-                                 _counts(result.published), _counts(result.republished), _counts(result.failed),
-                                 extra={"count": sum(result.published.values())})  # fmt: skip
-                    await self._sleep(stop, self._poll_s, wake_on_notify=True)
-                else:
-                    backoff_s = min(self._max_backoff_s, max(0.5, backoff_s * 2))
-                    if result is not None:
-                        log.warning("outbox relay: broker unavailable (%s); next try in %.1fs",
-                                    result.broker_unavailable, backoff_s)  # fmt: skip
-                    await self._sleep(stop, backoff_s, wake_on_notify=False)
+            # The relay is the only way out of the outboxes: if it died, every completion and email
+            # would wait for ever with no alert. An error nobody foresaw is logged, and it backs off.
+            await every(self._poll_s, stop, step, name="outbox relay", backoff=Backoff(0.5, self._max_backoff_s),
+                        wake=self._wake, errors=metrics.OUTBOX_RELAY_ERRORS, logger=log)  # fmt: skip
         finally:
             if listener is not None:
                 with contextlib.suppress(*POSTGRES_FAILED):
                     await listener.close(timeout=2)
 
-    async def _sleep(self, stop: asyncio.Event, seconds: float, *, wake_on_notify: bool) -> None:
-        waits = [asyncio.ensure_future(stop.wait())]
-        if wake_on_notify:
-            waits.append(asyncio.ensure_future(self._wake.wait()))
+    async def _pass(self, stop: asyncio.Event) -> bool:
         try:
-            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waits:
-                waiter.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
+            result = await self.relay_once(stop=stop)
+        except POSTGRES_FAILED as exc:
+            log.warning("outbox relay: database error, retrying: %r", exc, extra={"error": repr(exc)})
+            return False
+        if result.broker_unavailable is not None:
+            log.warning("outbox relay: broker unavailable (%s); retrying with backoff (at most %.0fs)",
+                        result.broker_unavailable, self._max_backoff_s)  # fmt: skip
+            return False
+        if result.did_something():
+            log.info("outbox relay: tasks published %s (republished %s, refused and parked %s)",
+                     _counts(result.published), _counts(result.republished), _counts(result.failed),
+                     extra={"count": sum(result.published.values())})  # fmt: skip
+        return True
 
     async def _ensure_listener(self, listener: asyncpg.Connection | None) -> asyncpg.Connection | None:
         """A connection LISTENing on the writers' channel, reopened when lost; None means poll only."""

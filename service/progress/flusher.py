@@ -13,12 +13,13 @@ import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import asyncpg
 
 from service import metrics
-from service.clients import RedisClient, execute_by_node, key_layout, node_name
-from service.config import Settings
+from service.clients import RedisClient, execute_by_node, node_name
+from service.loops import Backoff, every
 from service.progress.buffer import decode_value, now_ms
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import KeyLayout, Shard, parse_member
@@ -50,49 +51,29 @@ class CycleResult:
 
 
 class Flusher:
-    def __init__(self, *, redis: RedisClient, pool: asyncpg.Pool, settings: Settings,
-                 layout: KeyLayout | None = None) -> None:  # fmt: skip
+    def __init__(self, *, redis: RedisClient, pool: asyncpg.Pool, layout: KeyLayout, batch_size: int, lease_s: float,
+                 margin_s: float, interval_s: float, concurrency: int, shutdown_timeout_s: float) -> None:  # fmt: skip
         self._redis = redis
         self._pool = pool
         self._leases = Leases(redis)
-        self._layout = layout or key_layout(settings)
-        self._batch_size = settings.progress_flush_batch_size
-        self._lease_ms = int(settings.progress_flush_lease_seconds * 1000)
-        self._margin_s = settings.progress_completion_margin_seconds
-        self._interval_s = settings.progress_flush_interval_seconds
-        self._concurrency = settings.progress_flush_concurrency
-        self._shutdown_timeout_s = settings.progress_shutdown_timeout_seconds
+        self._layout = layout
+        self._batch_size = batch_size
+        self._lease_ms = int(lease_s * 1000)
+        self._margin_s = margin_s
+        self._interval_s = interval_s
+        self._concurrency = concurrency
+        self._shutdown_timeout_s = shutdown_timeout_s
         # Test-only failpoint: the process SIGKILLs itself at a named point of a batch, so the
         # crash tests hit the exact moments they claim to (after_claim, after_commit).
         self._failpoint = os.environ.get("PROGRESS_FLUSH_FAILPOINT", "")
 
     async def run(self, stop: asyncio.Event) -> None:
         """Flush every interval until `stop`; then one last cycle within the shutdown timeout."""
-        failures = 0
-        while not stop.is_set():
-            try:
-                result = await self.flush_cycle(stop=stop)
-                failures = failures + 1 if result.failed_batches else 0
-                if result.batches:  # one line per cycle that did something: a heartbeat can be followed
-                    log.info("flush cycle: %d rows written, %d completion events", result.written,
-                             result.completions, extra={"count": result.written})  # fmt: skip
-            except REDIS_FAILED as exc:
-                failures += 1
-                log.warning("flush cycle failed: Redis unavailable (%s); retrying", exc)
-            except Exception:
-                # The loop is the only way out of the buffer: if it died, every pending value would
-                # expire. Whatever this is (a bug), it is logged loudly and the loop goes on.
-                failures += 1
-                metrics.FLUSH_CYCLE_ERRORS.inc()
-                log.exception("flush cycle failed unexpectedly; retrying with backoff")
-            # jitter spreads the pods' cycles; failures retry sooner, with exponential backoff
-            delay = self._interval_s * random.uniform(0.9, 1.1)
-            if failures:
-                delay = min(delay, _MAX_BACKOFF_S, 2 ** (failures - 1))
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=delay)
-            except TimeoutError:
-                pass
+        # The loop is the only way out of the buffer: if it died, every pending value would expire.
+        # Jitter spreads the pods' cycles; a failed cycle is retried sooner, with exponential backoff.
+        await every(self._interval_s, stop, partial(self._cycle, stop), name="flush cycle", jitter=0.1,
+                    backoff=Backoff(1.0, min(_MAX_BACKOFF_S, self._interval_s)), errors=metrics.FLUSH_CYCLE_ERRORS,
+                    logger=log)  # fmt: skip
         try:
             async with asyncio.timeout(self._shutdown_timeout_s):
                 result = await self.flush_cycle()
@@ -102,6 +83,17 @@ class Flusher:
                         "set for another pod", self._shutdown_timeout_s)  # fmt: skip
         except REDIS_FAILED as exc:
             log.warning("final flush failed: Redis unavailable (%s); the pending set keeps everything", exc)
+
+    async def _cycle(self, stop: asyncio.Event) -> bool:
+        try:
+            result = await self.flush_cycle(stop=stop)
+        except REDIS_FAILED as exc:
+            log.warning("flush cycle failed: Redis unavailable (%s); retrying", exc)
+            return False
+        if result.batches:  # one line per cycle that did something: a heartbeat can be followed
+            log.info("flush cycle: %d rows written, %d completion events", result.written,
+                     result.completions, extra={"count": result.written})  # fmt: skip
+        return not result.failed_batches
 
     async def flush_cycle(self, stop: asyncio.Event | None = None) -> CycleResult:
         """Drain every shard's pending set once. With `stop`, no new batch starts once it is set."""

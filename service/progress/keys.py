@@ -144,3 +144,10 @@ class KeyLayout:
 
 
 STANDALONE = KeyLayout()
+
+
+def key_layout(*, shards: int, cluster: bool, previous_shards: int = 0) -> KeyLayout:
+    """The layout PROGRESS_BUFFER_SHARDS names; 0 is the default: 1 shard on a standalone server (the
+    monolith's key names), CLUSTER_DEFAULT_SHARDS on a cluster."""
+    shards = shards or (CLUSTER_DEFAULT_SHARDS if cluster else 1)
+    return KeyLayout(shards=shards, cluster=cluster, previous_shards=previous_shards)

@@ -9,6 +9,7 @@ from redis.asyncio import RedisCluster
 
 from service import metrics
 from service.clients import RedisClient
+from service.loops import every
 from service.stores import REDIS_FAILED
 
 log = logging.getLogger(__name__)
@@ -36,13 +37,14 @@ async def run_redis_memory_sampler(
     redis: RedisClient, stop: asyncio.Event, interval_s: float = SAMPLE_INTERVAL_S
 ) -> None:
     """Off the request path: one INFO per interval until `stop`."""
-    while not stop.is_set():
+
+    async def sample() -> bool:
         try:
             await sample_redis_memory(redis)
         except REDIS_FAILED as exc:
             # Redis down is reported by readiness and the write metrics; the gauge keeps its last value
             log.debug("Redis memory not sampled: %s", exc)
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=interval_s)
-        except TimeoutError:
-            pass
+            return False
+        return True
+
+    await every(interval_s, stop, sample, name="Redis memory sample", logger=log)

@@ -2,8 +2,7 @@
 
 journey       the six steps and when each is due (pure, no I/O)
 reservations  the SQL: load a batch's trials and dispatched keys, reserve a block of pairs
-queue         where reserved emails go (a Redis stream by default), behind a small interface
+queue         where reserved emails go (the monolith's Celery email task by default, or a Redis stream)
 batch         send_trial_journey_emails_batch: load, resolve in memory, reserve, enqueue
-sweep         every trial still in its journey, in batches; the periodic sweep of `serve`
-commands      `progress-service trial-emails run-once`
+sweep         every trial still in its journey, in batches: `trial-emails run-once`, and periodically in `serve`
 """

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from typing import Literal, TypedDict
@@ -22,8 +23,7 @@ from typing import Literal, TypedDict
 import asyncpg
 
 from service import metrics
-from service.config import Settings
-from service.outbox.outboxes import EMAILS, mark_published
+from service.outbox.outboxes import EMAILS, mark_published, publish_window_s
 from service.trial_emails.journey import SOURCE
 from service.trial_emails.queue import EmailQueue, MessageRefusedError, QueuedEmail
 from service.trial_emails.reservations import (
@@ -41,6 +41,17 @@ log = logging.getLogger(__name__)
 _abandoned: set["asyncio.Task[dict[Pair, int]]"] = set()
 
 
+@dataclass(frozen=True, slots=True)
+class BatchOptions:
+    """The numbers of a batch, from the settings named in the comments."""
+
+    send_email: bool  # SEND_EMAIL: false, nothing is reserved or sent
+    batch_size: int  # JOURNEY_BATCH_SIZE: the most trials one call may be given
+    block_size: int  # RESERVATION_BLOCK_SIZE: pairs reserved per statement
+    lease_s: float  # RELAY_LEASE_SECONDS: how long the batch keeps its winners from the relay
+    publish_timeout_s: float  # CELERY_PUBLISH_TIMEOUT_SECONDS
+
+
 class BatchResult(TypedDict):
     status: Literal["ok", "disabled", "stopped"]  # stopped: run-once got SIGTERM and left the rest
     user_trials: int
@@ -52,7 +63,7 @@ async def send_trial_journey_emails_batch(
     *,
     pool: asyncpg.Pool,
     queue: EmailQueue,
-    settings: Settings,
+    options: BatchOptions,
     now: datetime | None = None,
 ) -> BatchResult:
     """Enqueue every email due at `now` to the trials' users, each at most once, ever.
@@ -60,37 +71,33 @@ async def send_trial_journey_emails_batch(
     `pool` must reach the primary (the service's DATABASE_URL), never a replica. `user_trials`
     counts the trials found; `sent` the emails this call enqueued.
     """
-    if not settings.send_email:
+    if not options.send_email:
         return {"status": "disabled", "user_trials": 0, "sent": 0}
-    if len(user_trial_ids) > settings.journey_batch_size:
-        raise ValueError(
-            f"{len(user_trial_ids)} trials in one batch; JOURNEY_BATCH_SIZE is {settings.journey_batch_size}"
-        )
+    if len(user_trial_ids) > options.batch_size:
+        raise ValueError(f"{len(user_trial_ids)} trials in one batch; JOURNEY_BATCH_SIZE is {options.batch_size}")
     now = now or datetime.now(UTC)
     async with pool.acquire() as conn:
         trials = await load_trials(conn, user_trial_ids)
         sent_keys = await load_sent_keys(conn, (trial.user_id for trial in trials)) if trials else {}
     pairs = pending_reservations(trials, sent_keys, now)
-    block_size = settings.reservation_block_size
-    sent = await reserve_and_enqueue(pairs, pool=pool, queue=queue, block_size=block_size,
-                                     lease_s=settings.relay_lease_seconds,
-                                     publish_budget_s=settings.celery_publish_timeout_seconds + 2.0)  # fmt: skip
+    sent = await reserve_and_enqueue(pairs, pool=pool, queue=queue, block_size=options.block_size,
+                                     lease_s=options.lease_s, publish_timeout_s=options.publish_timeout_s)  # fmt: skip
     return {"status": "ok", "user_trials": len(trials), "sent": sent}
 
 
 async def reserve_and_enqueue(
     pairs: Sequence[Pair], *, pool: asyncpg.Pool, queue: EmailQueue, block_size: int,
-    lease_s: float = DEFAULT_LEASE_S, publish_budget_s: float = 12.0,
+    lease_s: float = DEFAULT_LEASE_S, publish_timeout_s: float = 10.0,
 ) -> int:  # fmt: skip
     """Reserve `pairs` block by block; publish what each block won before reserving the next.
 
     A block's winners are leased to this batch for `lease_s` from their reservation; the batch stops
-    publishing them while `publish_budget_s` (one publish and the mark) is still left, so the relay,
-    which takes them over when the lease ends, never sends one the batch is still sending.
+    publishing them while one publish and the mark still fit in the lease (publish_window_s), so the
+    relay, which takes them over when the lease ends, never sends one the batch is still sending.
     """
     sent = 0
     published: list[int] = []  # dispatch ids the broker has and the outbox does not know yet
-    fresh_for_s = max(lease_s - publish_budget_s, lease_s / 2)
+    fresh_for_s = publish_window_s(lease_s, publish_timeout_s)
     try:
         for start in range(0, len(pairs), block_size):
             block = pairs[start : start + block_size]

@@ -10,7 +10,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.clients import RedisClient, same_slot_prefix
 from service.config import Settings
-from service.outbox.celery_publisher import Message, Publisher, PublishResult
+from service.outbox.messages import Message, Publisher, PublishResult
 from service.outbox.outboxes import email_kwargs, email_task_id
 
 

@@ -9,12 +9,11 @@ from datetime import UTC, datetime
 import asyncpg
 
 from service import metrics
-from service.clients import RedisClient
-from service.config import Settings
+from service.loops import every
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
-from service.trial_emails.batch import BatchResult, send_trial_journey_emails_batch
+from service.trial_emails.batch import BatchOptions, BatchResult, send_trial_journey_emails_batch
 from service.trial_emails.journey import GRACE
-from service.trial_emails.queue import EmailQueue, RedisStreamQueue
+from service.trial_emails.queue import EmailQueue
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ async def sweep_journeys(
     *,
     pool: asyncpg.Pool,
     queue: EmailQueue,
-    settings: Settings,
+    options: BatchOptions,
     now: datetime | None = None,
     on_batch: OnBatch | None = None,
     should_stop: Callable[[], bool] = lambda: False,
@@ -50,18 +49,18 @@ async def sweep_journeys(
     Correctness does not need a lock: two sweeps at once still enqueue each email once. `should_stop`
     is checked between batches, so a shutdown finishes the batch in hand and no more.
     """
-    if not settings.send_email:
+    if not options.send_email:
         return {"status": "disabled", "user_trials": 0, "sent": 0}
     total: BatchResult = {"status": "ok", "user_trials": 0, "sent": 0}
     now = now or datetime.now(UTC)
     in_journey = await pool.fetchval(COUNT_IN_JOURNEY_SQL, now, GRACE)
     after_id = 0
     while not should_stop():
-        rows = await pool.fetch(PAGE_IN_JOURNEY_SQL, after_id, now, GRACE, settings.journey_batch_size)
+        rows = await pool.fetch(PAGE_IN_JOURNEY_SQL, after_id, now, GRACE, options.batch_size)
         if not rows:
             break
         ids = [row["id"] for row in rows]
-        result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, settings=settings, now=now)
+        result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, options=options, now=now)
         total["user_trials"] += result["user_trials"]
         total["sent"] += result["sent"]
         if on_batch is not None:
@@ -71,7 +70,7 @@ async def sweep_journeys(
 
 
 async def sweep_if_no_other_pod_is(
-    *, pool: asyncpg.Pool, queue: EmailQueue, settings: Settings, stop: asyncio.Event
+    *, pool: asyncpg.Pool, queue: EmailQueue, options: BatchOptions, stop: asyncio.Event
 ) -> BatchResult | None:
     """One sweep under the advisory lock, or None when another pod holds it.
 
@@ -84,7 +83,7 @@ async def sweep_if_no_other_pod_is(
         if not await lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", SWEEP_LOCK_KEY):
             return None
         try:
-            return await sweep_journeys(pool=pool, queue=queue, settings=settings, should_stop=stop.is_set)
+            return await sweep_journeys(pool=pool, queue=queue, options=options, should_stop=stop.is_set)
         finally:
             # on a broken connection the server has dropped the lock with the session already; an
             # error here would only hide the one that got us here
@@ -93,31 +92,31 @@ async def sweep_if_no_other_pod_is(
 
 
 async def run_periodic_sweep(
-    *, pool: asyncpg.Pool, redis: RedisClient, settings: Settings, stop: asyncio.Event,
-    queue: EmailQueue | None = None,
+    *, pool: asyncpg.Pool, queue: EmailQueue, options: BatchOptions, interval_s: float, stop: asyncio.Event
 ) -> None:
-    """Sweep at start, then every TRIAL_JOURNEY_INTERVAL_SECONDS, until `stop` is set (0 disables it).
+    """Sweep at start, then every `interval_s` (TRIAL_JOURNEY_INTERVAL_SECONDS), until `stop` (0 disables it).
 
     A failed sweep is logged and counted, and the next one runs on schedule: the reservations make
     a retry safe, and a database or Redis outage must not end the loop.
     """
-    interval_s = settings.trial_journey_interval_seconds
     if interval_s <= 0:
         log.info("trial-journey sweep disabled (TRIAL_JOURNEY_INTERVAL_SECONDS=0)")
         return
-    queue = queue or RedisStreamQueue(redis, settings.email_queue_stream)
-    while not stop.is_set():
+
+    async def sweep() -> bool:
         try:
-            result = await sweep_if_no_other_pod_is(pool=pool, queue=queue, settings=settings, stop=stop)
+            result = await sweep_if_no_other_pod_is(pool=pool, queue=queue, options=options, stop=stop)
         except (*POSTGRES_FAILED, *REDIS_FAILED) as exc:
             metrics.TRIAL_JOURNEY_SWEEPS.labels("failed").inc()
             log.exception("trial-journey sweep failed; next in %.0f s", interval_s, extra={"error": repr(exc)})
+            return False
+        metrics.TRIAL_JOURNEY_SWEEPS.labels("locked" if result is None else "done").inc()
+        if result is None:
+            log.info("trial-journey sweep skipped: another pod holds the lock")
         else:
-            metrics.TRIAL_JOURNEY_SWEEPS.labels("locked" if result is None else "done").inc()
-            if result is None:
-                log.info("trial-journey sweep skipped: another pod holds the lock")
-            else:
-                log.info("trial-journey sweep done: %d trials, %d emails enqueued",
-                         result["user_trials"], result["sent"], extra={"count": result["sent"]})  # fmt: skip
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+            log.info("trial-journey sweep done: %d trials, %d emails enqueued",
+                     result["user_trials"], result["sent"], extra={"count": result["sent"]})  # fmt: skip
+        return True
+
+    await every(interval_s, stop, sweep, name="trial-journey sweep",
+                errors=metrics.TRIAL_JOURNEY_SWEEPS.labels("failed"), logger=log)  # fmt: skip

@@ -9,6 +9,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from service.app import build_flusher
 from service.auth import make_token
 from service.config import Settings
 from service.progress.buffer import decode_value
@@ -29,7 +30,7 @@ async def stored_ms(redis: Redis, lesson_id: int, user_id: int = 7) -> int:
 
 @pytest.fixture
 async def flusher(settings: Settings, redis: Redis, db: asyncpg.Pool) -> Flusher:
-    return Flusher(redis=redis, pool=db, settings=settings)
+    return build_flusher(settings, redis, db)
 
 
 async def test_a_heartbeat_is_read_back_at_once_then_from_the_row_after_flush_and_expiry(

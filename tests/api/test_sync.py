@@ -9,6 +9,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from service.app import build_flusher
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.flusher import Flusher
@@ -47,7 +48,7 @@ def ms(moment: datetime) -> float:
 
 @pytest.fixture
 async def flusher(settings: Settings, redis: Redis, db: asyncpg.Pool) -> Flusher:
-    return Flusher(redis=redis, pool=db, settings=settings)
+    return build_flusher(settings, redis, db)
 
 
 async def test_newer_items_are_applied_and_older_ones_are_not(

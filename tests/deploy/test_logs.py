@@ -5,7 +5,7 @@ import json
 import logging
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import asyncpg
 import httpx
@@ -13,9 +13,11 @@ import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from service.app import build_relay, completion_route
 from service.config import Settings
 from service.embedded import free_port
 from service.logs import JsonFormatter, RequestIdMiddleware
+from service.outbox.messages import Message, PublishResult
 from tests.deploy.files import VENV_BIN
 from tests.helpers import Servers, auth, seed
 
@@ -115,3 +117,28 @@ async def test_request_id_tags_the_log_lines_of_a_request(captured: io.StringIO)
     assert [line["request_id"] for line in ours] == ["gw-123", generated.headers["x-request-id"], "gw-456"]
     assert ours[2]["level"] == "ERROR" and "RuntimeError: boom" in str(ours[2]["exception"])
     assert all(DOCUMENTED_FIELDS <= line.keys() for line in ours)
+
+
+class RefusingBroker:
+    """A broker that answers every message with an error reply: refused for good, so the relay parks it."""
+
+    async def publish(self, messages: Sequence[Message]) -> PublishResult:
+        return PublishResult(refused={message.row_id: "ResponseError: NOPERM" for message in messages})
+
+
+async def test_a_parked_outbox_row_is_logged_with_its_outbox_and_row_id(
+    settings: Settings, db: asyncpg.Pool, captured: io.StringIO
+) -> None:
+    row_id = await db.fetchval(
+        "INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
+        "VALUES ('lesson', 1, 1, now()) RETURNING id"
+    )
+    relay = build_relay(settings, db, [completion_route(settings, RefusingBroker())])
+
+    result = await relay.relay_once()
+
+    assert result.failed == {"completion": 1}
+    lines = [json.loads(line) for line in captured.getvalue().splitlines()]
+    (parked,) = [line for line in lines if line["logger"] == "service.outbox.relay" and line["level"] == "ERROR"]
+    assert (parked["outbox"], parked["row_id"]) == ("completion", row_id)
+    assert DOCUMENTED_FIELDS <= parked.keys()

@@ -9,14 +9,12 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from service.app import build_flusher, build_relay, completion_route
 from service.auth import make_token
 from service.clients import connect_redis, create_db_pool
 from service.config import Settings
 from service.outbox.celery_publisher import publisher_from_settings
-from service.outbox.outboxes import COMPLETIONS
-from service.outbox.relay import Relay, Route
 from service.progress.content import CONTENT_KINDS
-from service.progress.flusher import Flusher
 from tests.helpers import PgBouncer, Tls, auth, seed
 from tests.monolith.fixtures import Broker, Executions
 
@@ -51,7 +49,7 @@ async def test_flusher_writes_through_pgbouncer_in_transaction_mode_over_tls(
     pool = await create_db_pool(through_pgbouncer)
     flusher_redis = connect_redis(through_pgbouncer)
     try:
-        flusher = Flusher(redis=flusher_redis, pool=pool, settings=through_pgbouncer)
+        flusher = build_flusher(through_pgbouncer, flusher_redis, pool)
         for position in (100.0, 595.0):  # the second round completes every content (duration 600, margin 10)
             sent = await _send_heartbeats(client, settings, position)
             result = await flusher.flush_cycle()
@@ -113,8 +111,8 @@ async def test_the_relay_behind_pgbouncer_listens_on_its_direct_url_and_otherwis
         pool = await create_db_pool(relay_settings)
         publisher = publisher_from_settings(relay_settings)
         stop = asyncio.Event()
-        relay = asyncio.create_task(Relay(pool=pool, routes=[Route(COMPLETIONS, publisher)],
-                                          settings=relay_settings).run(stop))  # fmt: skip
+        relay = asyncio.create_task(build_relay(relay_settings, pool, [completion_route(relay_settings, publisher)])
+                                    .run(stop))  # fmt: skip
         try:
             await asyncio.sleep(0.5)  # past the relay's first pass
             # as the flush writes it, through PgBouncer: the NOTIFY goes out at its commit

@@ -8,8 +8,8 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
+from service.app import build_flusher
 from service.config import Settings
-from service.progress.flusher import Flusher
 from tests.helpers import post_near_end, running_app, seed
 from tests.monolith.fixtures import Executions, kwargs_of
 
@@ -24,7 +24,7 @@ async def test_200_completions_in_one_flush_run_advance_user_journey_once_each_w
     await seed(db, users=USERS, contents=LESSONS, duration_s=600)
     async with running_app(relay_settings) as (_, client):
         await post_near_end(client, relay_settings)
-        result = await Flusher(redis=redis, pool=db, settings=relay_settings).flush_cycle()
+        result = await build_flusher(relay_settings, redis, db).flush_cycle()
         assert result.failed_batches == 0
         assert await db.fetchval("SELECT count(*) FROM progress_completion_event") == 200
         rows = await executions.wait_for(200)
@@ -55,7 +55,7 @@ async def test_the_flush_notifies_the_relay_so_it_does_not_wait_for_a_poll(
     async with running_app(relay_settings.model_copy(update={"relay_poll_interval_seconds": 60})) as (_, client):
         await asyncio.sleep(0.5)  # the relay's first pass (at start) is done and it waits
         await post_near_end(client, relay_settings, users=1, lessons=1)
-        await Flusher(redis=redis, pool=db, settings=relay_settings).flush_cycle()
+        await build_flusher(relay_settings, redis, db).flush_cycle()
         rows = await executions.wait_for(1, timeout_s=5)
     assert [kwargs_of(row)["user_id"] for row in rows] == [1]
 

@@ -1,13 +1,15 @@
 """Configuration that would owe the monolith messages it cannot send refuses to start, saying what to set."""
 
+import re
 import subprocess
 import sys
 
 import pytest
 
+from service import trial_emails
 from service.app import create_app
-from service.config import ConfigError, Settings
-from service.outbox.celery_publisher import check_transport
+from service.config import ConfigError, Settings, check_transport
+from service.trial_emails import queue
 
 
 @pytest.mark.parametrize(
@@ -34,7 +36,7 @@ def test_with_a_broker_url_or_without_the_relay_it_starts(settings: Settings) ->
 def test_sqs_without_its_extra_names_the_extra_to_install() -> None:
     # boto3 is installed here (the tests use SQS): hide it, as in an image built without the extra
     code = ("import sys; sys.modules['boto3'] = None\n"
-            "from service.outbox.celery_publisher import check_transport\n"
+            "from service.config import check_transport\n"
             "check_transport('sqs://')")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
@@ -49,3 +51,11 @@ def test_serve_refuses_a_relay_without_a_broker_with_a_clear_message(settings: S
                             timeout=60)  # fmt: skip
     assert result.returncode == 2
     assert "CELERY_BROKER_URL" in result.stderr
+
+
+def test_emails_go_to_celery_by_default_as_the_package_says() -> None:
+    assert Settings.model_fields["email_publisher"].default == "celery"
+    assert trial_emails.__doc__ is not None and queue.__doc__ is not None
+    for doc in (trial_emails.__doc__, queue.__doc__):
+        stated = re.search(r"\(([^()]*) by default|([^(),]*) \(default\)", doc)
+        assert stated is not None and "Celery" in stated.group(0) and "Redis" not in stated.group(0), doc

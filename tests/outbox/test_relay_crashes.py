@@ -1,13 +1,15 @@
 """The relay as its own process (`relay --once`): killed at named points, and three of them racing."""
 
 import asyncio
+import signal
+import sys
 
 import asyncpg
 import pytest
 
 from service.embedded import free_port
 from tests.helpers import RELAY_LEASE_S as LEASE_S
-from tests.helpers import Servers, limited_broker_user, relay_once, seed
+from tests.helpers import Servers, limited_broker_user, relay_env, relay_once, seed
 from tests.monolith.fixtures import Broker, Executions
 
 pytestmark = pytest.mark.slow  # relay processes and a real Celery worker
@@ -102,3 +104,20 @@ async def test_a_message_the_broker_refuses_for_good_is_parked_and_counted_once_
     rows = await db.fetch("SELECT published_at, publish_failed_at, publish_error FROM progress_completion_event")
     assert all(row["published_at"] is None and row["publish_failed_at"] is not None for row in rows)
     assert all("NOPERM" in row["publish_error"] or "permission" in row["publish_error"].lower() for row in rows)
+
+
+async def test_the_long_running_relay_publishes_then_stops_on_sigterm_with_exit_0(
+    servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
+) -> None:
+    await add_events(db, 5)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "service", "relay", env=relay_env(servers, broker, RELAY_POLL_INTERVAL_SECONDS="0.2"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert len(await executions.wait_for(5)) == 5
+    finally:
+        process.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0

@@ -9,6 +9,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
+from service.app import batch_options
 from service.config import Settings
 from service.embedded import free_port
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
@@ -74,13 +75,13 @@ async def test_the_mixed_trials_reach_the_worker_once_a_rerun_sends_none_and_sen
     try:
         disabled = relay_settings.model_copy(update={"send_email": False})
         off = await send_trial_journey_emails_batch(await trial_ids(db), pool=db, queue=queue,
-                                                    settings=disabled)  # fmt: skip
+                                                    options=batch_options(disabled))  # fmt: skip
         assert off["sent"] == 0 and await db.fetchval("SELECT count(*) FROM trial_email_outbox") == 0
 
         first = await send_trial_journey_emails_batch(await trial_ids(db), pool=db, queue=queue,
-                                                      settings=relay_settings)  # fmt: skip
+                                                      options=batch_options(relay_settings))  # fmt: skip
         rerun = await send_trial_journey_emails_batch(await trial_ids(db), pool=db, queue=queue,
-                                                      settings=relay_settings)  # fmt: skip
+                                                      options=batch_options(relay_settings))  # fmt: skip
     finally:
         await asyncio.to_thread(publisher.close)
 
@@ -101,7 +102,7 @@ async def test_three_concurrent_runners_deliver_each_email_once(
         ids = await trial_ids(db)
         results = await asyncio.gather(*(
             send_trial_journey_emails_batch(ids, pool=pool, queue=CeleryEmailQueue(publisher, small_blocks),
-                                            settings=small_blocks)
+                                            options=batch_options(small_blocks))
             for pool, publisher in zip(pools, publishers, strict=True)
         ))  # fmt: skip
     finally:
@@ -187,7 +188,8 @@ async def test_an_email_the_broker_refuses_is_not_marked_published_and_the_relay
     publisher = publisher_from_settings(refused)
     try:
         result = await send_trial_journey_emails_batch(await trial_ids(db), pool=db,
-                                                       queue=CeleryEmailQueue(publisher, refused), settings=refused)
+                                                       queue=CeleryEmailQueue(publisher, refused),
+                                                       options=batch_options(refused))  # fmt: skip
     finally:
         await asyncio.to_thread(publisher.close)
     assert result["sent"] == 0

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
+from service.app import build_flusher
 from service.config import Settings
 from service.progress.buffer import StoredPosition, decode_value
 from service.progress.content import CONTENT_KINDS
@@ -21,7 +22,7 @@ from tests.helpers import Servers, auth, events, lesson_rows, running_app, seed,
 
 @pytest.fixture
 async def flusher(settings: Settings, redis: Redis, db: asyncpg.Pool) -> Flusher:
-    return Flusher(redis=redis, pool=db, settings=settings)
+    return build_flusher(settings, redis, db)
 
 
 async def test_heartbeats_through_http_land_in_every_table(
@@ -200,7 +201,7 @@ async def test_database_outage_requeues_and_loses_nothing(
         expected[(1, user_id)] = float(user_id)
         await write(redis, "lesson", 1, user_id, user_id)
     pool = await asyncpg.create_pool(settings.database_url, min_size=0, max_size=2)
-    flusher = Flusher(redis=redis, pool=pool, settings=settings)
+    flusher = build_flusher(settings, redis, pool)
     servers.postgres.stop()
     try:
         down = await flusher.flush_cycle()
@@ -220,7 +221,7 @@ async def test_idle_connections_killed_between_cycles_lose_nothing(
 ) -> None:
     await seed(db, users=20)
     pool = await asyncpg.create_pool(settings.database_url, min_size=2, max_size=2)
-    flusher = Flusher(redis=redis, pool=pool, settings=settings)
+    flusher = build_flusher(settings, redis, pool)
     await pool.fetchval("SELECT 1")
     # every pooled connection dies under the flusher (failover, server restart, idle kill)
     await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
@@ -280,7 +281,7 @@ async def test_a_backend_terminated_during_the_upsert_requeues_its_batch(
     await seed(db, users=20)
     for user_id in range(1, 21):
         await write(redis, "lesson", 1, user_id, 7)
-    flusher = Flusher(redis=redis, pool=db, settings=settings.model_copy(update={"progress_flush_concurrency": 1}))
+    flusher = build_flusher(settings.model_copy(update={"progress_flush_concurrency": 1}), redis, db)
     requeued_before = REGISTRY.get_sample_value("progress_flush_requeued_total") or 0
     async with db.acquire() as locker:
         lock = locker.transaction()

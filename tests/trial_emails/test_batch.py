@@ -9,6 +9,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from service.app import batch_options
 from service.config import Settings
 from service.outbox.outboxes import EMAILS
 from service.trial_emails.batch import reserve_and_enqueue, send_trial_journey_emails_batch
@@ -36,7 +37,8 @@ async def test_several_due_emails_per_trial_are_reserved_in_one_statement_and_al
     pool, statements = counted
     ids = await add_trials(trials_db, 3, **MIDWAY)
 
-    result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, settings=settings, now=NOW)
+    result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue,
+                                                   options=batch_options(settings), now=NOW)  # fmt: skip
 
     assert result == {"status": "ok", "user_trials": 3, "sent": 9}
     # the reservation writes the outbox rows too; the mark records what the block published (one each)
@@ -57,7 +59,8 @@ async def test_200_trials_owing_6_emails_take_6_reservation_statements(
     pool, statements = counted
     ids = await add_trials(trials_db, 200, **ALL_DUE)
 
-    result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, settings=settings, now=NOW)
+    result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue,
+                                                   options=batch_options(settings), now=NOW)  # fmt: skip
 
     assert result == {"status": "ok", "user_trials": 200, "sent": 1200}
     # six reservation statements, each marking the previous block's published winners, and one closing mark
@@ -78,10 +81,11 @@ async def test_a_second_run_of_the_same_batch_enqueues_nothing(
 ) -> None:  # fmt: skip
     pool, statements = counted
     ids = await add_trials(trials_db, 5, **ALL_DUE)
-    first = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, settings=settings, now=NOW)
+    first = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, options=batch_options(settings), now=NOW)
     statements.sql.clear()
 
-    second = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, settings=settings, now=NOW)
+    second = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue,
+                                                   options=batch_options(settings), now=NOW)  # fmt: skip
 
     assert first["sent"] == 30
     assert second == {"status": "ok", "user_trials": 5, "sent": 0}
@@ -100,7 +104,8 @@ async def test_a_reservation_already_written_by_another_worker_is_not_enqueued(
         other_worker_at,
     )
 
-    result = await send_trial_journey_emails_batch(ids, pool=trials_db, queue=queue, settings=settings, now=NOW)
+    result = await send_trial_journey_emails_batch(ids, pool=trials_db, queue=queue,
+                                                   options=batch_options(settings), now=NOW)  # fmt: skip
 
     assert result["sent"] == 5
     counts = await enqueued(redis, queue.stream)
@@ -138,7 +143,7 @@ async def test_three_concurrent_runners_enqueue_each_pair_exactly_once(
     pools = [await asyncpg.create_pool(migrated, min_size=1, max_size=1) for _ in range(3)]
     try:
         results = await asyncio.gather(*(
-            send_trial_journey_emails_batch(ids, pool=pool, queue=queue, settings=small_blocks, now=NOW)
+            send_trial_journey_emails_batch(ids, pool=pool, queue=queue, options=batch_options(small_blocks), now=NOW)
             for pool in pools
         ))  # fmt: skip
     finally:
@@ -158,7 +163,8 @@ async def test_send_email_false_reserves_and_enqueues_nothing(
     ids = await add_trials(trials_db, 3, **ALL_DUE)
     disabled = settings.model_copy(update={"send_email": False})
 
-    result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, settings=disabled, now=NOW)
+    result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue,
+                                                   options=batch_options(disabled), now=NOW)  # fmt: skip
 
     assert result == {"status": "disabled", "user_trials": 0, "sent": 0}
     assert await statements.settled() == []
@@ -189,7 +195,8 @@ async def test_a_publish_failure_mid_block_leaves_the_rest_to_the_relay_and_stop
     broker = BrokerDownAfter(queue, limit=3)
 
     with caplog.at_level(logging.WARNING), pytest.raises(RedisConnectionError):
-        await send_trial_journey_emails_batch(ids, pool=trials_db, queue=broker, settings=with_blocks(settings, 5),
+        await send_trial_journey_emails_batch(ids, pool=trials_db, queue=broker,
+                                              options=batch_options(with_blocks(settings, 5)),
                                               now=NOW)  # fmt: skip
 
     # first block: 5 reserved, 3 published, 2 orphans; the second block was never reserved
@@ -205,7 +212,8 @@ async def test_a_publish_failure_mid_block_leaves_the_rest_to_the_relay_and_stop
     assert len(outbox) == 5
 
     # a rerun sends the rest and not the two: their rows exist, and their messages are the relay's
-    rerun = await send_trial_journey_emails_batch(ids, pool=trials_db, queue=queue, settings=settings, now=NOW)
+    rerun = await send_trial_journey_emails_batch(ids, pool=trials_db, queue=queue,
+                                                  options=batch_options(settings), now=NOW)  # fmt: skip
     assert rerun["sent"] == 7
     counts = await enqueued(redis, queue.stream)
     assert len(counts) == 10 and not set(first_block[3:]) & set(counts)
@@ -247,7 +255,7 @@ async def test_a_batch_cancelled_mid_reservation_reports_what_the_statement_rese
             "VALUES (1, 'trial_journey', 'trial_welcome', now(), now())"
         )
         batch = asyncio.create_task(
-            send_trial_journey_emails_batch(ids, pool=trials_db, queue=queue, settings=settings, now=NOW)
+            send_trial_journey_emails_batch(ids, pool=trials_db, queue=queue, options=batch_options(settings), now=NOW)
         )
         await wait_for(lambda: trials_db.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "

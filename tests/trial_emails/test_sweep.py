@@ -11,11 +11,12 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from service.app import batch_options, periodic_sweep
 from service.config import Settings
 from service.embedded import free_port
 from service.trial_emails.batch import BatchResult
 from service.trial_emails.queue import RedisStreamQueue
-from service.trial_emails.sweep import SWEEP_LOCK_KEY, run_periodic_sweep, sweep_journeys
+from service.trial_emails.sweep import SWEEP_LOCK_KEY, sweep_journeys
 from tests.helpers import add_trials, enqueued, metric, reserved, wait_for
 
 NOW = datetime(2025, 3, 10, 12, tzinfo=UTC)
@@ -35,7 +36,8 @@ async def test_a_sweep_pages_only_the_trials_in_their_journey_in_batches(
     progress: list[tuple[int, int, BatchResult]] = []
 
     result = await sweep_journeys(
-        pool=trials_db, queue=queue, settings=settings.model_copy(update={"journey_batch_size": 3}), now=NOW,
+        pool=trials_db, queue=queue,
+        options=batch_options(settings.model_copy(update={"journey_batch_size": 3})), now=NOW,
         on_batch=lambda done, total, batch: progress.append((done, total, batch)),
     )  # fmt: skip
 
@@ -67,14 +69,17 @@ def every(settings: Settings, interval_s: float) -> Settings:
     return settings.model_copy(update={"trial_journey_interval_seconds": interval_s})
 
 
+def stream(redis: Redis, settings: Settings) -> RedisStreamQueue:
+    return RedisStreamQueue(redis, settings.email_queue_stream)
+
+
 async def test_the_periodic_sweep_enqueues_once_however_often_it_runs(
     trials_db: asyncpg.Pool, redis: Redis, settings: Settings
 ) -> None:
     await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=4)
     done_before = metric("progress_trial_journey_sweeps_total", outcome="done")
     stop = asyncio.Event()
-    sweeper = asyncio.create_task(run_periodic_sweep(pool=trials_db, redis=redis, settings=every(settings, 0.05),
-                                                     stop=stop))  # fmt: skip
+    sweeper = asyncio.create_task(periodic_sweep(every(settings, 0.05), trials_db, stream(redis, settings), stop))
     try:
         await wait_for(lambda: done_above(done_before + 3))
     finally:
@@ -93,8 +98,7 @@ async def test_the_periodic_sweep_waits_while_another_pod_holds_the_lock(
     stop = asyncio.Event()
     async with trials_db.acquire() as other_pod:
         await other_pod.execute("SELECT pg_advisory_lock($1)", SWEEP_LOCK_KEY)
-        sweeper = asyncio.create_task(run_periodic_sweep(pool=trials_db, redis=redis,
-                                                         settings=every(settings, 0.05), stop=stop))  # fmt: skip
+        sweeper = asyncio.create_task(periodic_sweep(every(settings, 0.05), trials_db, stream(redis, settings), stop))
         try:
             await wait_for(lambda: locked_above(locked_before + 1))
             assert await redis.exists(settings.email_queue_stream) == 0
@@ -114,8 +118,8 @@ async def test_the_periodic_sweep_survives_a_failed_sweep_and_stops_on_request(
     orphans_before = metric("progress_trial_email_orphans_total")
     nothing_listens = Redis(port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
     stop = asyncio.Event()
-    sweeper = asyncio.create_task(run_periodic_sweep(pool=trials_db, redis=nothing_listens,
-                                                     settings=every(settings, 0.05), stop=stop))  # fmt: skip
+    sweeper = asyncio.create_task(periodic_sweep(every(settings, 0.05), trials_db, stream(nothing_listens, settings),
+                                                 stop))  # fmt: skip
     try:
         await wait_for(lambda: failed_above(failed_before))
         await wait_for(lambda: done_above(done_before))  # the loop went on after the failure
@@ -135,7 +139,7 @@ async def test_an_interval_of_zero_disables_the_periodic_sweep(
 ) -> None:
     await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=1)
     await asyncio.wait_for(
-        run_periodic_sweep(pool=trials_db, redis=redis, settings=every(settings, 0), stop=asyncio.Event()), timeout=1
+        periodic_sweep(every(settings, 0), trials_db, stream(redis, settings), asyncio.Event()), timeout=1
     )
     assert await reserved(trials_db) == set()
 
