@@ -193,8 +193,9 @@ async def run(s: harness.Servers, args: argparse.Namespace) -> bool:
          baseline.statements],
         ["ratio", "", "", f"**{main.rows_per_s / baseline.rows_per_s:.1f}x**", ""]])  # fmt: skip
     print(f"`flush --once` with nothing pending (the process's fixed cost): {startup.seconds:.2f} s")
-    harness.table(["CPU µs per key", "flusher", "Postgres", "Redis", "wall"], [
-        [name, d.us_per_key(os.getpid()), d.us_per_key(s.postgres_pid), d.us_per_key(s.redis_pid), d.us_per_key()]
+    harness.table(["CPU µs per key", "flusher", "Postgres", "Redis", "wall", "cores busy"], [
+        [name, d.us_per_key(os.getpid()), d.us_per_key(s.postgres_pid), d.us_per_key(s.redis_pid), d.us_per_key(),
+         f"{sum(d.cpu.seconds.values()) / d.seconds / (os.cpu_count() or 1):.0%}"]
         for name, d in (("`flush --once`", main), ("in-process", flush), ("baseline", baseline))])  # fmt: skip
     grown = [d["in-process"] for d in scaling]
     print("\ngrowth, in-process: " + ", ".join(f"{d.keys:,} keys {d.seconds:.2f} s ({d.us_per_key():.1f} µs/key)"

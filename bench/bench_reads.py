@@ -91,8 +91,8 @@ def main() -> None:
         direct = uvloop.run(in_process(s, args.users, args.contents))
 
     print(f"\nwrk 2 threads, {args.duration:.0f}s per run; {args.users} users, content ids 1..{args.contents}")
-    harness.table(["", "connections", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "server CPU µs/request"],
-                  [[name, c, r.rps, r.p50_ms, r.p99_ms, r.p999_ms, r.us_per_request(service.pid)]
+    harness.table(["", "connections", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "server CPU µs/request", "statuses"],
+                  [[name, c, r.rps, r.p50_ms, r.p99_ms, r.p999_ms, r.us_per_request(service.pid), r.statuses]
                    for name, c, r in results])  # fmt: skip
     post = [cpu for name, cpu in direct if name == "heartbeat POST"]
     get = [cpu for name, cpu in direct if name == "GET one"]
