@@ -1,9 +1,7 @@
-"""The baseline the ingest fast path is measured against: the straightforward FastAPI endpoint.
+"""The baseline of bench_ingest.py: the straightforward FastAPI endpoint, same routes, keys, values and answer.
 
-Per request: FastAPI parses the body into a pydantic model, a `Depends` dependency verifies the
-HS256 JWT with PyJWT (no cache), then two awaits, two Redis round trips: SET the latest position,
-SADD the pending member. Same routes, keys, values and answer (201 {"data": true}) as the service.
-
+Per request: FastAPI parses the body into a pydantic model, a `Depends` dependency verifies the HS256 JWT with PyJWT
+(no cache), then two Redis round trips: SET the latest position, SADD the pending member.
     REDIS_URL=redis://127.0.0.1:6379/1 JWT_SECRET=... python bench/baseline_app.py --port 8001
 """
 

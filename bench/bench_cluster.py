@@ -1,19 +1,12 @@
-"""Capacity of the buffer on one Redis and on a Redis Cluster, and the request path on each.
+"""Capacity of the buffer on one Redis and on a 3-master, 3-replica Redis Cluster, and the request path on each.
 
-An embedded standalone Valkey and an embedded Valkey Cluster (3 masters, 3 replicas) on the same machine:
-1. Redis CPU per heartbeat from INFO commandstats (the servers' own time in the write script), standalone
-   and summed over the cluster's masters, and per flushed key (claim + ack scripts), lowest of --repeat;
-2. from those, heartbeats per second per Redis core and the masters needed for 1M and 10M concurrent
-   listeners (a heartbeat every 5 s each; masters planned at 50 % of a core);
-3. the HTTP request path (one `serve` worker, door off, wrk) on the standalone server, on the cluster and
-   on the cluster with REDIS_WAIT_REPLICAS=1, best of --repeat interleaved runs: req/s, p99, and the
-   cluster's share of the standalone throughput (target: at least 85 %).
+Redis CPU per heartbeat and per flushed key (INFO commandstats), heartbeats per Redis core, masters for 1M and 10M
+listeners; then `serve` under wrk on each and on the cluster with WAIT (best of --repeat interleaved runs).
 
     .venv/bin/python bench/bench_cluster.py [--duration 10] [--warmup 3] [--repeat 2] [--keys 100000]
     smallest: --keys 2000 --rounds 1 --repeat 1 --duration 1 --warmup 1 --users 100 --wait-idle 0
 """
 
-import argparse
 import asyncio
 import math
 from collections.abc import Callable
@@ -64,15 +57,8 @@ async def write_and_flush(redis: Any, layout: KeyLayout, keys: int, rounds: int,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keys", type=int, default=100_000, help="keys written for the commandstats (100000)")
-    parser.add_argument("--rounds", type=int, default=3, help="heartbeats per key for the commandstats (3)")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds of each measured HTTP run (10)")
-    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of each HTTP warm-up run (3)")
-    parser.add_argument("--users", type=int, default=10_000, help="distinct users, one token each (10000)")
-    parser.add_argument("--repeat", type=int, default=2, help="runs of each measurement, the best kept (2)")
-    parser.add_argument("--wait-idle", type=float, default=60.0, help="wait up to this long for a quiet machine")
-    args = parser.parse_args()
+    args = harness.arguments(__doc__, keys=100_000, rounds=3, duration=10.0, warmup=3.0, users=10_000, repeat=2,
+                             wait_idle=60.0).parse_args()  # fmt: skip
     with harness.servers("cluster") as s:
         cluster = EmbeddedCluster(s.work / "cluster", masters=3)
         harness.say("starting a 3-master, 3-replica Valkey Cluster")

@@ -1,15 +1,9 @@
-"""The door's own cost on the request path, in process: the same heartbeats through the ASGI app with the door
-off and on (content catalog + per-user rate limit at their defaults), against real Valkey and Postgres.
-
-wrk against two server processes (bench_ingest.py --door) measures the whole stack but moves with whatever
-else the machine runs; this measures the app alone, in alternating rounds in one process: the median CPU
-time per request and requests per second of each.
+"""The door's own cost, in process: the same heartbeats through the ASGI app, door off and on, alternating rounds.
 
     .venv/bin/python bench/bench_door.py [--requests 20000] [--rounds 6]
     smallest: --requests 2000 --rounds 2
 """
 
-import argparse
 import asyncio
 import json
 import random
@@ -41,10 +35,7 @@ async def measure(settings: Settings, tokens: list[bytes], bodies: list[bytes], 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=20_000, help="heartbeats per measured run (20000)")
-    parser.add_argument("--rounds", type=int, default=6, help="alternating rounds (6)")
-    args = parser.parse_args()
+    args = harness.arguments(__doc__, requests=20_000, rounds=6).parse_args()
     with harness.servers("door", postgres=True) as s:
         asyncio.run(harness.seed(s.database_url, users=0, contents=CONTENTS))
         default_rate = Settings.model_fields["rate_limit_per_user_per_second"].default

@@ -1,14 +1,7 @@
-"""Flush: the service's batched drain of the Redis buffer against a per-entry baseline, on durable Postgres.
+"""Flush: the batched drain of the Redis buffer against a per-entry baseline, on durable Postgres.
 
-An embedded Valkey and Postgres (fsync on, as production; --no-fsync as the tests), users x 10 lessons.
-N pending keys are written by the request path's own script (buffer.write_args, pipelined), several
-heartbeats each, then drained by `python -m service flush --once` (timed end to end, process start
-included), again in-process by one flush cycle (the flush alone), and by a baseline that persists one
-entry per statement as the monolith's save_progress did (SPOP a page, then a GET and a one-row upsert
-per member, each its own commit). The service's drains run at 10k, 30k and N keys, and at 1 and 5
-heartbeats per key. After each drain: every key is a row with its last position, one completion event
-per completed key, nothing left pending or in flight. Each drain starts after a CHECKPOINT. Prints
-rows/s, the ratio, statements, the CPU of the flusher, Postgres and Redis per key, and the targets.
+N pending keys (the request path's own script) drained by `flush --once`, by one flush cycle in process, and by one
+upsert per entry as save_progress did; at 10k, 30k and N keys, 1 and 5 heartbeats per key; verified row by row.
 
     .venv/bin/python bench/bench_flush.py [--keys 100000] [--baseline-keys N] [--heartbeats-per-key 3] [--repeat 3]
     smallest: --keys 2000 --baseline-keys 500 --repeat 1
@@ -61,7 +54,6 @@ def last_position(i: int, epoch: int) -> float:
 @dataclass
 class Drain:
     keys: int
-    heartbeats: int
     seconds: float
     statements: int
     cpu: harness.CpuMeter
@@ -128,7 +120,7 @@ class Bench:
             if result["written"] != keys or result["failed_batches"] or result["dropped"] or result["expired"]:
                 raise RuntimeError(f"{how}: {result}, expected {keys} written")
             statements = result["batches"]  # one upsert statement per batch
-        drain = Drain(keys, heartbeats, time.perf_counter() - started, statements, meter.stop())
+        drain = Drain(keys, time.perf_counter() - started, statements, meter.stop())
         harness.say(f"{how}, {keys} keys x {heartbeats}: {drain.seconds:.2f}s, {drain.rows_per_s:,.0f} rows/s")
         await self.verify(how)
         return drain
@@ -215,15 +207,8 @@ async def run(s: harness.Servers, args: argparse.Namespace) -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keys", type=int, default=100_000, help="pending keys of the main drain (100000)")
-    parser.add_argument("--baseline-keys", type=int, help="keys the baseline drains (default: --keys); rows/s compared")
-    parser.add_argument("--heartbeats-per-key", type=int, default=3, help="request-path writes per key (3)")
-    parser.add_argument("--batch-size", type=int, default=500, help="PROGRESS_FLUSH_BATCH_SIZE (500, the default)")
-    parser.add_argument("--concurrency", type=int, default=4, help="PROGRESS_FLUSH_CONCURRENCY (4, the default)")
-    parser.add_argument("--repeat", type=int, default=3, help="drains of --keys, the median reported (3)")
-    parser.add_argument("--no-fsync", action="store_true", help="Postgres without fsync, as the tests run it")
-    args = parser.parse_args()
+    args = harness.arguments(__doc__, keys=100_000, baseline_keys=0, heartbeats_per_key=3, batch_size=500,
+                             concurrency=4, repeat=3, no_fsync=False).parse_args()  # fmt: skip
     args.baseline_keys = args.baseline_keys or args.keys
     with harness.servers("flush", postgres=True, durable=not args.no_fsync) as s:
         return 0 if asyncio.run(run(s, args)) else 1

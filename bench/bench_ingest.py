@@ -1,19 +1,12 @@
-"""Request path over HTTP: the service (`serve`, one worker) against the straightforward baseline.
+"""Request path over HTTP: `serve` (one worker) against bench/baseline_app.py, both under the same wrk load.
 
-The service and bench/baseline_app.py on the same Valkey (databases 0 and 1), loaded in turn by wrk
-(heartbeats of random users, routes, contents and positions): req/s, latencies, server CPU per
-request and the ratio, the service's RSS. --million then drives the service to a million requests
-and prints its RSS. --door adds an embedded Postgres with content ids 1..N and a second service with
-the door on (catalog + rate limit at its defaults): alternating rounds against the door-off service
-on the same load (known ids: every answer 201), medians; then made-up ids pushed at the door, and the
-Redis keys they leave.
+req/s, latencies, server CPU per request, the ratio, RSS; --million [N]: then N requests in all and the RSS. --door: a
+second service with the door on, alternating rounds against the first (known ids), then made-up ids.
 
     .venv/bin/python bench/bench_ingest.py [--duration 20] [--warmup 10] [--million [N]] [--door --rounds 3]
-    smallest: --duration 1 --warmup 1 --wait-idle 0 [--million 20000] [--door --rounds 1] (not fewer --users with
-    --door: it would answer 429)
+    smallest: --duration 1 --warmup 1 --wait-idle 0 [--million 20000] [--door --rounds 1] (--door needs many --users)
 """
 
-import argparse
 import asyncio
 import re
 import sys
@@ -51,17 +44,9 @@ def check_writes(redis: Redis, name: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds of each measured run (20)")
-    parser.add_argument("--warmup", type=float, default=10.0, help="seconds of each warm-up run (10)")
-    parser.add_argument("--connections", type=int, default=64)
-    parser.add_argument("--users", type=int, default=10_000, help="distinct users, one token each (10000)")
-    parser.add_argument("--contents", type=int, default=2000, help="content ids 1..N per route (2000)")
-    parser.add_argument("--million", type=int, nargs="?", const=1_000_000, metavar="N",
-                        help="then drive the service to N (1,000,000) requests in all and print its RSS")  # fmt: skip
-    parser.add_argument("--door", action="store_true", help="also the door on against off, and made-up ids")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the door comparison (3)")
-    parser.add_argument("--wait-idle", type=float, default=120.0, help="wait up to this long for a quiet machine")
+    parser = harness.arguments(__doc__, duration=20.0, warmup=10.0, connections=64, users=10_000, contents=2000,
+                               door=False, rounds=3, wait_idle=120.0)  # fmt: skip
+    parser.add_argument("--million", type=int, nargs="?", const=1_000_000, metavar="N")
     args = parser.parse_args()
     served: dict[str, int] = {}
 
@@ -81,13 +66,11 @@ def main() -> None:
 
     with harness.servers("ingest", postgres=args.door) as s:
         tokens = harness.tokens(s.work, args.users)
-        port = harness.embedded.free_port()
-        baseline_env = {"JWT_SECRET": harness.JWT_SECRET, "REDIS_URL": harness.redis_db(s.redis_url, 1)}
-        baseline_command = [sys.executable, str(harness.BENCH / "baseline_app.py"), "--port", str(port)]
+        port, env = harness.embedded.free_port(), {"JWT_SECRET": harness.JWT_SECRET,
+                                                   "REDIS_URL": harness.redis_db(s.redis_url, 1)}  # fmt: skip
+        app = [sys.executable, str(harness.BENCH / "baseline_app.py"), "--port", str(port)]
         children = {"service": s.service("service", REDIS_URL=harness.redis_db(s.redis_url, 0), DATABASE_URL=""),
-                    "baseline": s.child("baseline", baseline_command, baseline_env,
-                                        f"http://127.0.0.1:{port}/health/live")}  # fmt: skip
-        children["baseline"].url = f"http://127.0.0.1:{port}"
+                    "baseline": s.child("baseline", app, env, f"http://127.0.0.1:{port}/health/live")}
         redis = {name: s.stack.enter_context(Redis.from_url(harness.redis_db(s.redis_url, db)))
                  for db, name in enumerate(("service", "baseline", "service+door"))}  # fmt: skip
         service_pid = children["service"].pid

@@ -1,17 +1,12 @@
-"""The progress reads and the offline sync over HTTP, against the heartbeat POST of the same run.
+"""Reads and offline sync over HTTP, against the heartbeat POST of the same run, then both in process.
 
-The service (`serve`, one worker, flusher off, door off) on embedded Valkey and Postgres with users and
-contents; the buffer filled by heartbeats and flushed once (`flush --once`), then refreshed by more
-heartbeats, so reads meet rows and newer buffered values. wrk loads one kind of request per run: the
-heartbeat POST and the GET of one position twice, interleaved, then the GET of 100 ids and the
-500-item sync at 64 connections and again at 2; last, the POST and the GET of one through the ASGI
-app in this process (no HTTP, no wrk), 64 at a time, three rounds.
+`serve` on seeded users and contents, the buffer filled, flushed once and refreshed; wrk runs of one kind each: the
+POST and the GET of one twice interleaved, 100 ids and the 500-item sync at 64 and 2 connections; then in process.
 
     .venv/bin/python bench/bench_reads.py [--duration 15] [--warmup 5]
     smallest: --duration 1 --warmup 1 --wait-idle 0
 """
 
-import argparse
 import asyncio
 import random
 import time
@@ -22,7 +17,7 @@ import uvloop
 
 from service.auth import make_token
 
-EXPECT = {"heartbeat": (201,), "one": (200, 404), "many": (200,), "sync": (200,)}
+EXPECT = {"lesson": (201,), "one": (200, 404), "many": (200,), "sync": (200,)}
 
 
 async def in_process(s: harness.Servers, users: int, contents: int, rounds: int = 3) -> list[tuple[str, float]]:
@@ -55,15 +50,8 @@ async def in_process(s: harness.Servers, users: int, contents: int, rounds: int 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--duration", type=float, default=15.0, help="seconds of each measured run (15)")
-    parser.add_argument("--warmup", type=float, default=5.0, help="seconds of each warm-up run (5)")
-    parser.add_argument("--connections", type=int, default=64)
-    parser.add_argument("--few", type=int, default=2, help="connections of the second batch and sync runs (2)")
-    parser.add_argument("--users", type=int, default=500, help="distinct users, one token each (500)")
-    parser.add_argument("--contents", type=int, default=100, help="content ids 1..N of every type (100)")
-    parser.add_argument("--wait-idle", type=float, default=60.0, help="wait up to this long for a quiet machine")
-    args = parser.parse_args()
+    args = harness.arguments(__doc__, duration=15.0, warmup=5.0, connections=64, few=2, users=500, contents=100,
+                             wait_idle=60.0).parse_args()  # fmt: skip
     with harness.servers("reads", postgres=True) as s:
         asyncio.run(harness.seed(s.database_url, users=args.users, contents=args.contents))
         tokens = harness.tokens(s.work, args.users)
@@ -75,12 +63,12 @@ def main() -> None:
                                connections=connections, expect=EXPECT[mode], pids=(service.pid,),
                                timeout_s=30)  # fmt: skip
 
-        load("heartbeat", args.warmup * 2, args.connections)
+        load("lesson", args.warmup * 2, args.connections)
         harness.say("flushing the buffer once: the reads meet rows, and buffered values newer than them")
         s.command("flush", "--once")
         for mode in EXPECT:
             load(mode, args.warmup, args.connections)
-        runs = [("heartbeat POST", "heartbeat", args.connections), ("GET one", "one", args.connections)] * 2 + [
+        runs = [("heartbeat POST", "lesson", args.connections), ("GET one", "one", args.connections)] * 2 + [
             ("GET 100 ids", "many", args.connections), ("sync, 500 items", "sync", args.connections),
             ("GET 100 ids", "many", args.few), ("sync, 500 items", "sync", args.few)]  # fmt: skip
         results = []

@@ -1,19 +1,12 @@
-"""The outbox relay against a bare send_task loop, and commit-to-execution latency, on a Valkey broker.
+"""The outbox relay against a bare send_task loop, then commit-to-execution latency, on a Valkey broker.
 
-On one embedded Valkey (the broker) and durable Postgres:
-  bare loop  N `send_task` calls from one thread on one producer: the most one process can publish;
-  relay      the relay draining N pending completion events (claims of 500 with FOR UPDATE SKIP LOCKED,
-             publish, one mark per batch), as `relay --once` does; interleaved --repeats times, medians;
-             target >= 80 % of the bare loop's rate;
-  latency    a real Celery worker (bench/monolith_worker.py, threads pool) consuming while the flush
-             statement commits --rate completions per second for --seconds; latency = the worker's
-             execution time minus the event's commit time, both Postgres' clock; target p99 < 2 s.
+N `send_task` calls from one thread against the relay draining N completion events (interleaved, medians); then a
+real Celery worker (bench/monolith_worker.py) while the flush commits --rate completions/s: execution - commit.
 
     .venv/bin/python bench/bench_relay.py [--events 10000] [--repeats 3] [--rate 200] [--seconds 15]
     smallest: --events 500 --repeats 1 --rate 50 --seconds 2
 """
 
-import argparse
 import asyncio
 import time
 import uuid
@@ -98,13 +91,7 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--events", type=int, default=10_000)
-    parser.add_argument("--rate", type=int, default=200)
-    parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--repeats", type=int, default=3, help="bare loop and relay drain, interleaved; medians")
-    parser.add_argument("--worker-threads", type=int, default=4, help="the worker's threads pool size (4)")
-    args = parser.parse_args()
+    args = harness.arguments(__doc__, events=10_000, rate=200, seconds=15.0, repeats=3, worker_threads=4).parse_args()
     with harness.servers("relay", postgres=True, durable=True) as s:
         settings = harness.settings(s, celery_broker_url=s.redis_url, relay_batch_size=500,
                                     relay_poll_interval_seconds=1.0)  # fmt: skip
@@ -115,8 +102,7 @@ def main() -> int:
             try:
                 await pool.execute(CREATE_TABLE_SQL)
                 runs: dict[str, list[float]] = {"bare `send_task` loop": [], "relay draining the outbox": []}
-                for run in range(args.repeats):  # interleaved: the machine's load moves both alike
-                    harness.say(f"run {run + 1}/{args.repeats}: bare loop, then relay, {args.events} messages each")
+                for _ in range(args.repeats):  # interleaved: the machine's load moves both alike
                     runs["bare `send_task` loop"].append(await asyncio.to_thread(bare_loop, settings, args.events))
                     runs["relay draining the outbox"].append(await relay_drain(settings, pool, args.events))
                 broker = harness.redis_db(s.redis_url, 1)
@@ -133,15 +119,12 @@ def main() -> int:
                   [*([name, args.events, harness.median(x), args.events / harness.median(x)]
                      for name, x in runs.items()),
                    ["ratio", "", "", f"**{bare / relay:.0%}**"]])  # fmt: skip
-
-    def p99(values: list[float]) -> float:
-        return values[int(0.99 * (len(values) - 1))] * 1000
-
+    p99, p99_marked = (values[int(0.99 * (len(values) - 1))] * 1000 for values in (ran, marked))
     print(f"\ncommit -> the worker's execution at {args.rate}/s over {len(ran):,} completions: median "
-          f"{harness.median(ran) * 1000:.0f} ms, p99 {p99(ran):.0f} ms, max {ran[-1] * 1000:.0f} ms; commit -> marked "
-          f"published: median {harness.median(marked) * 1000:.0f} ms, p99 {p99(marked):.0f} ms")  # fmt: skip
+          f"{harness.median(ran) * 1000:.0f} ms, p99 {p99:.0f} ms, max {ran[-1] * 1000:.0f} ms; commit -> marked "
+          f"published: median {harness.median(marked) * 1000:.0f} ms, p99 {p99_marked:.0f} ms")  # fmt: skip
     ok = harness.target("relay >= 80% of the bare loop", f"{bare / relay:.0%}", bare / relay >= 0.8)
-    return 0 if harness.target("p99 < 2 s", f"{p99(ran):.0f} ms", p99(ran) < 2000) and ok else 1
+    return 0 if harness.target("p99 < 2 s", f"{p99:.0f} ms", p99 < 2000) and ok else 1
 
 
 if __name__ == "__main__":

@@ -1,18 +1,12 @@
-"""Reservation of one worst-case batch (200 trials x 6 due emails = 1,200 pairs): blocks vs get_or_create.
+"""Reservation of a worst-case batch (200 trials x 6 emails = 1,200 pairs): blocks against get_or_create.
 
-On the same durable Postgres (--no-fsync: as the tests run it) and the same connection, the same 1,200
-pairs reserved two ways: the service's reserve_block(), one INSERT ... ON CONFLICT DO NOTHING RETURNING
-per 200 pairs; and the monolith's get_or_create per email (a SELECT, then an INSERT when missing, minus
-Django's transaction and savepoint: the baseline is if anything flattered). An untimed pass counts the
-statements of each (asyncpg's query logger) and checks both reserve all 1,200; then --repeats timed runs
-in alternating order, medians. The reservation step alone: a batch adds one closing mark.
-With DATABASE_URL it touches only the rows of its own users (ids from 2,000,000,001).
+reserve_block() (one INSERT ... ON CONFLICT DO NOTHING RETURNING per 200 pairs) against a SELECT then INSERT per
+email, on one connection, for users from id 2,000,000,001: statements counted, then alternating timed runs.
 
     .venv/bin/python bench/bench_trial_emails.py [--repeats 7] [--no-fsync]
     smallest: --repeats 1 --no-fsync
 """
 
-import argparse
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -98,10 +92,7 @@ async def measure(dsn: str, repeats: int) -> dict[str, tuple[int, list[float]]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--no-fsync", action="store_true", help="Postgres without fsync, as the tests run it")
-    args = parser.parse_args()
+    args = harness.arguments(__doc__, repeats=7, no_fsync=False).parse_args()
     with harness.servers("trial-emails", redis=False, postgres=True, durable=not args.no_fsync) as s:
         figures = asyncio.run(measure(s.database_url, args.repeats))
     (block_statements, block_ms), (baseline_statements, baseline_ms) = figures.values()
@@ -114,7 +105,6 @@ def main() -> int:
                       ""]])  # fmt: skip
     ok = harness.target("6 statements", str(block_statements), block_statements == 6)
     return 0 if harness.target(">= 10x wall time", f"{speedup:.1f}x", speedup >= 10) and ok else 1
-
 
 
 if __name__ == "__main__":

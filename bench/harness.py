@@ -1,11 +1,10 @@
 """The benchmarks' one harness: servers, the service as a subprocess, wrk, a CPU meter, rounds and tables.
 
-Each bench/bench_*.py is a short scenario on top of it. Everything listens on and talks to 127.0.0.1.
-REDIS_URL / DATABASE_URL, when set, name scratch servers on loopback to use instead of the embedded ones
-(a benchmark flushes and truncates them). The service parts a scenario builds in-process (flusher,
-relay, leases, the ASGI app) are built here only, at the end of this file.
+Each bench/bench_*.py is a short scenario on top of it; everything runs on 127.0.0.1, in embedded servers. The
+service parts a scenario builds in-process (flusher, relay, leases, the ASGI app) are built here only, at the end.
 """
 
+import argparse
 import asyncio
 import ctypes
 import json
@@ -20,11 +19,10 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import ExitStack, asynccontextmanager, contextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import asyncpg
 import jwt
@@ -78,9 +76,18 @@ def rounds(variants: dict[str, Callable[[], T]], count: int) -> dict[str, list[T
     runs: dict[str, list[T]] = {name: [] for name in variants}
     for round_no in range(count):
         for name in list(variants) if round_no % 2 == 0 else list(reversed(variants)):
-            say(f"round {round_no + 1}/{count}: {name}")
             runs[name].append(variants[name]())
     return runs
+
+
+def arguments(doc: str, **flags: float | bool) -> argparse.ArgumentParser:
+    """The flags of a script: `wait_idle=60.0` is `--wait-idle`, default 60.0; False is a switch."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in flags.items():
+        kind = {"action": "store_true"} if default is False else {"type": type(default), "default": default,
+                                                                  "help": f"default {default}"}  # fmt: skip
+        parser.add_argument(f"--{name.replace('_', '-')}", **kind)  # type: ignore[arg-type]
+    return parser
 
 
 def main(run: Callable[[], int | None]) -> None:
@@ -95,8 +102,7 @@ def main(run: Callable[[], int | None]) -> None:
         sys.exit(1)
 
 
-# ---------------------------------------------------------------------------------------------
-# CPU
+# --- CPU ---
 
 
 def cpu_seconds(pid: int) -> float:
@@ -112,10 +118,8 @@ def cpu_seconds(pid: int) -> float:
     except (OSError, ValueError):
         return 0.0
     for child in children:
-        try:
+        with suppress(OSError, ValueError):  # exited meanwhile: its time moves to the parent's cutime
             total += times(child, 2)
-        except (OSError, ValueError):
-            pass  # exited meanwhile: its time moves to the parent's cutime
     return total
 
 
@@ -157,12 +161,9 @@ def wait_until_idle(limit_s: float) -> None:
         time.sleep(1.0)
         if machine_busy_s() - busy < 0.15:
             return
-    if limit_s > 0:
-        say("the machine is still busy: measuring anyway")
 
 
-# ---------------------------------------------------------------------------------------------
-# servers and child processes
+# --- servers and child processes ---
 
 
 def _dying_with_us() -> None:
@@ -189,24 +190,17 @@ class Child:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.process.poll() is not None:
-                return
-            try:
-                os.killpg(self.pid, sig)
-                self.process.wait(10)
-            except ProcessLookupError:
-                return
-            except subprocess.TimeoutExpired:
-                say(f"{self.name} (pid {self.pid}) did not stop on {sig.name}")
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL only if SIGTERM did not stop it in 10 s
+            with suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                if self.process.poll() is None:
+                    os.killpg(self.pid, sig)
+                    self.process.wait(10)
 
 
 def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as answer:
-            return bool(answer.status == 200)
-    except OSError:
-        return False
+    with suppress(OSError), urllib.request.urlopen(url, timeout=1) as answer:
+        return bool(answer.status == 200)
+    return False
 
 
 @dataclass
@@ -214,16 +208,17 @@ class Servers:
     work: Path
     stack: ExitStack
     redis_url: str = ""
-    redis_pid: int | None = None  # None for a server of REDIS_URL: its CPU is not ours to read
+    redis_pid: int | None = None
     database_url: str = ""
     postgres_pid: int | None = None
 
     def child(self, name: str, args: list[str], env: dict[str, str], ready_url: str = "") -> Child:
-        """A child process stopped with the servers; waits for `ready_url` to answer 200."""
+        """A child process stopped with the servers; waits for `ready_url` (its url + /health/...) to answer 200."""
         process = Child(name, args, {**os.environ, **env}, self.work / f"{name}.log")
         self.stack.callback(process.stop)
         if ready_url:
             process.wait_for(lambda: http_ok(ready_url))
+            process.url = ready_url.rsplit("/health/", 1)[0]
         return process
 
     def service_env(self, **env: str | None) -> dict[str, str]:
@@ -234,11 +229,9 @@ class Servers:
     def service(self, name: str, **env: str | None) -> Child:
         """`python -m service serve --workers 1`, as production starts it, with service_env(**env)."""
         port = embedded.free_port()
-        child = self.child(name, [sys.executable, "-m", "service", "serve", "--workers", "1", "--host", "127.0.0.1",
-                                  "--port", str(port)], self.service_env(**env),
-                           f"http://127.0.0.1:{port}/health/ready")  # fmt: skip
-        child.url = f"http://127.0.0.1:{port}"
-        return child
+        return self.child(name, [sys.executable, "-m", "service", "serve", "--workers", "1", "--host", "127.0.0.1",
+                                 "--port", str(port)], self.service_env(**env),
+                          f"http://127.0.0.1:{port}/health/ready")  # fmt: skip
 
     def command(self, *args: str, **env: str | None) -> dict[str, Any]:
         """A one-shot `python -m service ...` (e.g. `flush --once`): its JSON summary, the last line it prints."""
@@ -250,21 +243,14 @@ class Servers:
         return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
     def monolith_worker(self, broker_url: str, threads: int = 4) -> Child:
-        """A real Celery worker of the monolith's two task names (bench/monolith_worker.py)."""
+        """A real Celery worker of the monolith's completion task (bench/monolith_worker.py)."""
         env = {"PYTHONPATH": str(BENCH), "MONOLITH_BROKER_URL": broker_url, "MONOLITH_DATABASE_URL": self.database_url}
         worker = self.child("worker", [sys.executable, "-m", "celery", "-A", "monolith_worker", "worker",
-                                       "--pool=threads", f"--concurrency={threads}", "-Q", "onion-progress,emails",
+                                       "--pool=threads", f"--concurrency={threads}", "-Q", "onion-progress",
                                        "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"],
                             env)  # fmt: skip
         worker.wait_for(lambda: " ready." in worker.log_path.read_text(errors="replace"))
         return worker
-
-
-def _loopback(name: str) -> str:
-    url = os.environ.get(name, "")
-    if url and urlsplit(url).hostname not in ("127.0.0.1", "localhost", "::1"):
-        raise SystemExit(f"{name} must be a scratch server on loopback: {url}")
-    return url
 
 
 @contextmanager
@@ -273,23 +259,20 @@ def servers(name: str, *, redis: bool = True, postgres: bool = False, durable: b
     work = Path(tempfile.mkdtemp(prefix=f"progress-bench-{name}-"))
     with ExitStack() as stack:
         stack.callback(shutil.rmtree, work, True)
-        s = Servers(work, stack, _loopback("REDIS_URL") if redis else "", None, _loopback("DATABASE_URL"))
-        if redis and not s.redis_url:
+        s = Servers(work, stack)
+        if redis:
             valkey = embedded.EmbeddedRedis(work / "valkey", None)
             say(f"starting embedded Valkey on 127.0.0.1:{valkey.port}")
             valkey.start()
             stack.callback(valkey.stop)
             s.redis_url, s.redis_pid = valkey.url, valkey.process.pid if valkey.process else None
-        if not postgres:
-            s.database_url = ""
-        elif not s.database_url:
+        if postgres:
             pg = embedded.EmbeddedPostgres(work / "postgres", None, durable=durable)
             say(f"starting embedded Postgres on 127.0.0.1:{pg.port} (fsync {'on' if durable else 'off'})")
             pg.start()
             stack.callback(pg.stop)
             pg.create_database("bench")
             s.database_url, s.postgres_pid = pg.url("bench"), pg.process.pid if pg.process else None
-        if postgres:
             asyncio.run(embedded.prepare_database(s.database_url, seed=False))
         yield s
 
@@ -313,17 +296,16 @@ async def seed(database_url: str, *, users: int, contents: int, duration_s: int 
         await conn.close()
 
 
-def tokens(work: Path, users: int, name: str = "tokens.txt") -> Path:
+def tokens(work: Path, users: int) -> Path:
     """A file of one HS256 token per user 1..users, a line each (what bench/requests.lua reads)."""
     expires = int(time.time()) + 7 * 24 * 3600
-    path = work / name
+    path = work / "tokens.txt"
     path.write_text("".join(jwt.encode({"user_id": u, "exp": expires}, JWT_SECRET, algorithm="HS256") + "\n"
                             for u in range(1, users + 1)))  # fmt: skip
     return path
 
 
-# ---------------------------------------------------------------------------------------------
-# wrk
+# --- wrk ---
 
 
 def ensure_wrk() -> str:
@@ -359,7 +341,7 @@ def wrk(url: str, tokens_file: Path, *, duration_s: float, mode: str = "heartbea
         timeout_s: int = 2) -> WrkResult:  # fmt: skip
     """One wrk run (2 threads) of bench/requests.lua; every answer must be one of `expect`. Meters `pids` meanwhile.
 
-    mode: heartbeat (a random route of the four), one (GET of one lesson), many (GET of 100 lesson ids),
+    mode: heartbeat (a random route of the four), lesson (the lesson route), one (GET of one lesson), many (100 ids),
     sync (POST /progress/sync of 500 items); content ids drawn from `ids`, users from the tokens.
     """
     say(f"wrk {mode} {url}: {duration_s:.0f}s, {connections} connections")
@@ -381,8 +363,7 @@ def wrk(url: str, tokens_file: Path, *, duration_s: float, mode: str = "heartbea
                      data["p999_us"] / 1000, data["statuses"], meter)  # fmt: skip
 
 
-# ---------------------------------------------------------------------------------------------
-# service parts built in-process: the one place to adapt when their constructors change
+# --- service parts built in-process: the one place to adapt when their constructors change ---
 
 
 def settings(s: Servers, **values: Any) -> Settings:

@@ -1,8 +1,5 @@
-"""The monolith's Celery worker for bench_relay.py: its two task names, each execution one row in Postgres.
-
-    MONOLITH_BROKER_URL=... MONOLITH_DATABASE_URL=... celery -A monolith_worker worker --pool=threads ...
-(run with bench/ on PYTHONPATH; harness.Servers.monolith_worker starts it).
-"""
+"""The monolith's Celery worker for bench_relay.py (harness.Servers.monolith_worker starts it, bench/ on PYTHONPATH):
+its completion task, each execution one row of monolith_task_execution in MONOLITH_DATABASE_URL."""
 
 import asyncio
 import json
@@ -22,20 +19,11 @@ CREATE_TABLE_SQL = """CREATE TABLE IF NOT EXISTS monolith_task_execution (id big
 _local = threading.local()  # one event loop and one connection per worker thread
 
 
-def _record(task: Task, kwargs: dict[str, Any]) -> None:
+@app.task(name="apps.engagements.tasks.advance_user_journey", bind=True)
+def advance_user_journey(self: Task, **kwargs: Any) -> None:
     if getattr(_local, "loop", None) is None:
         _local.loop = asyncio.new_event_loop()
         _local.conn = _local.loop.run_until_complete(asyncpg.connect(os.environ["MONOLITH_DATABASE_URL"]))
     _local.loop.run_until_complete(_local.conn.execute(
         "INSERT INTO monolith_task_execution (task_id, task_name, kwargs) VALUES ($1, $2, $3)",
-        task.request.id, task.name, json.dumps(kwargs)))  # fmt: skip
-
-
-@app.task(name="apps.engagements.tasks.advance_user_journey", bind=True)
-def advance_user_journey(self: Task, **kwargs: Any) -> None:
-    _record(self, kwargs)
-
-
-@app.task(name="apps.emails.tasks.send_email", bind=True)
-def send_email(self: Task, **kwargs: Any) -> None:
-    _record(self, kwargs)
+        self.request.id, self.name, json.dumps(kwargs)))  # fmt: skip
