@@ -1,0 +1,425 @@
+"""The benchmarks' one harness: servers, the service as a subprocess, wrk, a CPU meter, rounds and tables.
+
+Each bench/bench_*.py is a short scenario on top of it; everything runs on 127.0.0.1, in embedded servers. The
+service parts a scenario builds in-process (flusher, relay, leases, the ASGI app) are built here only, at the end.
+"""
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import ExitStack, asynccontextmanager, contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import asyncpg
+import jwt
+
+from service import embedded
+from service.app import build_flusher, build_key_layout, build_relay, completion_route, create_app
+from service.clients import connect_redis, create_db_pool
+from service.config import Settings
+from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
+from service.outbox.relay import Relay
+from service.progress.flusher import CycleResult
+from service.progress.keys import KeyLayout
+from service.progress.leases import Leases
+
+BENCH = Path(__file__).resolve().parent
+JWT_SECRET = "bench-secret-0123456789-abcdefghijklmnopqrstuvwxyz"
+CONTENT_TABLES = ("courses_lesson", "audios_audio", "audios_meditation", "lives_live")
+# what `serve` runs with in a benchmark unless a scenario says otherwise: the request path alone, door off
+SERVICE_ENV = {"LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1", "JWT_SECRET": JWT_SECRET,
+               "PROGRESS_FLUSHER_ENABLED": "false", "TRIAL_JOURNEY_INTERVAL_SECONDS": "0", "RELAY_ENABLED": "false",
+               "EMAIL_PUBLISHER": "redis-stream", "CONTENT_CATALOG_ENABLED": "false",
+               "RATE_LIMIT_PER_USER_PER_SECOND": "0"}  # fmt: skip
+T = TypeVar("T")
+median = statistics.median
+
+
+def say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def target(name: str, value: str, ok: bool) -> bool:
+    print(f"target: {name}: {value} {'PASS' if ok else 'MISS'}")
+    return ok
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> None:
+    """A Markdown table, as the README quotes them: floats to 2 decimals below 1,000, else whole."""
+
+    def cell(v: object) -> str:
+        return (f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}") if isinstance(v, float) else \
+            f"{v:,}" if isinstance(v, int) else str(v)  # fmt: skip
+
+    print("\n| " + " | ".join(headers) + " |\n|" + "---|" * len(headers))
+    for row in rows:
+        print("| " + " | ".join(cell(value) for value in row) + " |")
+
+
+def rounds(variants: dict[str, Callable[[], T]], count: int) -> dict[str, list[T]]:
+    """`count` rounds of every variant, in reverse order every other round, so a drift hits all alike."""
+    runs: dict[str, list[T]] = {name: [] for name in variants}
+    for round_no in range(count):
+        for name in list(variants) if round_no % 2 == 0 else list(reversed(variants)):
+            runs[name].append(variants[name]())
+    return runs
+
+
+def arguments(doc: str, **flags: float | bool) -> argparse.ArgumentParser:
+    """The flags of a script: `wait_idle=60.0` is `--wait-idle`, default 60.0; False is a switch."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name, default in flags.items():
+        kind = {"action": "store_true"} if default is False else {"type": type(default), "default": default,
+                                                                  "help": f"default {default}"}  # fmt: skip
+        parser.add_argument(f"--{name.replace('_', '-')}", **kind)  # type: ignore[arg-type]
+    return parser
+
+
+def main(run: Callable[[], int | None]) -> None:
+    """Runs a scenario: a SIGTERM unwinds like Ctrl-C (so every server started is stopped), exit 1 on failure."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        sys.exit(run() or 0)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except RuntimeError as exc:
+        print(f"bench failed: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+# --- CPU ---
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of `pid` and its reaped children, plus its live children's (not for this process)."""
+
+    def times(p: int | str, count: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
+        return sum(int(v) for v in fields[11 : 11 + count]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split() if pid != os.getpid() else []
+        total = times(pid, 4)
+    except (OSError, ValueError):
+        return 0.0
+    for child in children:
+        with suppress(OSError, ValueError):  # exited meanwhile: its time moves to the parent's cutime
+            total += times(child, 2)
+    return total
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all CPUs spent not idle (nor waiting for I/O) since boot."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """The CPU seconds some processes use from now to stop(), and the cores everything else used meanwhile."""
+
+    def __init__(self, *pids: int | None) -> None:
+        self.pids = [pid for pid in dict.fromkeys(pids) if pid]
+        self.seconds: dict[int, float] = {}
+        self.other = 0.0
+        self._start = self._sample()
+
+    def _sample(self) -> tuple[float, float, list[float]]:
+        return time.monotonic(), machine_busy_s(), [cpu_seconds(pid) for pid in self.pids]
+
+    def stop(self) -> "CpuMeter":
+        (wall0, busy0, cpu0), (wall1, busy1, cpu1) = self._start, self._sample()
+        self.seconds = {pid: b - a for pid, a, b in zip(self.pids, cpu0, cpu1, strict=True)}
+        self.other = max(0.0, busy1 - busy0 - sum(self.seconds.values())) / (wall1 - wall0)
+        if self.other > 0.2:
+            say(f"WARNING: other processes used {self.other:.2f} cores meanwhile: the figures are low")
+        return self
+
+    def of(self, pid: int | None) -> float:
+        return self.seconds.get(pid or 0, 0.0)
+
+
+def wait_until_idle(limit_s: float) -> None:
+    """Before a measured run: wait (up to limit_s) until other processes leave the CPUs alone."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        busy = machine_busy_s()
+        time.sleep(1.0)
+        if machine_busy_s() - busy < 0.15:
+            return
+
+
+# --- servers and child processes ---
+
+
+def _dying_with_us() -> None:
+    """In a child before exec: SIGTERM when this script dies, even SIGKILLed."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Child:
+    """A process in its own session, stopped (SIGTERM, then SIGKILL) with its whole group."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name, self.log_path, self.url = name, log_path, ""
+        with open(log_path, "ab") as out:
+            self.process = subprocess.Popen(args, cwd=BENCH.parent, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                            stderr=out, start_new_session=True, preexec_fn=_dying_with_us)  # fmt: skip
+        self.pid = self.process.pid
+
+    def wait_for(self, ready: Callable[[], bool], timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log = self.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{self.name} not ready in {timeout_s:.0f}s ({self.process.poll()}):\n{log}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL only if SIGTERM did not stop it in 10 s
+            with suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                if self.process.poll() is None:
+                    os.killpg(self.pid, sig)
+                    self.process.wait(10)
+
+
+def http_ok(url: str) -> bool:
+    with suppress(OSError), urllib.request.urlopen(url, timeout=1) as answer:
+        return bool(answer.status == 200)
+    return False
+
+
+@dataclass
+class Servers:
+    work: Path
+    stack: ExitStack
+    redis_url: str = ""
+    redis_pid: int | None = None
+    database_url: str = ""
+    postgres_pid: int | None = None
+
+    def child(self, name: str, args: list[str], env: dict[str, str], ready_url: str = "") -> Child:
+        """A child process stopped with the servers; waits for `ready_url` (its url + /health/...) to answer 200."""
+        process = Child(name, args, {**os.environ, **env}, self.work / f"{name}.log")
+        self.stack.callback(process.stop)
+        if ready_url:
+            process.wait_for(lambda: http_ok(ready_url))
+            process.url = ready_url.rsplit("/health/", 1)[0]
+        return process
+
+    def service_env(self, **env: str | None) -> dict[str, str]:
+        """SERVICE_ENV on these servers, then `env` (None: unset, the setting's default)."""
+        merged = {**SERVICE_ENV, "REDIS_URL": self.redis_url, "DATABASE_URL": self.database_url, **env}
+        return {name: value for name, value in merged.items() if value is not None}
+
+    def service(self, name: str, **env: str | None) -> Child:
+        """`python -m service serve --workers 1`, as production starts it, with service_env(**env)."""
+        port = embedded.free_port()
+        return self.child(name, [sys.executable, "-m", "service", "serve", "--workers", "1", "--host", "127.0.0.1",
+                                 "--port", str(port)], self.service_env(**env),
+                          f"http://127.0.0.1:{port}/health/ready")  # fmt: skip
+
+    def command(self, *args: str, **env: str | None) -> dict[str, Any]:
+        """A one-shot `python -m service ...` (e.g. `flush --once`): its JSON summary, the last line it prints."""
+        full_env = {**os.environ, **self.service_env(**env)}
+        done = subprocess.run([sys.executable, "-m", "service", *args], cwd=BENCH.parent, env=full_env,
+                              capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+    def monolith_worker(self, broker_url: str, threads: int = 4) -> Child:
+        """A real Celery worker of the monolith's completion task (bench/monolith_worker.py)."""
+        env = {"PYTHONPATH": str(BENCH), "MONOLITH_BROKER_URL": broker_url, "MONOLITH_DATABASE_URL": self.database_url}
+        worker = self.child("worker", [sys.executable, "-m", "celery", "-A", "monolith_worker", "worker",
+                                       "--pool=threads", f"--concurrency={threads}", "-Q", "onion-progress",
+                                       "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"],
+                            env)  # fmt: skip
+        worker.wait_for(lambda: " ready." in worker.log_path.read_text(errors="replace"))
+        return worker
+
+
+@contextmanager
+def servers(name: str, *, redis: bool = True, postgres: bool = False, durable: bool = False) -> Iterator[Servers]:
+    """A work folder, an embedded Valkey and/or a migrated embedded Postgres (durable: fsync on), all removed after."""
+    work = Path(tempfile.mkdtemp(prefix=f"progress-bench-{name}-"))
+    with ExitStack() as stack:
+        stack.callback(shutil.rmtree, work, True)
+        s = Servers(work, stack)
+        if redis:
+            valkey = embedded.EmbeddedRedis(work / "valkey", None)
+            say(f"starting embedded Valkey on 127.0.0.1:{valkey.port}")
+            valkey.start()
+            stack.callback(valkey.stop)
+            s.redis_url, s.redis_pid = valkey.url, valkey.process.pid if valkey.process else None
+        if postgres:
+            pg = embedded.EmbeddedPostgres(work / "postgres", None, durable=durable)
+            say(f"starting embedded Postgres on 127.0.0.1:{pg.port} (fsync {'on' if durable else 'off'})")
+            pg.start()
+            stack.callback(pg.stop)
+            pg.create_database("bench")
+            s.database_url, s.postgres_pid = pg.url("bench"), pg.process.pid if pg.process else None
+            asyncio.run(embedded.prepare_database(s.database_url, seed=False))
+        yield s
+
+
+def redis_db(url: str, db: int) -> str:
+    return url.rsplit("/", 1)[0] + f"/{db}"
+
+
+async def seed(database_url: str, *, users: int, contents: int, duration_s: int = 600) -> None:
+    """Users 1..users and content ids 1..contents of every type (each lasting duration_s), nothing else."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(f"TRUNCATE users_user, {', '.join(CONTENT_TABLES)} RESTART IDENTITY CASCADE")
+        await conn.execute("INSERT INTO users_user (id, email) SELECT i, 'u' || i || '@example.com' "
+                           "FROM generate_series(1, $1) i", users)  # fmt: skip
+        for name in CONTENT_TABLES:
+            await conn.execute(f"INSERT INTO {name} (id, title, duration) SELECT i, 'c' || i, $2 "
+                               "FROM generate_series(1, $1) i", contents, duration_s)  # fmt: skip
+        await conn.execute("ANALYZE")
+    finally:
+        await conn.close()
+
+
+def tokens(work: Path, users: int) -> Path:
+    """A file of one HS256 token per user 1..users, a line each (what bench/requests.lua reads)."""
+    expires = int(time.time()) + 7 * 24 * 3600
+    path = work / "tokens.txt"
+    path.write_text("".join(jwt.encode({"user_id": u, "exp": expires}, JWT_SECRET, algorithm="HS256") + "\n"
+                            for u in range(1, users + 1)))  # fmt: skip
+    return path
+
+
+# --- wrk ---
+
+
+def ensure_wrk() -> str:
+    if not shutil.which("wrk"):
+        say("wrk not found: installing it from the distribution's packages (apt-get install -y wrk)")
+        if os.geteuid() != 0:
+            raise RuntimeError("wrk is missing and we are not root: run `sudo apt-get install -y wrk`")
+        for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "wrk"]):
+            subprocess.run(command, check=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=300)
+    return shutil.which("wrk") or "wrk"
+
+
+@dataclass(frozen=True)
+class WrkResult:
+    requests: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    p999_ms: float
+    statuses: dict[str, int]
+    cpu: CpuMeter
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    def us_per_request(self, pid: int | None) -> float:
+        return self.cpu.of(pid) / self.requests * 1e6
+
+
+def wrk(url: str, tokens_file: Path, *, duration_s: float, mode: str = "heartbeat", ids: tuple[int, int] = (1, 2000),
+        connections: int = 64, expect: tuple[int, ...] = (201,), pids: tuple[int | None, ...] = (),
+        timeout_s: int = 2) -> WrkResult:  # fmt: skip
+    """One wrk run (2 threads) of bench/requests.lua; every answer must be one of `expect`. Meters `pids` meanwhile.
+
+    mode: heartbeat (a random route of the four), lesson (the lesson route), one (GET of one lesson), many (100 ids),
+    sync (POST /progress/sync of 500 items); content ids drawn from `ids`, users from the tokens.
+    """
+    say(f"wrk {mode} {url}: {duration_s:.0f}s, {connections} connections")
+    meter = CpuMeter(os.getpid(), *pids)  # wrk is our child: its time is ours once it is reaped
+    done = subprocess.run([ensure_wrk(), "-t2", f"-c{connections}", f"-d{max(1, round(duration_s))}s", "--latency",
+                           "--timeout", f"{timeout_s}s", "-s", str(BENCH / "requests.lua"), url, "--",
+                           str(tokens_file), mode, str(ids[0]), str(ids[1])],
+                          capture_output=True, text=True, timeout=duration_s + 60, check=False,
+                          preexec_fn=_dying_with_us)  # fmt: skip
+    meter.stop()
+    match = re.search(r"^BENCH_RESULT (\{.*\})$", done.stdout, re.MULTILINE)
+    if done.returncode != 0 or match is None:
+        raise RuntimeError(f"wrk failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    data = json.loads(match.group(1))
+    unexpected = {s: n for s, n in data["statuses"].items() if int(s) not in expect}
+    if unexpected or data["socket_errors"]:
+        raise RuntimeError(f"{url} {mode}: unexpected answers {unexpected}, {data['socket_errors']} socket errors")
+    return WrkResult(data["requests"], data["duration_us"] / 1e6, data["p50_us"] / 1000, data["p99_us"] / 1000,
+                     data["p999_us"] / 1000, data["statuses"], meter)  # fmt: skip
+
+
+# --- service parts built in-process: the one place to adapt when their constructors change ---
+
+
+def settings(s: Servers, **values: Any) -> Settings:
+    """The service's settings for an in-process part: these servers, the request path alone, door off."""
+    return Settings(**{"redis_url": s.redis_url or "redis://127.0.0.1:6379/0", "database_url": s.database_url,
+                       "jwt_secret": JWT_SECRET, "log_level": "WARNING", "progress_flusher_enabled": False,
+                       "trial_journey_interval_seconds": 0, "relay_enabled": False, "email_publisher": "redis-stream",
+                       "content_catalog_enabled": False, "rate_limit_per_user_per_second": 0, **values})  # fmt: skip
+
+
+async def flush_cycle(config: Settings) -> CycleResult:
+    """One cycle of the service's flusher in this process, on its own connections."""
+    redis, pool = connect_redis(config), await create_db_pool(config)
+    try:
+        return await build_flusher(config, redis, pool).flush_cycle()
+    finally:
+        await pool.close()
+        await redis.aclose()
+
+
+def publisher(config: Settings) -> CeleryPublisher:
+    return publisher_from_settings(config)
+
+
+def completion_relay(pool: asyncpg.Pool, celery: CeleryPublisher, config: Settings) -> Relay:
+    return build_relay(config, pool, [completion_route(config, celery)])
+
+
+def leases(redis: Any) -> Leases:
+    return Leases(redis)
+
+
+def layout(*, cluster: bool) -> KeyLayout:
+    return build_key_layout(Settings(redis_cluster=cluster))
+
+
+@asynccontextmanager
+async def app_in_process(config: Settings) -> AsyncIterator[Any]:
+    """The ASGI app `serve` runs, started (lifespan) in this process."""
+    app = create_app(config)
+    async with app.app.router.lifespan_context(app.app):
+        yield app
+
+
+async def asgi(app: Any, method: str, path: str, authorization: bytes, body: bytes = b"") -> int:
+    """One request straight through the ASGI app (no HTTP, no socket); its status."""
+    scope = {"type": "http", "method": method, "path": path, "query_string": b"",
+             "headers": [(b"authorization", authorization), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}  # fmt: skip
+    statuses: list[int] = []
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(int(message["status"]))
+
+    await app(scope, receive, send)
+    return statuses[0]
