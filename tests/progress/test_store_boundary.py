@@ -14,7 +14,7 @@ import asyncpg
 import httpx
 import pytest
 from redis.asyncio import Redis, RedisCluster
-from redis.asyncio.connection import AbstractConnection
+from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 
 from service import embedded
 from service.api.ingest import ProgressIngest
@@ -109,6 +109,9 @@ async def test_a_cluster_connection_closed_under_script_load_or_a_write_is_a_red
                 for content_id in (1, 2, 3) for user_id in range(1, 21)]  # fmt: skip
     try:
         assert await execute_by_node(client, commands, key_index=3) == [1] * len(commands)
+        # the boundary's connection class on every node the client discovered, not only on the URL's
+        assert {type(conn).__module__ for node in client.get_nodes() for conn in node._connections} \
+            == {"service.clients"}
         results = await closed_under_its_write(client, execute_by_node(client, commands, key_index=3))
         # each node's pipeline is its own task: those that took a connection before it was dropped failed
         assert all(result == 2 or isinstance(result, REDIS_UNAVAILABLE) for result in results), results
@@ -121,6 +124,19 @@ async def test_a_cluster_connection_closed_under_script_load_or_a_write_is_a_red
         assert await execute_by_node(client, commands, key_index=3) == [2] * len(commands)
     finally:
         await client.aclose()
+
+
+@pytest.mark.parametrize(("url", "redis_py_class"), [
+    ("redis://127.0.0.1:6379/0", Connection),
+    ("rediss://127.0.0.1:6379/0", SSLConnection),
+    ("unix:///tmp/valkey.sock?db=0", UnixDomainSocketConnection),
+])  # fmt: skip
+def test_every_url_scheme_keeps_its_kind_of_connection_behind_the_boundary(
+    settings: Settings, url: str, redis_py_class: type[AbstractConnection]
+) -> None:
+    client = connect_redis(settings.model_copy(update={"redis_url": url}))
+    connection_class = client.connection_pool.connection_class
+    assert issubclass(connection_class, redis_py_class) and connection_class.__module__ == "service.clients"
 
 
 async def test_idle_connections_killed_by_the_server_between_two_heartbeats_cost_no_500(
