@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 @asynccontextmanager
-async def pooled_connection(pool: asyncpg.Pool, *, timeout_s: float) -> AsyncIterator[asyncpg.Connection]:
+async def pooled_connection(pool: asyncpg.Pool, *, timeout_s: float | None = None) -> AsyncIterator[asyncpg.Connection]:
     """A connection of `pool` for one operation, whose outcome giving it back cannot change.
 
     asyncpg resets a connection as it takes it back, and a reset on a connection the server ended
