@@ -20,9 +20,10 @@ from service import embedded
 from service.api.ingest import ProgressIngest
 from service.app import create_app
 from service.auth import make_token
-from service.clients import RedisClient, connect_redis, execute_by_node, key_layout
+from service.clients import RedisClient, connect_redis, execute_by_node
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
+from service.progress.keys import STANDALONE, KeyLayout
 from service.stores import REDIS_UNAVAILABLE
 from tests.conftest import auth, seed
 
@@ -71,8 +72,8 @@ async def closed_under_its_write(redis: RedisClient, call: Awaitable[T]) -> T:
     return await task
 
 
-async def stored_position(redis: Redis, settings: Settings, user_id: int) -> float:
-    raw = await redis.get(key_layout(settings).value_key("lesson", 1, user_id))
+async def stored_position(redis: Redis, user_id: int) -> float:
+    raw = await redis.get(STANDALONE.value_key("lesson", 1, user_id))  # one shard on one server
     assert raw is not None
     return decode_value(raw).position
 
@@ -89,23 +90,22 @@ async def test_a_connection_closed_under_a_heartbeat_write_is_retried_not_a_500(
         redis_client: Redis = app.app.state.redis
         assert await closed_under_its_write(redis_client, heartbeat(client, token, 20)) == 201
         # the pool's one retry took it to Redis on a new connection: not even degraded mode
-        assert await stored_position(redis, settings, 7) == 20
+        assert await stored_position(redis, 7) == 20
         assert not app.app.state.ingest.sink.degraded
         assert await heartbeat(client, token, 30) == 201
-    assert await stored_position(redis, settings, 7) == 30
+    assert await stored_position(redis, 7) == 30
     assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 0  # all on Redis
 
 
 @pytest.mark.regression
 async def test_a_cluster_connection_closed_under_script_load_or_a_write_is_a_redis_outage(
-    cluster_settings: Settings, cluster_redis: RedisCluster
+    cluster_settings: Settings, cluster_redis: RedisCluster, cluster_layout: KeyLayout
 ) -> None:
     """The failover of tests/progress/test_cluster.py, in one step: the request path's script_load (and
     its writes) on connections the cluster client closed under them raise ConnectionError, which the
     request path takes to degraded mode, instead of AttributeError, which was a 500."""
     client = connect_redis(cluster_settings)
-    layout = key_layout(cluster_settings)
-    commands = [write_args("lesson", content_id, user_id, 5.0, 1000.0, 60, layout)
+    commands = [write_args("lesson", content_id, user_id, 5.0, 1000.0, 60, cluster_layout)
                 for content_id in (1, 2, 3) for user_id in range(1, 21)]  # fmt: skip
     try:
         assert await execute_by_node(client, commands, key_index=3) == [1] * len(commands)
@@ -149,11 +149,11 @@ async def test_idle_connections_killed_by_the_server_between_two_heartbeats_cost
         killed = await redis.execute_command("CLIENT KILL", "TYPE", "normal", "SKIPME", "yes")
         assert killed >= 1  # the app's pooled connection, idle
         assert await heartbeat(client, token, 20) == 201
-    assert await stored_position(redis, settings, 7) == 20
+    assert await stored_position(redis, 7) == 20
 
 
 async def test_idle_cluster_connections_killed_by_the_servers_between_two_heartbeats_cost_no_500(
-    cluster_settings: Settings, cluster_redis: RedisCluster, db: asyncpg.Pool, token: str
+    cluster_settings: Settings, cluster_redis: RedisCluster, cluster_layout: KeyLayout, db: asyncpg.Pool, token: str
 ) -> None:
     await seed(db, users=7, contents=1)
     app = create_app(cluster_settings.model_copy(update={"degraded_redis_retry_seconds": 0.2}))
@@ -165,7 +165,7 @@ async def test_idle_cluster_connections_killed_by_the_servers_between_two_heartb
         assert await heartbeat(client, token, 20) == 201
         await asyncio.sleep(0.25)  # past degraded_redis_retry_seconds: the next one tries Redis again
         assert await heartbeat(client, token, 30) == 201
-    raw = await cluster_redis.get(key_layout(cluster_settings).value_key("lesson", 1, 7))
+    raw = await cluster_redis.get(cluster_layout.value_key("lesson", 1, 7))
     row = await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7")
     assert (raw is not None and decode_value(raw).position == 30) or row == 30
 
