@@ -5,21 +5,103 @@ commands both kinds share, and send a turn's commands with execute_by_node.
 """
 
 import asyncio
-from collections.abc import Sequence
-from typing import TypeAlias
+from collections.abc import Iterable, Sequence
+from typing import Any, TypeAlias
 
 import asyncpg
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode, PipelineCommand
+from redis.asyncio.connection import (
+    AbstractConnection,
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError, TryAgainError
+from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from service.config import Settings
 from service.stores import REDIS_UNAVAILABLE
 
 RedisClient: TypeAlias = Redis | RedisCluster
+
+
+def _closed(writer: asyncio.StreamWriter | None) -> bool:
+    return writer is None or writer.transport is None or writer.transport.is_closing()
+
+
+class _ClosedTransportIsConnectionError(AbstractConnection):
+    """A call on a connection whose transport closed under it fails with redis's ConnectionError.
+
+    redis-py reaches for the transport a connection had, and two ways that is gone raise errors that
+    are not a RedisError (redis-py #4287, #3546): a disconnect from another task while a write is
+    pending (the cluster client closes every connection of every node on CLUSTERDOWN, in a failover;
+    the write then finds `None`: "'NoneType' object has no attribute 'writelines'"), and, on CPython
+    3.12+, a transport the peer reset, whose own internals raise TypeError/AttributeError. Neither is
+    retried by redis-py, and the request path would answer 500 instead of going to degraded mode.
+    Only those are converted, after the connection is dropped: an AttributeError or TypeError while
+    the transport is open is a bug, and goes up as it is.
+    """
+
+    async def _send_packed_command(self, command: Iterable[bytes]) -> None:
+        # Every write comes here: redis-py writes through this method whenever a socket timeout is
+        # set, and Settings always sets one (> 0). send_packed_command disconnects on any error.
+        writer = self._writer
+        if writer is None or _closed(writer):
+            raise RedisConnectionError(f"connection to {self._host_error()} closed before the write")
+        try:
+            writer.writelines(command)
+            await writer.drain()
+        except (AttributeError, TypeError) as exc:
+            if not _closed(writer):
+                raise
+            raise RedisConnectionError(f"connection to {self._host_error()} closed under the write: {exc!r}") from exc
+
+    async def read_response(self, disable_decoding: bool = False, timeout: float | None = None, *,  # noqa: ASYNC109 (redis-py's)
+                            disconnect_on_error: bool = True, push_request: bool | None = False) -> Any:  # fmt: skip
+        writer = self._writer
+        try:
+            # redis-py would disconnect before we can tell whether the transport was closed: we do it after
+            return await super().read_response(disable_decoding, timeout, disconnect_on_error=False,
+                                               push_request=push_request)  # fmt: skip
+        except ResponseError:
+            raise  # the server's answer to the command: the connection is sound
+        except BaseException as exc:
+            closed = isinstance(exc, (AttributeError, TypeError)) and (writer is not self._writer or _closed(writer))
+            if disconnect_on_error:
+                await self.disconnect(nowait=True)
+            if closed:
+                raise RedisConnectionError(f"connection to {self._host_error()} closed under the read: {exc!r}") \
+                    from exc
+            raise
+
+
+class _GuardedConnection(_ClosedTransportIsConnectionError, Connection):
+    pass
+
+
+class _GuardedSSLConnection(_ClosedTransportIsConnectionError, SSLConnection):
+    pass
+
+
+class _GuardedUnixDomainSocketConnection(_ClosedTransportIsConnectionError, UnixDomainSocketConnection):
+    pass
+
+
+# the class redis-py picks for a URL's scheme (redis://, rediss://, unix://) -> ours
+_GUARDED: dict[type[AbstractConnection], type[AbstractConnection]] = {
+    Connection: _GuardedConnection,
+    SSLConnection: _GuardedSSLConnection,
+    UnixDomainSocketConnection: _GuardedUnixDomainSocketConnection,
+}
+_GUARDED_NODE: dict[type[Connection], type[Connection]] = {
+    Connection: _GuardedConnection,
+    SSLConnection: _GuardedSSLConnection,
+}
+
 
 def connect_redis(settings: Settings) -> RedisClient:
     common = dict(
@@ -33,10 +115,17 @@ def connect_redis(settings: Settings) -> RedisClient:
         # No retry: redis-py retries a cluster pipeline by closing every connection of every node,
         # which fails the healthy nodes' writes in flight too. A failed node's writes go to degraded
         # mode instead, and the topology is re-read before the next command (execute_by_node).
-        return RedisCluster.from_url(settings.redis_url, max_connections=settings.redis_max_connections,
-                                     retry=Retry(NoBackoff(), 0), **common)  # fmt: skip
-    pool = BlockingConnectionPool.from_url(
-        settings.redis_url,
+        cluster = RedisCluster.from_url(settings.redis_url, max_connections=settings.redis_max_connections,
+                                        retry=Retry(NoBackoff(), 0), **common)  # fmt: skip
+        # RedisCluster takes no connection class: it passes its own (plain or SSL) to every node it
+        # makes, from one dict of node arguments; the node the URL names exists already
+        guarded = _GUARDED_NODE[cluster.connection_kwargs["connection_class"]]
+        cluster.connection_kwargs["connection_class"] = guarded
+        for node in cluster.nodes_manager.startup_nodes.values():
+            node.connection_class = guarded
+        return cluster
+    # as BlockingConnectionPool.from_url, which would put redis-py's class back for rediss:// and unix://
+    options: dict[str, Any] = dict(
         # full pool: wait for a connection (a latency spike) rather than fail into degraded mode
         max_connections=settings.redis_max_connections,
         timeout=settings.redis_socket_timeout_seconds,
@@ -45,6 +134,9 @@ def connect_redis(settings: Settings) -> RedisClient:
         retry=Retry(NoBackoff(), 1),
         **common,
     )
+    options.update(parse_url(settings.redis_url))  # the URL's own options win, as in from_url
+    options["connection_class"] = _GUARDED[options.get("connection_class", Connection)]
+    pool = BlockingConnectionPool(**options)
     return Redis.from_pool(pool)  # the client owns the pool and closes it
 
 
@@ -85,11 +177,7 @@ async def execute_by_node(
     for (_, group), outcome in zip(groups, sent, strict=True):
         if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
             raise outcome  # cancelled: not a failure of that node
-        if isinstance(redis, RedisCluster) and isinstance(outcome, AttributeError):
-            # redis-py's cluster client closes connections under a command when another task resets the
-            # topology (ClusterDownError); the command then fails with AttributeError on the closed socket
-            outcome = RedisConnectionError(f"connection closed by a topology reset: {outcome}")
-        elif isinstance(outcome, RedisClusterException):
+        if isinstance(outcome, RedisClusterException):
             # no node for a slot, a cluster that cannot be reached: not a RedisError, yet the same weather
             outcome = RedisConnectionError(f"Redis Cluster unavailable: {outcome}")
         for position, i in enumerate(group):

@@ -14,6 +14,10 @@ The Redis connection class of `service.clients` turns the former into `Connectio
 enters; the latter is counted as unavailable here.
 """
 
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import asyncpg
 from redis.exceptions import ClusterError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -40,3 +44,24 @@ POSTGRES_UNAVAILABLE: tuple[type[Exception], ...] = (
     TimeoutError,  # a pool that cannot connect, a statement past its deadline
 )
 POSTGRES_FAILED: tuple[type[Exception], ...] = (asyncpg.PostgresError, *POSTGRES_UNAVAILABLE)
+
+log = logging.getLogger(__name__)
+
+
+@asynccontextmanager
+async def pooled_connection(pool: asyncpg.Pool, *, timeout_s: float | None = None) -> AsyncIterator[asyncpg.Connection]:
+    """A connection of `pool` for one operation, whose outcome giving it back cannot change.
+
+    asyncpg resets a connection as it takes it back, and a reset on a connection the server ended
+    meanwhile (a shutdown's FATAL arrived after the statement's answer) fails; asyncpg then
+    terminates the connection, so it is never handed out again. That failure is not the operation's:
+    a statement that committed stays committed, and one that failed keeps its own error.
+    """
+    conn: asyncpg.Connection = await pool.acquire(timeout=timeout_s)
+    try:
+        yield conn
+    finally:
+        try:
+            await pool.release(conn)
+        except POSTGRES_FAILED as exc:
+            log.info("a Postgres connection failed its reset and was closed (%s: %s)", type(exc).__name__, exc)

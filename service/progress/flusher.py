@@ -25,7 +25,7 @@ from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import KeyLayout, Shard, parse_member
 from service.progress.leases import Claim, Leases
 from service.progress.store import BatchResult, Heartbeat, persist_batch, report_batch
-from service.stores import POSTGRES_FAILED, POSTGRES_UNAVAILABLE, REDIS_FAILED, REDIS_UNAVAILABLE
+from service.stores import POSTGRES_FAILED, POSTGRES_UNAVAILABLE, REDIS_FAILED, REDIS_UNAVAILABLE, pooled_connection
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,9 @@ class Flusher:
                             lease_expired: list[int]) -> CycleResult:  # fmt: skip
         result = CycleResult()
         try:
-            # one connection for the whole drain: no pool round trip (and reset) per batch
-            async with self._pool.acquire() as conn:
+            # one connection for the whole drain: no pool round trip (and reset) per batch; giving it
+            # back to the pool cannot fail the batches it persisted
+            async with pooled_connection(self._pool) as conn:
                 while queue and not failed.is_set() and (stop is None or not stop.is_set()):
                     shard = queue.popleft()
                     try:

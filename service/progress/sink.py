@@ -27,7 +27,7 @@ from service.progress.batching import TurnBatcher
 from service.progress.buffer import PositionWriter
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.store import Heartbeat, persist_batch, report_batch
-from service.stores import POSTGRES_FAILED, REDIS_FAILED
+from service.stores import POSTGRES_FAILED, REDIS_FAILED, pooled_connection
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ class DirectWriter:
             # On timeout asyncpg cancels the statement in the server and it rolls back: the whole
             # batch is then answered 503 and nothing of it is written, now or later.
             deadline = min(entries[i].deadline for i in live)
-            async with self._pool.acquire(timeout=max(deadline - loop.time(), 0.001)) as conn:
+            # a connection the outage ends after the statement answered: the batch stands as answered
+            async with pooled_connection(self._pool, timeout_s=max(deadline - loop.time(), 0.001)) as conn:
                 result = await persist_batch(conn, kind, [entries[i].heartbeat for i in live], margin_s=self._margin_s,
                                              timeout_s=max(deadline - loop.time(), 0.001))  # fmt: skip
         finally:
