@@ -260,7 +260,7 @@ def _status(args: argparse.Namespace) -> int:
     if not settings.database_url:
         raise ConfigError("status needs DATABASE_URL (postgresql://...)")
     status = asyncio.run(gather_status(settings))
-    print(json.dumps(status.report) if args.json else render(status.report, status.failures), flush=True)
+    print(json.dumps(status.report) if args.json else render(status.report), flush=True)
     for failure in status.failures:
         print(f"progress-service status: {failure}", file=sys.stderr, flush=True)
     return 1 if status.failures else 0

@@ -54,13 +54,13 @@ class Progress:
     """
 
     def __init__(self, label: str, *, total: int | None = None, unit: str = "items",
-                 interval_s: float = LOG_INTERVAL_S, console: Console | None = None,
+                 interval_s: float | None = None, console: Console | None = None,
                  logger: logging.Logger = log) -> None:  # fmt: skip
         self.label = label
         self.unit = unit
         self.total = total
         self.done = 0
-        self._interval_s = interval_s
+        self._interval_s = interval_s or LOG_INTERVAL_S
         self._console = console or Console(stderr=True)
         self._log = logger
         self._started = 0.0

@@ -67,8 +67,12 @@ async def _read_redis(settings: Settings, status: Status) -> None:
     try:
         now_ms = time.time_ns() // 1_000_000
         backlog = await measure_backlog(redis, build_key_layout(settings), leases_at_ms=now_ms)
+        if backlog.errors and not backlog.answered:
+            raise backlog.errors[0]  # not one node answered: Redis is down, not partly
         lease_ms = settings.progress_flush_lease_seconds * 1000
         for content_type, sizes in backlog.by_type.items():
+            if sizes.unread:
+                continue  # unknown, not 0: the failure line says which store did not answer
             buffer["pending"][content_type] = sizes.pending
             buffer["in_flight"][content_type] = sizes.in_flight
             buffer["in_flight_expired"][content_type] = sizes.expired_leases
@@ -146,7 +150,8 @@ def _address(url: str) -> str:
 # --- the screen -----------------------------------------------------------------------------------------------
 
 
-def render(report: Report, failures: list[str]) -> str:
+def render(report: Report) -> str:
+    """The screen: aligned plain text; "?" where a store did not answer (the command says why on stderr)."""
     buffer, outboxes, redis = report["buffer"], report["outbox"], report["redis"]
     lines = [f"progress-service status at {report['time']}", ""]
     lines.append(f"{'Buffer':<14}{'pending':>12}{'in flight':>12}{'expired':>10}{'oldest claim':>15}")
@@ -160,14 +165,15 @@ def render(report: Report, failures: list[str]) -> str:
     for name, counts in outboxes.items():
         lines.append(f"  {name:<12}{_n(counts['owed']):>12}{_n(counts['parked']):>12}"
                      f"{_age(counts['oldest_owed_age_seconds']):>15}")  # fmt: skip
-    lines += ["", f"{'Redis':<14}{_memory(redis['used_memory_bytes'], redis['maxmemory_bytes'])}"]
+    memory = _memory(redis["used_memory_bytes"], redis["maxmemory_bytes"])
+    if not redis["ok"]:
+        memory = "NOT REACHABLE" if redis["used_memory_bytes"] is None else f"NOT OK (partly read): {memory}"
+    lines += ["", f"{'Redis':<14}{memory}"]
     for name, node in redis.get("nodes", {}).items():
         lines.append(f"  {name:<22}{_memory(node['used_memory_bytes'], node['maxmemory_bytes'])}")
     lines.append(f"{'Postgres':<14}{'reachable' if report['postgres']['ok'] else 'NOT REACHABLE'}")
     catalog = "   ".join(f"{content_type} {_n(size)}" for content_type, size in report["catalog"].items())
     lines.append(f"{'Catalog':<14}{catalog}")
-    if failures:
-        lines += ["", *(f"FAILED: {line}" for line in failures)]
     return "\n".join(lines)
 
 

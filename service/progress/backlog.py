@@ -20,6 +20,7 @@ class TypeBacklog:
     in_flight: int = 0
     expired_leases: int = 0  # in flight past their lease: a flusher died or stalled; the next cycle requeues them
     earliest_lease_ms: float | None = None  # the oldest claim's lease deadline
+    unread: int = 0  # replies of its shards that failed (their node did not answer): the counts are partial
 
 
 @dataclass
@@ -27,10 +28,20 @@ class Backlog:
     by_type: dict[str, TypeBacklog]
     # what the nodes that did not answer raised; their shards are counted as empty
     errors: list[Exception] = field(default_factory=list)
+    answered: int = 0  # replies that came back
 
     @property
     def pending(self) -> int:
         return sum(sizes.pending for sizes in self.by_type.values())
+
+    def count(self, reply: object, sizes: TypeBacklog) -> int:
+        if isinstance(reply, Exception):
+            self.errors.append(reply)
+            sizes.unread += 1
+            return 0
+        assert isinstance(reply, int)
+        self.answered += 1
+        return reply
 
 
 async def measure_backlog(redis: RedisClient, layout: KeyLayout, *, leases_at_ms: int | None = None) -> Backlog:
@@ -47,27 +58,20 @@ async def measure_backlog(redis: RedisClient, layout: KeyLayout, *, leases_at_ms
     for kind in CONTENT_KINDS:
         sizes = backlog.by_type[kind.name] = TypeBacklog()
         for _ in layout.shards_to_flush(kind.name):
-            sizes.pending += _count(next(replies), backlog.errors)
-            sizes.in_flight += _count(next(replies), backlog.errors)
+            sizes.pending += backlog.count(next(replies), sizes)
+            sizes.in_flight += backlog.count(next(replies), sizes)
             if leases_at_ms is None:
                 continue
             head = next(replies)
             if isinstance(head, Exception):
-                backlog.errors.append(head)
-            elif head:
-                score = _score(head)
-                if sizes.earliest_lease_ms is None or score < sizes.earliest_lease_ms:
+                backlog.count(head, sizes)
+            else:
+                backlog.answered += 1
+                score = _score(head) if head else None
+                if score is not None and (sizes.earliest_lease_ms is None or score < sizes.earliest_lease_ms):
                     sizes.earliest_lease_ms = score
-            sizes.expired_leases += _count(next(replies), backlog.errors)
+            sizes.expired_leases += backlog.count(next(replies), sizes)
     return backlog
-
-
-def _count(reply: object, errors: list[Exception]) -> int:
-    if isinstance(reply, Exception):
-        errors.append(reply)
-        return 0
-    assert isinstance(reply, int)
-    return reply
 
 
 def _score(head: object) -> float:
