@@ -50,7 +50,8 @@ class Progress:
 
     `total` may be unknown at first (None: the bar pulses, the lines show no percentage) and given
     later with `set_total`. `console` is where the bar would go (stderr by default); the bar is used
-    only when it is a terminal.
+    only when it is a terminal. Off a terminal a line is logged every `interval_s` (LOG_INTERVAL_S).
+    The summary is logged either way, with the count in `extra["count"]`.
     """
 
     def __init__(self, label: str, *, total: int | None = None, unit: str = "items",
@@ -73,8 +74,9 @@ class Progress:
         self._started = time.monotonic()
         if self._console.is_terminal:
             self._bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TaskProgressColumn(), _RateColumn(self.unit), TimeElapsedColumn(),
-                                     TextColumn("left"), TimeRemainingColumn(), console=self._console)  # fmt: skip
+                                     TaskProgressColumn(), _RateColumn(self.unit), TextColumn("elapsed"),
+                                     TimeElapsedColumn(), TextColumn("· left"), TimeRemainingColumn(),
+                                     console=self._console)  # fmt: skip
             self._task = self._bar.add_task(self.label, total=self.total)
             self._bar.start()
         else:
