@@ -17,9 +17,11 @@ import asyncpg
 
 from service.clients import RedisClient, connect_redis, create_db_pool
 from service.config import ConfigError, Settings, load_settings
+from service.console import Progress
 from service.logs import configure_logging
 from service.loops import run_until_stopped
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
+from service.progress.backlog import measure_backlog
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 from service.trial_emails.batch import BatchResult
 from service.trial_emails.queue import build_email_queue
@@ -168,11 +170,14 @@ def _flush(args: argparse.Namespace) -> int:
 
 
 async def _run_flusher(parts: _Parts, *, once: bool) -> int:
-    from service.app import build_flusher
+    from service.app import build_flusher, build_key_layout
 
     flusher = build_flusher(parts.settings, parts.redis, parts.pool)
     if once:
-        result = await flusher.flush_cycle(stop=parts.stop)
+        # what is pending now: heartbeats that arrive during the drain are flushed too, past the total
+        backlog = await measure_backlog(parts.redis, build_key_layout(parts.settings))
+        with Progress("flush --once", total=backlog.pending, unit="entries") as progress:
+            result = await flusher.flush_cycle(stop=parts.stop, on_batch=progress.advance)
         print(json.dumps(asdict(result)), flush=True)
         return 1 if result.failed_batches else 0
     _progress(f"flushing every {parts.settings.progress_flush_interval_seconds:g}s; SIGTERM or Ctrl-C stops")
@@ -230,19 +235,35 @@ def _trial_emails_run_once(args: argparse.Namespace) -> int:
 async def _sweep_once(parts: _Parts) -> int:
     from service.app import batch_options
 
-    result = await sweep_journeys(
-        pool=parts.pool, queue=build_email_queue(parts.settings, parts.redis, parts.publisher),
-        options=batch_options(parts.settings), on_batch=_show_sweep_progress, should_stop=parts.stop.is_set,
-    )  # fmt: skip
+    with Progress("trial-emails run-once", unit="trials") as progress:
+
+        def show(done: int, in_journey: int, batch: BatchResult) -> None:
+            progress.set_total(in_journey)  # counted by the sweep before its first batch
+            progress.advance(batch["user_trials"])
+
+        result = await sweep_journeys(
+            pool=parts.pool, queue=build_email_queue(parts.settings, parts.redis, parts.publisher),
+            options=batch_options(parts.settings), on_batch=show, should_stop=parts.stop.is_set,
+        )  # fmt: skip
     if parts.stop.is_set():
         result["status"] = "stopped"
     print(json.dumps(result), flush=True)
     return 0
 
 
-def _show_sweep_progress(done: int, in_journey: int, batch: BatchResult) -> None:
-    print(f"[trial-emails] {done}/{in_journey} trials, batch of {batch['user_trials']}: {batch['sent']} enqueued",
-          file=sys.stderr, flush=True)  # fmt: skip
+def _status(args: argparse.Namespace) -> int:
+    """The state of the buffer, the outboxes and both stores; exit 1 (and a line on stderr) when a store fails."""
+    from service.status import gather_status, render
+
+    settings = load_settings()
+    configure_logging(settings.log_level)
+    if not settings.database_url:
+        raise ConfigError("status needs DATABASE_URL (postgresql://...)")
+    status = asyncio.run(gather_status(settings))
+    print(json.dumps(status.report) if args.json else render(status.report), flush=True)
+    for failure in status.failures:
+        print(f"progress-service status: {failure}", file=sys.stderr, flush=True)
+    return 1 if status.failures else 0
 
 
 def _openapi(args: argparse.Namespace) -> int:
@@ -295,6 +316,10 @@ def _parser() -> argparse.ArgumentParser:
     relay = commands.add_parser("relay", help="publish the outboxes to the monolith's Celery broker")
     relay.add_argument("--once", action="store_true", help="publish everything owed now, print a summary, exit")
     relay.set_defaults(run=_relay)
+
+    status = commands.add_parser("status", help="buffer, outboxes, Redis memory, Postgres, catalog: one screen")
+    status.add_argument("--json", action="store_true", help="print the same facts as one JSON object")
+    status.set_defaults(run=_status)
 
     openapi = commands.add_parser("openapi", help="print the OpenAPI document (YAML) the app serves")
     openapi.set_defaults(run=_openapi)

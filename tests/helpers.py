@@ -339,6 +339,28 @@ async def reserved(db: asyncpg.Pool) -> set[tuple[int, str]]:
     return {(row["user_id"], row["email_key"]) for row in rows}
 
 
+# --- status ------------------------------------------------------------------------------------------------
+
+
+class StatusRun(NamedTuple):
+    code: int
+    report: dict[str, Any]  # what `status --json` printed
+    stderr: str
+
+
+async def run_status(servers: Servers, **extra: str) -> StatusRun:
+    """`progress-service status --json` in its own process, configured from the environment as `serve` is."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "service", "status", "--json", env=flusher_env(servers, **extra),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode is not None
+    lines = stdout.decode().splitlines()
+    assert len(lines) == 1, stdout.decode() + stderr.decode()  # exactly one JSON object
+    return StatusRun(process.returncode, json.loads(lines[0]), stderr.decode())
+
+
 # --- deployment: what the session servers of tests/deploy hand out ----------------------------------------
 
 

@@ -38,6 +38,7 @@ class Outbox:
     release_sql: str  # $1 row ids: claimed, not published, no harm done (the broker was unreachable)
     park_sql: str  # $1 row ids, $2 errors
     oldest_sql: str  # age (s) of the oldest row still owed, or NULL
+    counts_sql: str  # owed, parked, oldest_owed_age_s (status)
     to_message: Callable[[asyncpg.Record, str, str], Message]  # (row, task name, queue)
 
 
@@ -74,6 +75,15 @@ _OLDEST_SQL = """
 SELECT extract(epoch FROM now() - min(created_at))::float8 FROM {table}
  WHERE published_at IS NULL AND publish_failed_at IS NULL
 """
+# For `status`: plain reads, no lock taken, each count over a partial index of the unpublished rows
+# (progress_completion_event_unpublished_idx holds owed and parked rows alike; the email outbox's index
+# holds the owed ones only, so its parked count scans the table until a partial index of parked rows exists).
+_COUNTS_SQL = """
+SELECT owed.n AS owed, owed.oldest_s AS oldest_owed_age_s,
+       (SELECT count(*) FROM {table} WHERE published_at IS NULL AND publish_failed_at IS NOT NULL) AS parked
+  FROM (SELECT count(*) AS n, extract(epoch FROM now() - min(created_at))::float8 AS oldest_s
+          FROM {table} WHERE published_at IS NULL AND publish_failed_at IS NULL) AS owed
+"""
 
 
 def _outbox(name: str, *, table: str, key: str, returning: str,
@@ -81,7 +91,8 @@ def _outbox(name: str, *, table: str, key: str, returning: str,
     """Both outboxes are one shape: a table with a bigint key, published_at, a lease and a park."""
     names = {"table": table, "key": key, "returning": returning}
     return Outbox(name, _CLAIM_SQL.format(**names), _MARK_SQL.format(**names), _RELEASE_SQL.format(**names),
-                  _PARK_SQL.format(**names), _OLDEST_SQL.format(**names), to_message)  # fmt: skip
+                  _PARK_SQL.format(**names), _OLDEST_SQL.format(**names), _COUNTS_SQL.format(**names),
+                  to_message)  # fmt: skip
 
 
 def completion_message(row: asyncpg.Record, task_name: str, queue: str) -> Message:
@@ -133,3 +144,16 @@ def publish_budget_s(publish_timeout_s: float) -> float:
 async def mark_published(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox, row_ids: list[int]) -> None:
     if row_ids:
         await conn.execute(outbox.mark_sql, row_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxCounts:
+    owed: int
+    parked: int
+    oldest_owed_age_s: float | None  # None: nothing owed
+
+
+async def count_rows(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox) -> OutboxCounts:
+    row = await conn.fetchrow(outbox.counts_sql)
+    assert row is not None
+    return OutboxCounts(row["owed"], row["parked"], row["oldest_owed_age_s"])

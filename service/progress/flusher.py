@@ -12,14 +12,16 @@ import random
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 
 import asyncpg
 
 from service import metrics
-from service.clients import RedisClient, execute_by_node, node_name
+from service.clients import RedisClient, node_name
 from service.loops import Backoff, every
+from service.progress.backlog import measure_backlog
 from service.progress.buffer import decode_value, now_ms
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import KeyLayout, Shard, parse_member
@@ -30,6 +32,8 @@ from service.stores import POSTGRES_FAILED, POSTGRES_UNAVAILABLE, REDIS_FAILED, 
 log = logging.getLogger(__name__)
 
 _MAX_BACKOFF_S = 30.0
+
+OnBatch = Callable[[int], None]  # entries a batch took out of the buffer
 
 
 @dataclass
@@ -95,8 +99,11 @@ class Flusher:
                      result.completions, extra={"count": result.written})  # fmt: skip
         return not result.failed_batches
 
-    async def flush_cycle(self, stop: asyncio.Event | None = None) -> CycleResult:
-        """Drain every shard's pending set once. With `stop`, no new batch starts once it is set."""
+    async def flush_cycle(self, stop: asyncio.Event | None = None, on_batch: OnBatch | None = None) -> CycleResult:
+        """Drain every shard's pending set once. With `stop`, no new batch starts once it is set.
+
+        `on_batch` is told how many entries each batch took out of the buffer (a progress display).
+        """
         total = CycleResult()
         lease_expired = [0]
         unreachable: set[str] = set()  # Redis nodes that failed this cycle: their shards wait for the next
@@ -111,7 +118,7 @@ class Flusher:
             failed = asyncio.Event()
             # every drain is awaited to its end before an error goes up: none is left running unowned
             results = await asyncio.gather(
-                *(self._drain_shards(kind, queue, stop, failed, unreachable, lease_expired)
+                *(self._drain_shards(kind, queue, stop, failed, unreachable, lease_expired, on_batch)
                   for _ in range(self._concurrency)),
                 return_exceptions=True,
             )  # fmt: skip
@@ -130,8 +137,8 @@ class Flusher:
         return total
 
     async def _drain_shards(self, kind: ContentKind, queue: deque[Shard], stop: asyncio.Event | None,
-                            failed: asyncio.Event, unreachable: set[str],
-                            lease_expired: list[int]) -> CycleResult:  # fmt: skip
+                            failed: asyncio.Event, unreachable: set[str], lease_expired: list[int],
+                            on_batch: OnBatch | None) -> CycleResult:  # fmt: skip
         result = CycleResult()
         try:
             # one connection for the whole drain: no pool round trip (and reset) per batch; giving it
@@ -148,7 +155,7 @@ class Flusher:
                         continue
                     try:
                         lease_expired[0] += await self._leases.requeue_expired(shard, now_ms=now_ms())
-                        result.add(await self._drain(conn, kind, shard, stop, failed))
+                        result.add(await self._drain(conn, kind, shard, stop, failed, on_batch))
                     except REDIS_UNAVAILABLE as exc:
                         # that shard's node is down (or failing over): its members wait there, under
                         # lease if claimed; the shards of the other nodes are still flushed
@@ -167,7 +174,7 @@ class Flusher:
         return result
 
     async def _drain(self, conn: asyncpg.Connection, kind: ContentKind, shard: Shard, stop: asyncio.Event | None,
-                     failed: asyncio.Event) -> CycleResult:  # fmt: skip
+                     failed: asyncio.Event, on_batch: OnBatch | None) -> CycleResult:  # fmt: skip
         result = CycleResult()
         while not failed.is_set() and (stop is None or not stop.is_set()):
             claim = await self._leases.claim_batch(shard, count=self._batch_size, now_ms=now_ms(),
@@ -183,6 +190,8 @@ class Flusher:
                 await asyncio.shield(self._leases.release(claim))
                 raise
             result.add(batch)
+            if on_batch is not None and not batch.failed_batches:
+                on_batch(len(claim.entries))
             if batch.failed_batches:
                 failed.set()  # leave the rest pending; the loop backs off
         return result
@@ -269,16 +278,8 @@ class Flusher:
             os.kill(os.getpid(), signal.SIGKILL)
 
     async def _record_backlog(self) -> None:
-        commands: list[tuple[object, ...]] = []
-        for kind in CONTENT_KINDS:
-            for shard in self._layout.shards_to_flush(kind.name):
-                commands += [("SCARD", shard.pending_key), ("ZCARD", shard.in_flight_key)]
-        sizes = iter(await execute_by_node(self._redis, commands, key_index=1))
-        for kind in CONTENT_KINDS:
-            pending = in_flight = 0
-            for _ in self._layout.shards_to_flush(kind.name):
-                # a node that does not answer counts as empty here; its shards' flush failures show it
-                pending += size if isinstance(size := next(sizes), int) else 0
-                in_flight += size if isinstance(size := next(sizes), int) else 0
-            metrics.PENDING_ENTRIES.labels(kind.name).set(pending)
-            metrics.IN_FLIGHT_ENTRIES.labels(kind.name).set(in_flight)
+        # a node that does not answer counts as empty here; its shards' flush failures show it
+        backlog = await measure_backlog(self._redis, self._layout)
+        for content_type, sizes in backlog.by_type.items():
+            metrics.PENDING_ENTRIES.labels(content_type).set(sizes.pending)
+            metrics.IN_FLIGHT_ENTRIES.labels(content_type).set(sizes.in_flight)

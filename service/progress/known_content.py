@@ -19,6 +19,9 @@ SELECT coalesce(array_agg(id ORDER BY id), '{{}}')
 FROM (SELECT id FROM {content_table} WHERE id > $1 ORDER BY id LIMIT $2) AS page
 """
 
+# The catalog's size for `status`: an index-only scan of the primary key (content tables hold thousands of rows).
+_COUNT_SQL = "SELECT count(*) FROM {content_table}"
+
 # A single id not in the snapshot (content published since the last refresh, or a made-up id).
 _EXISTS_SQL = "SELECT EXISTS (SELECT 1 FROM {content_table} WHERE id = $1)"
 
@@ -39,3 +42,8 @@ async def load_ids(pool: asyncpg.Pool, kind: ContentKind, *, page_size: int = _P
 async def exists(pool: asyncpg.Pool, kind: ContentKind, content_id: int, *, timeout_s: float) -> bool:
     return bool(await pool.fetchval(_EXISTS_SQL.format(content_table=kind.content_table), content_id,
                                     timeout=timeout_s))  # fmt: skip
+
+
+async def count_ids(conn: asyncpg.Connection | asyncpg.Pool, kind: ContentKind) -> int:
+    count: int = await conn.fetchval(_COUNT_SQL.format(content_table=kind.content_table))
+    return count

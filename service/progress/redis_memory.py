@@ -22,15 +22,21 @@ def _fill(info: dict[str, object]) -> float:
     return int(str(info["used_memory"])) / maxmemory if maxmemory else 0.0
 
 
-async def sample_redis_memory(redis: RedisClient) -> None:
+async def memory_by_node(redis: RedisClient) -> dict[str, dict[str, object]]:
+    """INFO memory of the server, or of every master of a cluster, by node name ("" on a server)."""
     if isinstance(redis, RedisCluster):
-        # the master nearest to full is the one whose writes are refused first
-        by_node = await redis.info("memory", target_nodes=RedisCluster.PRIMARIES)
-        info = max(by_node.values(), key=_fill)
-    else:
-        info = await redis.info("memory")
-    metrics.REDIS_USED_MEMORY.set(int(info["used_memory"]))
-    metrics.REDIS_MAX_MEMORY.set(int(info.get("maxmemory", 0)))
+        by_node: dict[str, dict[str, object]] = await redis.info("memory", target_nodes=RedisCluster.PRIMARIES)
+        if "used_memory" in by_node:  # one master: redis-py answers with its reply alone
+            return {redis.get_primaries()[0].name: by_node}  # type: ignore[dict-item]
+        return by_node
+    return {"": await redis.info("memory")}
+
+
+async def sample_redis_memory(redis: RedisClient) -> None:
+    # the master nearest to full is the one whose writes are refused first
+    info = max((await memory_by_node(redis)).values(), key=_fill)
+    metrics.REDIS_USED_MEMORY.set(int(str(info["used_memory"])))
+    metrics.REDIS_MAX_MEMORY.set(int(str(info.get("maxmemory", 0))))
 
 
 async def run_redis_memory_sampler(

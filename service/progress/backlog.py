@@ -1,0 +1,81 @@
+"""How much the buffer holds: pending and in-flight members per content type, summed over every shard.
+
+Cheap on any backlog: SCARD and ZCARD are O(1); with `leases`, the head of each in-flight set
+(ZRANGE 0 0: the earliest lease deadline, so the oldest claim) and a ZCOUNT of the leases already
+past (O(log n)). Every shard's commands travel in one round trip per node. A pending set keeps no
+order, so the age of its oldest member is not known without a scan: progress_flush_lag_seconds says
+how late positions reach the database.
+"""
+
+from dataclasses import dataclass, field
+
+from service.clients import RedisClient, execute_by_node
+from service.progress.content import CONTENT_KINDS
+from service.progress.keys import KeyLayout
+
+
+@dataclass
+class TypeBacklog:
+    pending: int = 0
+    in_flight: int = 0
+    expired_leases: int = 0  # in flight past their lease: a flusher died or stalled; the next cycle requeues them
+    earliest_lease_ms: float | None = None  # the oldest claim's lease deadline
+    unread: int = 0  # replies of its shards that failed (their node did not answer): the counts are partial
+
+
+@dataclass
+class Backlog:
+    by_type: dict[str, TypeBacklog]
+    # what the nodes that did not answer raised; their shards are counted as empty
+    errors: list[Exception] = field(default_factory=list)
+    answered: int = 0  # replies that came back
+
+    @property
+    def pending(self) -> int:
+        return sum(sizes.pending for sizes in self.by_type.values())
+
+    def count(self, reply: object, sizes: TypeBacklog) -> int:
+        if isinstance(reply, Exception):
+            self.errors.append(reply)
+            sizes.unread += 1
+            return 0
+        assert isinstance(reply, int)
+        self.answered += 1
+        return reply
+
+
+async def measure_backlog(redis: RedisClient, layout: KeyLayout, *, leases_at_ms: int | None = None) -> Backlog:
+    """The sizes of every shard's sets; with `leases_at_ms` (now), the oldest lease and those expired by then."""
+    per_shard: list[tuple[object, ...]] = []
+    for kind in CONTENT_KINDS:
+        for shard in layout.shards_to_flush(kind.name):
+            per_shard += [("SCARD", shard.pending_key), ("ZCARD", shard.in_flight_key)]
+            if leases_at_ms is not None:
+                per_shard += [("ZRANGE", shard.in_flight_key, 0, 0, "WITHSCORES"),
+                              ("ZCOUNT", shard.in_flight_key, "-inf", leases_at_ms)]  # fmt: skip
+    replies = iter(await execute_by_node(redis, per_shard, key_index=1))
+    backlog = Backlog({})
+    for kind in CONTENT_KINDS:
+        sizes = backlog.by_type[kind.name] = TypeBacklog()
+        for _ in layout.shards_to_flush(kind.name):
+            sizes.pending += backlog.count(next(replies), sizes)
+            sizes.in_flight += backlog.count(next(replies), sizes)
+            if leases_at_ms is None:
+                continue
+            head = next(replies)
+            if isinstance(head, Exception):
+                backlog.count(head, sizes)
+            else:
+                backlog.answered += 1
+                score = _score(head) if head else None
+                if score is not None and (sizes.earliest_lease_ms is None or score < sizes.earliest_lease_ms):
+                    sizes.earliest_lease_ms = score
+            sizes.expired_leases += backlog.count(next(replies), sizes)
+    return backlog
+
+
+def _score(head: object) -> float:
+    """The score of a ZRANGE ... WITHSCORES of one member: [member, score] (RESP2) or [[member, score]]."""
+    assert isinstance(head, list)
+    pair = head[0] if isinstance(head[0], list | tuple) else head
+    return float(pair[1])
