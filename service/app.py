@@ -105,7 +105,9 @@ def build_relay(settings: Settings, pool: asyncpg.Pool, routes: list[Route]) -> 
                  lease_s=settings.relay_lease_seconds, publish_timeout_s=settings.celery_publish_timeout_seconds,
                  poll_s=settings.relay_poll_interval_seconds, max_backoff_s=settings.relay_max_backoff_seconds,
                  listen_dsn=listen_dsn if settings.relay_listen else "",
-                 connect_timeout_s=settings.database_connect_timeout_seconds)  # fmt: skip
+                 connect_timeout_s=settings.database_connect_timeout_seconds,
+                 max_attempts=settings.outbox_max_attempts,
+                 retry_backoff_s=settings.outbox_retry_backoff_seconds)  # fmt: skip
 
 
 def batch_options(settings: Settings) -> BatchOptions:

@@ -21,6 +21,7 @@ from service.console import Progress
 from service.logs import configure_logging
 from service.loops import run_until_stopped
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
+from service.outbox.outboxes import Outbox
 from service.progress.backlog import measure_backlog
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 from service.trial_emails.batch import BatchResult
@@ -266,6 +267,83 @@ def _status(args: argparse.Namespace) -> int:
     return 1 if status.failures else 0
 
 
+def _outbox_command(args: argparse.Namespace) -> int:
+    """`outbox list` and `outbox redrive`: parked rows seen and made owed again, in short statements."""
+    def check(settings: Settings) -> bool:
+        if not settings.database_url:
+            raise ConfigError(f"outbox {args.outbox_action} needs DATABASE_URL (postgresql://...)")
+        return False
+
+    body = _list_parked if args.outbox_action == "list" else _redrive_parked
+    try:
+        return _run_command(check, partial(body, args=args))
+    except POSTGRES_FAILED as exc:
+        print(f"outbox {args.outbox_action} failed: {exc!r}", file=sys.stderr)
+        return 1
+
+
+def _chosen_outboxes(args: argparse.Namespace) -> list[Outbox]:
+    from service.outbox.outboxes import OUTBOXES
+
+    return [OUTBOXES[args.outbox]] if args.outbox else list(OUTBOXES.values())
+
+
+async def _list_parked(parts: _Parts, *, args: argparse.Namespace) -> int:
+    from service.outbox.admin import list_parked
+
+    rows = await list_parked(parts.pool, _chosen_outboxes(args), limit=args.limit, ids=args.ids)
+    if args.json:
+        print(json.dumps([row.as_json() for row in rows]), flush=True)
+        return 0
+    if not rows:
+        _progress("no parked outbox rows")
+        return 0
+    print(f"{'outbox':<10}  {'id':>12}  {'attempts':>8}  {'failed_at':<32}  error")
+    for row in rows:
+        error = (row.error or "").replace("\n", " ")
+        print(f"{row.outbox:<10}  {row.id:>12}  {row.attempts:>8}  {row.failed_at.isoformat():<32}  {error}")
+    return 0
+
+
+async def _redrive_parked(parts: _Parts, *, args: argparse.Namespace) -> int:
+    from service.console import Progress
+    from service.outbox.admin import count_parked, redrive_parked
+
+    outboxes = _chosen_outboxes(args)
+    owed = {outbox.name: await count_parked(parts.pool, outbox, args.ids) for outbox in outboxes}
+    if args.dry_run:
+        print(f"would re-drive {sum(owed.values())} parked rows ({_by_outbox(owed)})", flush=True)
+        return 0
+    done: dict[str, int] = {}
+    with Progress("outbox redrive", total=sum(owed.values()), unit="rows") as progress:
+        for outbox in outboxes:
+            done[outbox.name] = await redrive_parked(parts.pool, outbox, ids=args.ids, on_chunk=progress.advance,
+                                                     should_stop=parts.stop.is_set)  # fmt: skip
+    stopped = " (stopped: run it again for the rest)" if parts.stop.is_set() else ""
+    print(f"re-drove {sum(done.values())} parked rows ({_by_outbox(done)}){stopped}", flush=True)
+    return 0
+
+
+def _by_outbox(counts: dict[str, int]) -> str:
+    return ", ".join(f"{name} {count}" for name, count in counts.items())
+
+
+def _ids(value: str) -> list[int]:
+    try:
+        ids = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ids takes comma-separated row ids, not {value!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--ids needs at least one row id")
+    return ids
+
+
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"a positive whole number, not {value!r}")
+    return int(value)
+
+
 def _openapi(args: argparse.Namespace) -> int:
     """Print the OpenAPI document the app serves, as YAML: `progress-service openapi > openapi.yaml`."""
     import yaml  # a dev tool; not a runtime dependency
@@ -320,6 +398,19 @@ def _parser() -> argparse.ArgumentParser:
     status = commands.add_parser("status", help="buffer, outboxes, Redis memory, Postgres, catalog: one screen")
     status.add_argument("--json", action="store_true", help="print the same facts as one JSON object")
     status.set_defaults(run=_status)
+    outbox = commands.add_parser("outbox", help="parked outbox messages: list them, re-drive them")
+    outbox_actions = outbox.add_subparsers(dest="outbox_action", required=True)
+    listing = outbox_actions.add_parser("list", help="list the parked rows, newest first")
+    redrive = outbox_actions.add_parser(
+        "redrive", help="make parked rows owed again: the relay publishes them with their same task ids")
+    for action in (listing, redrive):
+        action.add_argument("--parked", action="store_true", help="the parked rows (the only ones these commands see)")
+        action.add_argument("--outbox", choices=["completion", "email"], help="one outbox only (default: both)")
+        action.add_argument("--ids", type=_ids, help="only these row ids, comma-separated (needs --outbox)")
+        action.set_defaults(run=_outbox_command)
+    listing.add_argument("--limit", type=_positive, default=50, help="at most this many rows (default 50)")
+    listing.add_argument("--json", action="store_true", help="a JSON array of {outbox, id, error, failed_at, attempts}")
+    redrive.add_argument("--dry-run", action="store_true", help="print how many rows it would re-drive, change nothing")
 
     openapi = commands.add_parser("openapi", help="print the OpenAPI document (YAML) the app serves")
     openapi.set_defaults(run=_openapi)
@@ -327,7 +418,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "outbox":
+        if args.ids is not None and args.outbox is None:
+            parser.error("--ids names rows of one outbox: add --outbox completion|email")
+        if args.outbox_action == "redrive" and not (args.parked or args.ids):
+            parser.error("outbox redrive needs --parked (every parked row) or --ids")
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         return run(args)

@@ -105,6 +105,10 @@ class Settings(BaseSettings):
     relay_poll_interval_seconds: float = Field(5.0, gt=0)
     relay_lease_seconds: float = Field(60.0, gt=0)
     relay_max_backoff_seconds: float = Field(30.0, gt=0)
+    # a message the broker refuses is retried after 45 s, 90 s, 3 min, ... (doubling) and parked after
+    # its 12th refusal: about 25 h after the first, Sidekiq's retry-then-dead
+    outbox_max_attempts: int = Field(12, ge=1, le=40)
+    outbox_retry_backoff_seconds: float = Field(45.0, gt=0)
     # LISTEN needs a real session: behind PgBouncer in transaction mode name the primary here, or
     # leave it empty and set RELAY_LISTEN=false to poll only
     relay_listen: bool = True

@@ -141,7 +141,12 @@ OUTBOX_REPUBLISHED = Counter(
 )
 OUTBOX_FAILED = Counter(
     "progress_outbox_failed_total",
-    "Outbox messages the broker refused for good, parked with publish_failed_at (the log names each row).",
+    "Outbox messages parked with publish_failed_at after OUTBOX_MAX_ATTEMPTS refusals (the log names each row).",
+    ["outbox"],
+)
+OUTBOX_RETRIED = Counter(
+    "progress_outbox_retried_total",
+    "Outbox messages the broker refused, to be retried after a backoff (not parked yet).",
     ["outbox"],
 )
 OUTBOX_BROKER_UNAVAILABLE = Counter(
@@ -153,5 +158,14 @@ OUTBOX_RELAY_ERRORS = Counter(
 )
 OUTBOX_OLDEST_AGE = Gauge(
     "progress_outbox_oldest_unpublished_age_seconds", "Age of the oldest outbox row still owed to the broker.",
+    ["outbox"], multiprocess_mode="max",
+)
+# counted by every relay pass, next to the age above; every pod counts the same rows: max, not sum
+OUTBOX_OWED = Gauge(
+    "progress_outbox_owed_messages", "Outbox rows still owed to the broker (not published, not parked).",
+    ["outbox"], multiprocess_mode="max",
+)
+OUTBOX_PARKED = Gauge(
+    "progress_outbox_parked_messages", "Outbox rows parked after OUTBOX_MAX_ATTEMPTS refusals, waiting for a re-drive.",
     ["outbox"], multiprocess_mode="max",
 )

@@ -20,7 +20,7 @@ import asyncpg
 from service.app import build_key_layout
 from service.clients import connect_redis, create_db_pool
 from service.config import Settings
-from service.outbox.outboxes import COMPLETIONS, EMAILS, count_rows
+from service.outbox.outboxes import COMPLETIONS, EMAILS, outbox_counts
 from service.progress.backlog import measure_backlog
 from service.progress.content import CONTENT_KINDS
 from service.progress.known_content import count_ids
@@ -108,7 +108,7 @@ async def _read_postgres(settings: Settings, status: Status) -> None:
             await conn.fetchval("SELECT 1")
             status.report["postgres"]["ok"] = True
             for outbox in (COMPLETIONS, EMAILS):
-                counts = await _bounded(conn, status, f"the {outbox.name} outbox's counts", count_rows, outbox)
+                counts = await _bounded(conn, status, f"the {outbox.name} outbox's counts", outbox_counts, outbox)
                 if counts is not None:
                     age_s = counts.oldest_owed_age_s
                     status.report["outbox"][outbox.name] = {

@@ -256,6 +256,15 @@ async def post_near_end(client: httpx.AsyncClient, settings: Settings, users: in
             assert response.status_code == 201
 
 
+async def add_events(db: asyncpg.Pool, count: int) -> None:
+    """`count` completion events as the flush writes them (users 1..count, lesson 1), none published."""
+    await seed(db, users=count, contents=1)
+    await db.execute(
+        "INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
+        "SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i", count,
+    )  # fmt: skip
+
+
 def relay_env(servers: Servers, broker: Broker, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PROGRESS_", "REDIS_", "DATABASE_", "RELAY_"))}
     env.update(REDIS_URL=servers.redis_url, DATABASE_URL=servers.database_url, CELERY_BROKER_URL=broker.url,

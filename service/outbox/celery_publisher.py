@@ -45,29 +45,46 @@ def _connection_errors() -> tuple[type[BaseException], ...]:
 # SQS error codes that say "not now" rather than "never": the relay waits and retries them
 _SQS_TRANSIENT_CODES = {"RequestThrottled", "ThrottlingException", "ServiceUnavailable", "InternalError",
                         "InternalFailure", "KmsThrottled", "RequestExpired"}  # fmt: skip
+# Redis error replies that say "not now": a script running (BUSY), a dataset loading, a full broker,
+# a replica after failover, a failed snapshot (MISCONF), a master or a cluster in failover
+_REDIS_TRANSIENT_CODES = {"BUSY", "LOADING", "OOM", "READONLY", "MISCONF", "MASTERDOWN", "TRYAGAIN",
+                          "CLUSTERDOWN"}  # fmt: skip
 
 
-def _is_refusal(exc: BaseException) -> bool:
-    """The broker answered, and said no to this message: an error reply, not a lost connection.
+def _broker_reply(exc: BaseException) -> str | None:
+    """What the broker answered, if it answered: "temporary" (wait, it passes), "refused" (this message), or None.
 
-    kombu wraps a Redis error reply (NOPERM, WRONGTYPE, ...) in its OperationalError, the type it also
-    uses for lost connections: the cause chain tells them apart.
+    kombu wraps a Redis error reply (NOPERM, BUSY, ...) in its OperationalError, the type it also uses
+    for lost connections: the cause chain tells them apart. redis-py gives some replies a type of their
+    own (the code taken off the message, kept in status_code) and leaves the others a plain
+    ResponseError whose message starts with the code.
     """
-    from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+    from redis.exceptions import (
+        BusyLoadingError,
+        ClusterDownError,
+        OutOfMemoryError,
+        ReadOnlyError,
+        ResponseError,
+        TryAgainError,
+    )
 
     seen: BaseException | None = exc
     for _ in range(10):  # a cause chain can loop back on itself
         if seen is None:
             break
-        if isinstance(seen, (OutOfMemoryError, ReadOnlyError)):
-            return False  # a full broker, a replica after failover: wait, it passes
+        if isinstance(seen, (BusyLoadingError, OutOfMemoryError, ReadOnlyError, TryAgainError, ClusterDownError)):
+            return "temporary"  # ClusterDownError covers MASTERDOWN
         if isinstance(seen, ResponseError):
-            return True
+            # in a pipeline (kombu's publish is one) redis-py puts "Command # 1 (...) of pipeline caused
+            # error: " before the reply
+            words = str(seen).rpartition("caused error: ")[2].split(maxsplit=1)
+            code = str(getattr(seen, "status_code", None) or (words[0] if words else ""))
+            return "temporary" if code.upper() in _REDIS_TRANSIENT_CODES else "refused"
         if type(seen).__name__ == "ClientError" and hasattr(seen, "response"):  # botocore, without importing it
             code = str(seen.response.get("Error", {}).get("Code", ""))
-            return code not in _SQS_TRANSIENT_CODES
+            return "temporary" if code in _SQS_TRANSIENT_CODES else "refused"
         seen = seen.__cause__ or seen.__context__
-    return False
+    return None
 
 
 class CeleryPublisher:
@@ -121,9 +138,12 @@ class CeleryPublisher:
                             message.task_name, kwargs=message.kwargs, task_id=message.task_id,
                             queue=message.queue, serializer="json", producer=producer, retry=True,
                         )  # fmt: skip
-                    except Exception as exc:  # sorted below: refused (this message) or unreachable (all)
-                        if not _is_refusal(exc) and isinstance(exc, self._connection_errors):
-                            raise
+                    except Exception as exc:  # sorted below: refused (this message) or not now (all)
+                        reply = _broker_reply(exc)
+                        if reply == "temporary" or (reply is None and isinstance(exc, self._connection_errors)):
+                            # an outage, however short: this and the rest of the batch wait for the relay
+                            result.unavailable = f"{type(exc).__name__}: {exc}"[:1000]
+                            return result
                         result.refused[message.row_id] = f"{type(exc).__name__}: {exc}"[:1000]
                     else:
                         result.sent.append(message.row_id)

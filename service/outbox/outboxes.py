@@ -4,7 +4,9 @@ A claim is one statement that leases a batch (claimed_until) under FOR UPDATE SK
 relays racing on the same table take disjoint rows, and commits at once: no transaction stays open
 while the broker is slow. A relay killed after publishing and before marking leaves its lease to
 expire: the rows are claimed again and republished with the same task id (publish_attempts > 1
-says so). Marks and parks are one statement per batch.
+says so). A row the broker refuses is leased again for a backoff that doubles with each attempt,
+and parked (publish_failed_at) once it has had its OUTBOX_MAX_ATTEMPTS. Marks and refusals are one
+statement per batch.
 """
 
 import uuid
@@ -33,18 +35,20 @@ def email_task_id(dispatch_id: int) -> str:
 @dataclass(frozen=True, slots=True)
 class Outbox:
     name: str  # the metrics label: completion | email
+    table: str
+    key: str  # its bigint primary key: the `id` the relay, the log and `outbox list` name
     claim_sql: str  # $1 batch size, $2 lease (s); returns the rows with publish_attempts
     mark_sql: str  # $1 row ids
     release_sql: str  # $1 row ids: claimed, not published, no harm done (the broker was unreachable)
-    park_sql: str  # $1 row ids, $2 errors
-    oldest_sql: str  # age (s) of the oldest row still owed, or NULL
-    counts_sql: str  # owed, parked, oldest_owed_age_s (status)
+    refuse_sql: str  # $1 row ids, $2 errors, $3 max attempts, $4 first backoff (s); returns id, parked
+    counts_sql: str  # owed, parked, and the age (s) of the oldest row still owed (or NULL)
     to_message: Callable[[asyncpg.Record, str, str], Message]  # (row, task name, queue)
 
 
 # The lease, not an open transaction, keeps other relays off a claimed batch: the claim commits at
-# once, so a slow broker holds no row lock and no PgBouncer server connection. Rows the broker refused
-# for good (publish_failed_at) are never claimed again: no hot retry loop.
+# once, so a slow broker holds no row lock and no PgBouncer server connection. Rows parked
+# (publish_failed_at) are never claimed again; a refused row waits out its backoff in claimed_until.
+# `refused_before`: a row the broker refused earlier cannot have gone out, so its publish is no republish.
 _CLAIM_SQL = """
 UPDATE {table} o
    SET claimed_until = now() + make_interval(secs => $2::float8), publish_attempts = o.publish_attempts + 1
@@ -55,7 +59,7 @@ UPDATE {table} o
          ORDER BY {key}
          LIMIT $1
            FOR UPDATE SKIP LOCKED)
-RETURNING o.{key} AS id, {returning}, o.publish_attempts
+RETURNING o.{key} AS id, {returning}, o.publish_attempts, o.publish_error IS NOT NULL AS refused_before
 """
 _MARK_SQL = """
 UPDATE {table} SET published_at = now(), claimed_until = NULL WHERE {key} = ANY($1::bigint[])
@@ -66,32 +70,48 @@ _RELEASE_SQL = """
 UPDATE {table} SET claimed_until = NULL, publish_attempts = publish_attempts - 1
  WHERE {key} = ANY($1::bigint[]) AND published_at IS NULL
 """
-_PARK_SQL = """
-UPDATE {table} o SET publish_failed_at = now(), publish_error = r.error, claimed_until = NULL
+# Sidekiq's retry-then-dead: a refusal is retried after first_s * 2^(attempts - 1) (the lease set into
+# the future), and parked for a human once the row has had its max attempts; the error is kept either way
+_REFUSE_SQL = """
+UPDATE {table} o
+   SET publish_error = r.error,
+       publish_failed_at = CASE WHEN o.publish_attempts >= $3 THEN now() END,
+       claimed_until = CASE WHEN o.publish_attempts >= $3 THEN NULL
+                            ELSE now() + make_interval(secs => $4::float8 * 2 ^ least(o.publish_attempts - 1, 40)) END
   FROM unnest($1::bigint[], $2::text[]) AS r (id, error)
- WHERE o.{key} = r.id
+ WHERE o.{key} = r.id AND o.published_at IS NULL
+RETURNING o.{key} AS id, o.publish_failed_at IS NOT NULL AS parked
 """
-_OLDEST_SQL = """
-SELECT extract(epoch FROM now() - min(created_at))::float8 FROM {table}
- WHERE published_at IS NULL AND publish_failed_at IS NULL
-"""
-# For `status`: plain reads, no lock taken, each count over a partial index of the unpublished rows
-# (progress_completion_event_unpublished_idx holds owed and parked rows alike; the email outbox's index
-# holds the owed ones only, so its parked count scans the table until a partial index of parked rows exists).
+# Plain reads, no lock taken (`status` and the relay's gauges): two counts, each over a partial index
+# (migrations_ref/006_outbox_counts.sql): the owed rows by created_at, the parked ones
 _COUNTS_SQL = """
-SELECT owed.n AS owed, owed.oldest_s AS oldest_owed_age_s,
-       (SELECT count(*) FROM {table} WHERE published_at IS NULL AND publish_failed_at IS NOT NULL) AS parked
-  FROM (SELECT count(*) AS n, extract(epoch FROM now() - min(created_at))::float8 AS oldest_s
+SELECT owed.count AS owed, owed.oldest_owed_age_s, (
+        SELECT count(*) FROM {table} WHERE publish_failed_at IS NOT NULL AND published_at IS NULL) AS parked
+  FROM (SELECT count(*) AS count, extract(epoch FROM now() - min(created_at))::float8 AS oldest_owed_age_s
           FROM {table} WHERE published_at IS NULL AND publish_failed_at IS NULL) AS owed
 """
 
 
+@dataclass(frozen=True, slots=True)
+class OutboxCounts:
+    owed: int  # committed, not yet published, not parked (waiting, leased, or in a refusal's backoff)
+    parked: int  # refused OUTBOX_MAX_ATTEMPTS times: waits for `progress-service outbox redrive`
+    oldest_owed_age_s: float | None  # None when nothing is owed
+
+
+async def outbox_counts(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox) -> OutboxCounts:
+    """Messages owed and parked in `outbox`, and the age of the oldest owed: one short indexed statement."""
+    row = await conn.fetchrow(outbox.counts_sql)
+    assert row is not None
+    return OutboxCounts(int(row["owed"]), int(row["parked"]), row["oldest_owed_age_s"])
+
+
 def _outbox(name: str, *, table: str, key: str, returning: str,
             to_message: Callable[[asyncpg.Record, str, str], Message]) -> Outbox:  # fmt: skip
-    """Both outboxes are one shape: a table with a bigint key, published_at, a lease and a park."""
+    """Both outboxes are one shape: a table with a bigint key, published_at, a lease, attempts and a park."""
     names = {"table": table, "key": key, "returning": returning}
-    return Outbox(name, _CLAIM_SQL.format(**names), _MARK_SQL.format(**names), _RELEASE_SQL.format(**names),
-                  _PARK_SQL.format(**names), _OLDEST_SQL.format(**names), _COUNTS_SQL.format(**names),
+    return Outbox(name, table, key, _CLAIM_SQL.format(**names), _MARK_SQL.format(**names),
+                  _RELEASE_SQL.format(**names), _REFUSE_SQL.format(**names), _COUNTS_SQL.format(**names),
                   to_message)  # fmt: skip
 
 
@@ -124,6 +144,8 @@ COMPLETIONS = _outbox("completion", table="progress_completion_event", key="id",
 # does not race the batch's own publish of its winners.
 EMAILS = _outbox("email", table="trial_email_outbox", key="dispatch_id",
                  returning="o.user_id, o.source, o.email_key, o.reserved_at", to_message=email_message)  # fmt: skip
+# by the name the metrics, the logs and `progress-service outbox --outbox` use
+OUTBOXES = {outbox.name: outbox for outbox in (COMPLETIONS, EMAILS)}
 
 
 def publish_window_s(lease_s: float, publish_timeout_s: float) -> float:
@@ -144,16 +166,3 @@ def publish_budget_s(publish_timeout_s: float) -> float:
 async def mark_published(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox, row_ids: list[int]) -> None:
     if row_ids:
         await conn.execute(outbox.mark_sql, row_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class OutboxCounts:
-    owed: int
-    parked: int
-    oldest_owed_age_s: float | None  # None: nothing owed
-
-
-async def count_rows(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox) -> OutboxCounts:
-    row = await conn.fetchrow(outbox.counts_sql)
-    assert row is not None
-    return OutboxCounts(row["owed"], row["parked"], row["oldest_owed_age_s"])

@@ -10,7 +10,9 @@ It wakes on NOTIFY from the writers, so a completion reaches the broker within a
 its flush, and polls every RELAY_POLL_INTERVAL_SECONDS in case a notification was missed (LISTEN
 needs a real session: behind PgBouncer in transaction mode point RELAY_LISTEN_DATABASE_URL at
 the primary, or poll only). Broker unreachable: rows wait, the relay backs off exponentially,
-the age of the oldest owed row shows the lag. A row the broker refuses for good is parked.
+the age of the oldest owed row shows the lag; a temporary answer (BUSY, LOADING, throttling) is the
+same outage. A row the broker refuses is retried with a doubling backoff (OUTBOX_RETRY_BACKOFF_SECONDS
+first) and parked only after OUTBOX_MAX_ATTEMPTS refusals, about a day with the defaults.
 """
 
 import asyncio
@@ -27,11 +29,10 @@ import asyncpg
 from service import metrics
 from service.loops import Backoff, every
 from service.outbox.messages import Publisher, PublishResult
-from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, publish_window_s
+from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, outbox_counts, publish_window_s
 from service.stores import POSTGRES_FAILED
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,19 +49,26 @@ class Route:
 class RelayResult:
     published: dict[str, int] = field(default_factory=dict)  # by outbox
     republished: dict[str, int] = field(default_factory=dict)
-    failed: dict[str, int] = field(default_factory=dict)  # refused for good, parked
+    failed: dict[str, int] = field(default_factory=dict)  # refused for the last time: parked
     broker_unavailable: str | None = None
+    retried: dict[str, int] = field(default_factory=dict)  # refused, retried after a backoff
 
     def did_something(self) -> bool:
-        return any(self.published.values()) or any(self.failed.values())
+        return any(self.published.values()) or any(self.failed.values()) or any(self.retried.values())
 
 
 class Relay:
     def __init__(self, *, pool: asyncpg.Pool, routes: Sequence[Route], batch_size: int, lease_s: float,
                  publish_timeout_s: float, poll_s: float, max_backoff_s: float, listen_dsn: str = "",
-                 connect_timeout_s: float) -> None:  # fmt: skip
-        """`listen_dsn`: where to LISTEN for the writers' NOTIFY; empty, poll only."""
+                 connect_timeout_s: float, max_attempts: int, retry_backoff_s: float) -> None:  # fmt: skip
+        """`listen_dsn`: where to LISTEN for the writers' NOTIFY; empty, poll only.
+
+        A refused row is claimed again `retry_backoff_s * 2 ** (attempts - 1)` later, and parked once it
+        has had `max_attempts`.
+        """
         self._pool = pool
+        self._max_attempts = max_attempts
+        self._retry_backoff_s = retry_backoff_s
         self._routes = list(routes)
         self._batch_size = batch_size
         self._lease_s = lease_s
@@ -83,6 +91,7 @@ class Relay:
             result.published.setdefault(name, 0)
             result.republished.setdefault(name, 0)
             result.failed.setdefault(name, 0)
+            result.retried.setdefault(name, 0)
             # once the broker is known down, the other outboxes only report their lag
             try:
                 if result.broker_unavailable is None:
@@ -90,7 +99,7 @@ class Relay:
             finally:
                 # the lag must show even when the pass failed: it is what the alert watches
                 with contextlib.suppress(*POSTGRES_FAILED):
-                    await self._report_oldest(route.outbox)
+                    await self._report_counts(route.outbox)
         return result
 
     async def _drain(self, route: Route, result: RelayResult, stop: asyncio.Event | None) -> None:
@@ -140,21 +149,30 @@ class Relay:
     ) -> None:
         if self._failpoint == "after_publish" and sent.sent:
             os.kill(os.getpid(), signal.SIGKILL)
-        # One statement for the batch's marks. Shielded: once the broker has the messages, a
-        # cancelled relay must still record it, or they would all go out again.
-        await asyncio.shield(self._settle(outbox, sent.sent, sent.refused))
-        attempts = {row["id"]: row["publish_attempts"] for row in rows}
-        republished = sum(1 for row_id in sent.sent if attempts[row_id] > 1)
+        # One statement for the batch's marks, one for its refusals. Shielded: once the broker has the
+        # messages, a cancelled relay must still record it, or they would all go out again.
+        parked = await asyncio.shield(self._settle(outbox, sent.sent, sent.refused))
+        first_time = {row["id"] for row in rows if row["publish_attempts"] == 1 or row["refused_before"]}
+        republished = sum(1 for row_id in sent.sent if row_id not in first_time)
         name = outbox.name
+        retried = len(sent.refused) - len(parked)
         result.published[name] += len(sent.sent)
         result.republished[name] += republished
-        result.failed[name] += len(sent.refused)
+        result.failed[name] += len(parked)
+        result.retried[name] += retried
         metrics.OUTBOX_PUBLISHED.labels(name).inc(len(sent.sent))
         metrics.OUTBOX_REPUBLISHED.labels(name).inc(republished)
-        metrics.OUTBOX_FAILED.labels(name).inc(len(sent.refused))
+        metrics.OUTBOX_FAILED.labels(name).inc(len(parked))
+        metrics.OUTBOX_RETRIED.labels(name).inc(retried)
+        attempts = {row["id"]: row["publish_attempts"] for row in rows}
         for row_id, error in sent.refused.items():
-            log.error("%s outbox row %d refused by the broker, parked (publish_failed_at set): %s",
-                      name, row_id, error, extra={"outbox": name, "row_id": row_id})  # fmt: skip
+            if row_id in parked:
+                log.error("%s outbox row %d refused by the broker %d times, parked (publish_failed_at set): %s",
+                          name, row_id, attempts[row_id], error, extra={"outbox": name, "row_id": row_id})  # fmt: skip
+            else:
+                log.warning("%s outbox row %d refused by the broker (attempt %d of %d), retried later: %s",
+                            name, row_id, attempts[row_id], self._max_attempts, error,
+                            extra={"outbox": name, "row_id": row_id})  # fmt: skip
         if sent.unavailable is not None:
             result.broker_unavailable = sent.unavailable
             metrics.OUTBOX_BROKER_UNAVAILABLE.labels(name).inc()
@@ -170,15 +188,21 @@ class Relay:
         if unsent:
             await self._pool.execute(outbox.release_sql, unsent)
 
-    async def _settle(self, outbox: Outbox, sent: list[int], refused: dict[int, str]) -> None:
+    async def _settle(self, outbox: Outbox, sent: list[int], refused: dict[int, str]) -> set[int]:
+        """Mark what the broker took; lease the refused rows for their backoff, or park them. Returns the parked."""
         if sent:
             await self._pool.execute(outbox.mark_sql, sent)
-        if refused:
-            await self._pool.execute(outbox.park_sql, list(refused), list(refused.values()))
+        if not refused:
+            return set()
+        rows = await self._pool.fetch(outbox.refuse_sql, list(refused), list(refused.values()), self._max_attempts,
+                                      self._retry_backoff_s)  # fmt: skip
+        return {row["id"] for row in rows if row["parked"]}
 
-    async def _report_oldest(self, outbox: Outbox) -> None:
-        age_s = await self._pool.fetchval(outbox.oldest_sql)
-        metrics.OUTBOX_OLDEST_AGE.labels(outbox.name).set(age_s or 0.0)
+    async def _report_counts(self, outbox: Outbox) -> None:
+        counts = await outbox_counts(self._pool, outbox)
+        metrics.OUTBOX_OLDEST_AGE.labels(outbox.name).set(counts.oldest_owed_age_s or 0.0)
+        metrics.OUTBOX_OWED.labels(outbox.name).set(counts.owed)
+        metrics.OUTBOX_PARKED.labels(outbox.name).set(counts.parked)
 
     async def final_pass(self, timeout_s: float) -> None:
         """On shutdown, after the last flush: one bounded pass; what it cannot send waits for another pod."""
@@ -223,8 +247,9 @@ class Relay:
                         result.broker_unavailable, self._max_backoff_s)  # fmt: skip
             return False
         if result.did_something():
-            log.info("outbox relay: tasks published %s (republished %s, refused and parked %s)",
-                     _counts(result.published), _counts(result.republished), _counts(result.failed),
+            log.info("outbox relay: tasks published %s (republished %s, refused and retried later %s, "
+                     "refused and parked %s)", _counts(result.published), _counts(result.republished),
+                     _counts(result.retried), _counts(result.failed),
                      extra={"count": sum(result.published.values())})  # fmt: skip
         return True
 

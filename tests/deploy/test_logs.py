@@ -133,7 +133,8 @@ async def test_a_parked_outbox_row_is_logged_with_its_outbox_and_row_id(
         "INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
         "VALUES ('lesson', 1, 1, now()) RETURNING id"
     )
-    relay = build_relay(settings, db, [completion_route(settings, RefusingBroker())])
+    one_attempt = settings.model_copy(update={"outbox_max_attempts": 1})  # parked at the first refusal
+    relay = build_relay(one_attempt, db, [completion_route(one_attempt, RefusingBroker())])
 
     result = await relay.relay_once()
 

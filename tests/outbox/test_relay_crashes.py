@@ -9,19 +9,10 @@ import pytest
 
 from service.embedded import free_port
 from tests.helpers import RELAY_LEASE_S as LEASE_S
-from tests.helpers import Servers, limited_broker_user, relay_env, relay_once, seed
+from tests.helpers import Servers, add_events, limited_broker_user, relay_env, relay_once
 from tests.monolith.fixtures import Broker, Executions
 
 pytestmark = pytest.mark.slow  # relay processes and a real Celery worker
-
-
-async def add_events(db: asyncpg.Pool, count: int) -> None:
-    """`count` completion events as the flush writes them (users 1..count, lesson 1), none published."""
-    await seed(db, users=count, contents=1)
-    await db.execute(
-        "INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
-        "SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i", count,
-    )  # fmt: skip
 
 
 async def test_killed_after_publish_before_the_mark_republishes_with_the_same_task_ids(
@@ -95,9 +86,11 @@ async def test_a_message_the_broker_refuses_for_good_is_parked_and_counted_once_
 ) -> None:
     await add_events(db, 3)
     limited_url = await limited_broker_user(broker)
+    # one attempt: parked at the first refusal (tests/outbox/test_refusals.py has the retries before it)
+    refused = {"CELERY_BROKER_URL": limited_url, "COMPLETION_TASK_QUEUE": "forbidden", "OUTBOX_MAX_ATTEMPTS": "1"}
 
-    first = await relay_once(servers, broker, CELERY_BROKER_URL=limited_url, COMPLETION_TASK_QUEUE="forbidden")
-    again = await relay_once(servers, broker, CELERY_BROKER_URL=limited_url, COMPLETION_TASK_QUEUE="forbidden")
+    first = await relay_once(servers, broker, **refused)
+    again = await relay_once(servers, broker, **refused)
 
     assert first[0] == 0 and first[1] is not None and first[1]["failed"]["completion"] == 3, first
     assert again[0] == 0 and again[1] is not None and again[1]["failed"]["completion"] == 0

@@ -197,7 +197,7 @@ async def test_an_email_the_broker_refuses_is_not_marked_published_and_the_relay
 
     await asyncio.sleep(LEASE_S)
     code, summary = await relay_once(servers, broker, CELERY_BROKER_URL=refused.celery_broker_url,
-                                     EMAIL_TASK_QUEUE="forbidden")  # fmt: skip
+                                     EMAIL_TASK_QUEUE="forbidden", OUTBOX_MAX_ATTEMPTS="2")  # fmt: skip
     assert code == 0 and summary is not None and summary["failed"]["email"] == 2
     parked = await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE publish_failed_at IS NOT NULL")
     assert parked == 2 and await executions.count() == 0

@@ -1,0 +1,106 @@
+"""Parked outbox rows, for people on call: list them, and re-drive them (owed again, same task ids).
+
+A row is parked when the broker refused it OUTBOX_MAX_ATTEMPTS times (publish_failed_at set,
+publish_error the last refusal). A re-drive clears publish_failed_at and the lease, so the relay
+claims the row again and publishes it with the task id it always had; its attempts are kept, so a
+row refused again is parked again at once (Sidekiq's dead set behaves the same way). Every statement
+here is short and commits on its own: the relay never claims a parked row, so it never waits on one
+of these, and nothing here holds a transaction open. A row already published is never touched.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import asyncpg
+
+from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox
+
+# rows per re-drive statement: each is a few milliseconds of row locks on rows no relay wants
+REDRIVE_CHUNK = 500
+
+_PARKED = "publish_failed_at IS NOT NULL AND published_at IS NULL"
+
+# newest first, through the parked index (migrations_ref/006_outbox_counts.sql)
+_LIST_SQL = """
+SELECT {key} AS id, publish_error AS error, publish_failed_at AS failed_at, publish_attempts AS attempts
+  FROM {table} WHERE {parked} AND ($2::bigint[] IS NULL OR {key} = ANY($2::bigint[]))
+ ORDER BY publish_failed_at DESC, {key} DESC
+ LIMIT $1
+"""
+_COUNT_SQL = """
+SELECT count(*) FROM {table} WHERE {parked} AND ($1::bigint[] IS NULL OR {key} = ANY($1::bigint[]))
+"""
+# One chunk: the next parked rows by key after $1 (at most $2; only $3 when given), made owed again.
+# The UPDATE re-checks that a row is still parked and unpublished, so two re-drives at once count
+# each row once; `last` moves the cursor even past rows the other one took. The relay is woken.
+_REDRIVE_SQL = """
+WITH chunk AS (
+    SELECT {key} AS id FROM {table}
+     WHERE {parked} AND {key} > $1 AND ($3::bigint[] IS NULL OR {key} = ANY($3::bigint[]))
+     ORDER BY {key}
+     LIMIT $2
+), redriven AS (
+    UPDATE {table} o SET publish_failed_at = NULL, claimed_until = NULL
+      FROM chunk
+     WHERE o.{key} = chunk.id AND o.publish_failed_at IS NOT NULL AND o.published_at IS NULL
+    RETURNING o.{key}
+)
+SELECT (SELECT max(id) FROM chunk) AS last, count(*) AS redriven,
+       (SELECT count(pg_notify('{channel}', 'redrive')) FROM (SELECT 1 FROM redriven LIMIT 1) r) AS notified
+  FROM redriven
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ParkedRow:
+    outbox: str
+    id: int
+    error: str | None  # publish_error: the broker's last refusal
+    failed_at: datetime
+    attempts: int
+
+    def as_json(self) -> dict[str, object]:
+        return {"outbox": self.outbox, "id": self.id, "error": self.error, "failed_at": self.failed_at.isoformat(),
+                "attempts": self.attempts}  # fmt: skip
+
+
+def _sql(template: str, outbox: Outbox) -> str:
+    return template.format(table=outbox.table, key=outbox.key, parked=_PARKED, channel=NOTIFY_CHANNEL)
+
+
+async def list_parked(conn: asyncpg.Connection | asyncpg.Pool, outboxes: Sequence[Outbox], *, limit: int,
+                      ids: Sequence[int] | None = None) -> list[ParkedRow]:  # fmt: skip
+    """The `limit` most recently parked rows of `outboxes` (only `ids`, when given), newest first."""
+    found: list[ParkedRow] = []
+    for outbox in outboxes:
+        rows = await conn.fetch(_sql(_LIST_SQL, outbox), limit, ids)
+        found += [ParkedRow(outbox.name, row["id"], row["error"], row["failed_at"], row["attempts"]) for row in rows]
+    found.sort(key=lambda row: (row.failed_at, row.id), reverse=True)
+    return found[:limit]
+
+
+async def count_parked(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox,
+                       ids: Sequence[int] | None = None) -> int:  # fmt: skip
+    """What a re-drive of `outbox` (only `ids`, when given) would touch now."""
+    return int(await conn.fetchval(_sql(_COUNT_SQL, outbox), ids))
+
+
+async def redrive_parked(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox, *, ids: Sequence[int] | None = None,
+                         chunk: int = REDRIVE_CHUNK, on_chunk: Callable[[int], None] | None = None,
+                         should_stop: Callable[[], bool] = lambda: False) -> int:  # fmt: skip
+    """Make the parked rows of `outbox` (only `ids`, when given) owed again, chunk by chunk; returns how many.
+
+    `on_chunk(count)` after each chunk (a progress meter); `should_stop` is asked between chunks
+    (SIGTERM): what is done is done, the rest stays parked for the next run.
+    """
+    after, total = 0, 0
+    while not should_stop():
+        row = await conn.fetchrow(_sql(_REDRIVE_SQL, outbox), after, chunk, ids)
+        if row is None or row["last"] is None:
+            break
+        after = row["last"]
+        total += row["redriven"]
+        if on_chunk is not None:
+            on_chunk(row["redriven"])
+    return total

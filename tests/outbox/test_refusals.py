@@ -1,0 +1,213 @@
+"""A refusal is not final at once: a busy broker is waited out, a refused message retried with backoff, then parked."""
+
+import asyncio
+import threading
+import time
+
+import asyncpg
+import pytest
+import redis
+from redis.asyncio import Redis
+
+from service.app import build_flusher, build_relay, completion_route
+from service.config import Settings
+from service.outbox.celery_publisher import _broker_reply, publisher_from_settings
+from tests.helpers import add_events, limited_broker_user, metric, post_near_end, running_app, seed
+from tests.monolith.fixtures import Broker, Executions
+
+BUSY_S = 3.5
+
+
+def redis_reply(reply: str, *, in_pipeline: bool) -> BaseException:
+    """An error reply as redis-py raises it, wrapped as kombu wraps it in a publish."""
+    from kombu.exceptions import OperationalError
+    from redis._parsers.base import BaseParser
+
+    error = BaseParser.parse_error(reply)
+    if in_pipeline:  # how redis-py annotates an error of a pipeline's command
+        error.args = (f"Command # 1 (LLEN onion-progress) of pipeline caused error: {error.args[0]}",)
+    wrapped = OperationalError(str(error))
+    wrapped.__cause__ = error
+    return wrapped
+
+
+@pytest.mark.parametrize("in_pipeline", [False, True])
+@pytest.mark.parametrize(
+    ("reply", "answer"),
+    [
+        ("BUSY Valkey is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSAVE.", "temporary"),
+        ("LOADING Valkey is loading the dataset in memory", "temporary"),
+        ("OOM command not allowed when used memory > 'maxmemory'.", "temporary"),
+        ("READONLY You can't write against a read only replica.", "temporary"),
+        ("MISCONF Errors writing to the AOF file", "temporary"),
+        ("MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.", "temporary"),
+        ("TRYAGAIN Multiple keys request during rehashing of slot", "temporary"),
+        ("CLUSTERDOWN The cluster is down", "temporary"),
+        ("NOPERM No permissions to access a key", "refused"),
+        ("WRONGTYPE Operation against a key holding the wrong kind of value", "refused"),
+        ("ERR Protocol error: invalid bulk length", "refused"),
+    ],
+)  # fmt: skip
+def test_temporary_broker_replies_are_an_outage_and_the_others_a_refusal(reply: str, answer: str,
+                                                                        in_pipeline: bool) -> None:  # fmt: skip
+    assert _broker_reply(redis_reply(reply, in_pipeline=in_pipeline)) == answer
+
+
+@pytest.mark.parametrize(("code", "answer"), [("ThrottlingException", "temporary"), ("RequestThrottled", "temporary"),
+                                              ("AccessDenied", "refused"), ("InvalidMessageContents", "refused")])
+def test_sqs_throttling_is_an_outage_and_a_denial_a_refusal(code: str, answer: str) -> None:
+    from botocore.exceptions import ClientError
+
+    error = ClientError({"Error": {"Code": code, "Message": "..."}}, "SendMessage")
+    assert _broker_reply(error) == answer
+
+
+def test_a_lost_connection_is_no_broker_reply() -> None:
+    from kombu.exceptions import OperationalError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    lost = OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+    lost.__cause__ = RedisConnectionError("Connection refused")
+    assert _broker_reply(lost) is None
+
+
+class BusyBroker:
+    """The broker runs a Lua loop: every other client is answered BUSY until SCRIPT KILL."""
+
+    def __init__(self, broker: Broker) -> None:
+        self._url = broker.url
+        self._thread: threading.Thread | None = None
+        self.script_error: BaseException | None = None
+
+    def __enter__(self) -> "BusyBroker":
+        admin = redis.Redis.from_url(self._url)
+        admin.config_set("busy-reply-threshold", 100)  # ms: BUSY after a tenth of a second
+        admin.close()
+        self._thread = threading.Thread(target=self._run_script, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 5
+        while not self.busy():
+            assert time.monotonic() < deadline, "the broker never answered BUSY"
+            time.sleep(0.05)
+        return self
+
+    def _run_script(self) -> None:
+        client = redis.Redis.from_url(self._url, socket_timeout=30)
+        try:
+            client.eval("while true do end", 0)
+        except redis.ResponseError as exc:  # "Script killed by user"
+            self.script_error = exc
+        finally:
+            client.close()
+
+    def busy(self) -> bool:
+        client = redis.Redis.from_url(self._url, socket_timeout=2)
+        try:
+            client.ping()
+        except redis.ResponseError as exc:
+            return str(exc).startswith("BUSY")
+        finally:
+            client.close()
+        return False
+
+    def __exit__(self, *_: object) -> None:
+        deadline = time.monotonic() + 10
+        while True:
+            client = redis.Redis.from_url(self._url, socket_timeout=2)
+            try:
+                client.script_kill()
+                break
+            except redis.ResponseError:  # the script has not started yet, or is already gone
+                if not self.busy() or time.monotonic() > deadline:
+                    break
+            finally:
+                client.close()
+        assert self._thread is not None
+        self._thread.join(timeout=10)
+        admin = redis.Redis.from_url(self._url)
+        admin.config_set("busy-reply-threshold", 5000)
+        admin.close()
+
+
+@pytest.mark.slow  # a real broker made busy, a real Celery worker
+async def test_completions_published_while_the_broker_answers_busy_are_delivered_once_and_none_is_parked(
+    relay_settings: Settings, broker: Broker, redis: Redis, db: asyncpg.Pool, executions: Executions
+) -> None:
+    await seed(db, users=20, contents=1, duration_s=600)
+    async with running_app(relay_settings) as (_, client):
+        with BusyBroker(broker) as busy:
+            busy_since = time.monotonic()
+            await post_near_end(client, relay_settings, users=20, lessons=1)
+            result = await build_flusher(relay_settings, redis, db).flush_cycle()
+            assert result.failed_batches == 0
+            assert await db.fetchval("SELECT count(*) FROM progress_completion_event") == 20
+            # the relay, woken by the flush, meets BUSY for the rest of the hiccup
+            await asyncio.sleep(max(0.0, BUSY_S - (time.monotonic() - busy_since)))
+            assert busy.busy()
+            assert await executions.count() == 0
+        rows = await executions.wait_for(20, timeout_s=30, settle_s=1.0)
+
+    assert len(rows) == 20
+    assert set((await executions.by_task_id()).values()) == {1}
+    parked = await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE publish_failed_at IS NOT NULL")
+    assert parked == 0
+    assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
+
+
+@pytest.mark.slow  # a real broker
+async def test_a_refused_message_is_retried_with_a_doubling_backoff_and_parked_only_after_its_max_attempts(
+    relay_settings: Settings, broker: Broker, db: asyncpg.Pool
+) -> None:
+    await add_events(db, 3)
+    refused = relay_settings.model_copy(update={
+        "celery_broker_url": await limited_broker_user(broker), "completion_task_queue": "forbidden",
+        "outbox_max_attempts": 3, "outbox_retry_backoff_seconds": 0.5,
+    })  # fmt: skip
+    publisher = publisher_from_settings(refused)
+    relay = build_relay(refused, db, [completion_route(refused, publisher)])
+    retried_before = metric("progress_outbox_retried_total", outbox="completion")
+    parked_before = metric("progress_outbox_failed_total", outbox="completion")
+
+    async def rows() -> list[asyncpg.Record]:
+        return await db.fetch(
+            "SELECT publish_attempts, publish_failed_at, publish_error, published_at,"
+            "       extract(epoch FROM claimed_until - now())::float8 AS backoff_s "
+            "  FROM progress_completion_event ORDER BY id"
+        )
+
+    try:
+        first = await relay.relay_once()
+        assert (first.retried, first.failed) == ({"completion": 3}, {"completion": 0})
+        after_first = await rows()
+        assert [row["publish_attempts"] for row in after_first] == [1, 1, 1]
+        assert all(row["publish_failed_at"] is None for row in after_first)
+        assert all("permission" in row["publish_error"].lower() for row in after_first)  # NOPERM, kept
+        assert all(0.3 < row["backoff_s"] <= 0.5 for row in after_first)  # the first backoff
+
+        waiting = await relay.relay_once()  # within the backoff: nothing is claimed
+        assert (waiting.retried, waiting.failed) == ({"completion": 0}, {"completion": 0})
+
+        await asyncio.sleep(0.6)
+        second = await relay.relay_once()
+        assert (second.retried, second.failed) == ({"completion": 3}, {"completion": 0})
+        after_second = await rows()
+        assert [row["publish_attempts"] for row in after_second] == [2, 2, 2]
+        assert all(0.8 < row["backoff_s"] <= 1.0 for row in after_second)  # doubled
+
+        await asyncio.sleep(1.1)
+        third = await relay.relay_once()
+        assert (third.retried, third.failed) == ({"completion": 0}, {"completion": 3})
+        parked = await rows()
+        assert all(row["publish_failed_at"] is not None and row["backoff_s"] is None for row in parked)
+        assert all(row["published_at"] is None and row["publish_attempts"] == 3 for row in parked)
+
+        await asyncio.sleep(0.1)
+        after = await relay.relay_once()  # parked rows are never claimed again
+        assert (after.retried, after.failed, after.published) == ({"completion": 0},) * 3
+    finally:
+        await asyncio.to_thread(publisher.close)
+
+    assert metric("progress_outbox_retried_total", outbox="completion") - retried_before == 6
+    assert metric("progress_outbox_failed_total", outbox="completion") - parked_before == 3
+    assert metric("progress_outbox_parked_messages", outbox="completion") == 3
+    assert metric("progress_outbox_owed_messages", outbox="completion") == 0
