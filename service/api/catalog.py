@@ -4,7 +4,8 @@ The guarantee: a known id costs no round trip (a bisect in a sorted in-memory ar
 id costs at most one query per id and cache period, shared by every concurrent request naming it;
 and an id that cannot be checked because Postgres is unreachable is accepted (and counted), so an
 outage never costs a real heartbeat. Content published since the last snapshot is found by the
-lookup at once.
+lookup at once, and within about a second when it was asked about before it existed: an "unknown"
+answer is kept at most UNKNOWN_ANSWER_TTL_S, a known one for the configured cache period.
 """
 
 import asyncio
@@ -29,6 +30,9 @@ _DB_RETRY_S = 1.0
 # answers for ids outside the snapshot (~100 bytes each), and distinct ids looked up at once
 CATALOG_MAX_ANSWERS = 100_000
 CATALOG_MAX_LOOKUPS = 64
+# a lesson asked about a moment before the monolith created it must not be refused for the whole cache
+# period (its heartbeats would be lost); a made-up id still costs one query per id and this period
+UNKNOWN_ANSWER_TTL_S = 1.0
 
 
 class LookupsSaturated(Exception):
@@ -45,7 +49,7 @@ class ContentCatalog:
         self._max_lookups = max_lookups
         self._clock = clock
         self._known: dict[str, array[int]] = {}  # per content type, ascending; replaced whole by refresh()
-        # recent answers for ids not in the snapshot: (known, valid until); insertion order = expiry order
+        # recent answers for ids not in the snapshot: (known, valid until); the oldest inserted go first
         self._answers: dict[tuple[str, int], tuple[bool, float]] = {}
         self._lookups: dict[tuple[str, int], asyncio.Task[bool | None]] = {}
         self._db_down_until = 0.0
@@ -93,10 +97,11 @@ class ContentCatalog:
         return known
 
     def _remember(self, key: tuple[str, int], known: bool) -> None:
-        self._answers.pop(key, None)  # re-inserted at the end: the order stays the expiry order
+        self._answers.pop(key, None)  # re-inserted at the end: the newest answer goes last
         while len(self._answers) >= self._max_answers:
             del self._answers[next(iter(self._answers))]
-        self._answers[key] = (known, self._clock() + self._answer_ttl_s)
+        ttl_s = self._answer_ttl_s if known else min(self._answer_ttl_s, UNKNOWN_ANSWER_TTL_S)
+        self._answers[key] = (known, self._clock() + ttl_s)
 
     def _accept_unverified(self, kind: ContentKind) -> bool:
         self._unverified[kind.name].inc()

@@ -56,6 +56,23 @@ async def test_content_published_a_moment_ago_is_accepted_at_once(
     assert await redis.smembers("progress:pending_flush:lesson") == {"50:7"}
 
 
+async def test_content_created_after_a_404_is_accepted_within_a_second(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str
+) -> None:
+    """A cached "unknown" never outlives ~1 s, whatever CONTENT_CATALOG_CACHE_SECONDS (default: 10 s)."""
+    await seed(db, users=7, contents=1)
+    assert door.content_catalog_cache_seconds == Settings().content_catalog_cache_seconds > 1.2
+    body = {"lesson_id": 5000, "position": 3}
+    async with running_app(door) as (_, client):
+        early = await client.post("/engagements/progress/lesson", json=body, headers=auth(token))
+        assert early.status_code == 404
+        await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (5000, 'new', 600)")
+        await asyncio.sleep(1.2)
+        late = await client.post("/engagements/progress/lesson", json=body, headers=auth(token))
+        assert late.status_code == 201
+    assert await redis.smembers("progress:pending_flush:lesson") == {"5000:7"}
+
+
 async def test_concurrent_requests_for_one_unseen_id_share_one_query(
     door: Settings, db: asyncpg.Pool, redis: Redis, token: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
