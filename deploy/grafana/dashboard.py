@@ -174,8 +174,10 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
     ]),
     ("Door", [
         graph("Refusals by reason", "Heartbeats refused before any write: unknown_content (404), "
-              "rate_limited (429), body_timeout (408).", "reqps",
-              (f"sum by (reason) (rate(progress_refused_total[{RATE}]))", "{{reason}}")),
+              "rate_limited (429; the last position per content is still written about every 0.5 s), "
+              "body_timeout (408); shed: rate-limited positions not kept, past the deferral's bounds.", "reqps",
+              (f"sum by (reason) (rate(progress_refused_total[{RATE}]))", "{{reason}}"),
+              (f"sum(rate(progress_deferred_shed_total[{RATE}]))", "shed")),
         graph("Catalog size", "Content ids in the catalog snapshot (8 bytes each in memory).", "short",
               ("max by (content_type) (progress_catalog_known_ids)", "{{content_type}}")),
         stat("Catalog snapshot age", "Since the catalog snapshot was last loaded.", "s",

@@ -57,6 +57,11 @@ class ContentCatalog:
 
     def is_known(self, kind: ContentKind, content_id: int) -> bool | Awaitable[bool]:
         """A bool when memory knows the answer (the hot path: no await), else an awaitable lookup."""
+        known = self.known_in_memory(kind, content_id)
+        return self._look_up(kind, content_id) if known is None else known
+
+    def known_in_memory(self, kind: ContentKind, content_id: int) -> bool | None:
+        """The snapshot's or a cached answer; None when only a lookup can tell."""
         ids = self._known.get(kind.name)
         if ids is not None:
             i = bisect_left(ids, content_id)
@@ -65,7 +70,7 @@ class ContentCatalog:
         answer = self._answers.get((kind.name, content_id))
         if answer is not None and answer[1] > self._clock():
             return answer[0]
-        return self._look_up(kind, content_id)
+        return None
 
     async def _look_up(self, kind: ContentKind, content_id: int) -> bool:
         key = (kind.name, content_id)
