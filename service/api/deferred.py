@@ -75,12 +75,12 @@ class DeferredHeartbeats:
     def __len__(self) -> int:
         return len(self._entries)
 
-    async def drain(self, sink: HeartbeatSink) -> None:
-        """Write every entry kept so far; one that neither store took is kept again for the next drain."""
+    async def drain(self, sink: HeartbeatSink) -> bool:
+        """Write every entry kept so far; one that neither store took is kept again for the next drain (False)."""
         async with self._draining:
             entries, self._entries, self._contents_of = self._entries, {}, {}
             if not entries:
-                return
+                return True
             keys = list(entries)
             results = await asyncio.gather(*(self._write(sink, key, entries[key]) for key in keys),
                                            return_exceptions=True)  # fmt: skip
@@ -95,6 +95,7 @@ class DeferredHeartbeats:
                 error = next(r for r in results if isinstance(r, Unavailable))
                 log.warning("%d refused heartbeats not written (%s); kept for the next try", unavailable, error,
                             extra={"count": unavailable})  # fmt: skip
+            return not unavailable
 
     @staticmethod
     async def _write(sink: HeartbeatSink, key: _Key, entry: _Deferred) -> None:

@@ -14,10 +14,11 @@ from service.api.catalog import ContentCatalog, LookupsSaturated
 from service.api.deferred import DEFER_INTERVAL_S, DeferredHeartbeats
 from service.api.ratelimit import RateLimiter
 from service.config import Settings
-from service.progress.buffer import decode_value
+from service.progress.buffer import PositionWriter, decode_value, receive_ms
 from service.progress.content import KIND_BY_PATH
 from service.progress.flusher import Flusher
 from service.progress.known_content import load_ids
+from service.progress.sink import HeartbeatSink
 from tests.helpers import auth, events, running_app, seed, wait_for
 
 LESSON = KIND_BY_PATH["/engagements/progress/lesson"]
@@ -235,6 +236,20 @@ async def test_refused_made_up_ids_cost_no_lookup_and_leave_no_key(
             statuses.append(response.status_code)
     assert statuses == [201] + [429] * 20 and queries == []
     assert sorted(await redis.keys("*")) == ["progress:latest_position:lesson:1:7", "progress:pending_flush:lesson"]
+
+
+async def test_refused_positions_neither_store_took_are_kept_for_the_next_drain(redis: Redis) -> None:
+    unreachable = Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+    deferred = DeferredHeartbeats()
+    deferred.keep(LESSON, content_id=1, user_id=7, position=590, received_ms=receive_ms())
+    deferred.keep(LESSON, content_id=1, user_id=7, position=5, received_ms=receive_ms())
+    down = HeartbeatSink(PositionWriter(unreachable, ttl_s=60), None, redis_retry_s=0.1, direct_timeout_s=0.5)
+    assert await deferred.drain(down) is False and len(deferred) == 1
+    await unreachable.aclose()
+    up = HeartbeatSink(PositionWriter(redis, ttl_s=60), None, redis_retry_s=0.1, direct_timeout_s=0.5)
+    assert await deferred.drain(up) is True and len(deferred) == 0
+    stored = decode_value(await redis.get("progress:latest_position:lesson:1:7"))
+    assert (stored.position, stored.peak) == (5.0, 590.0)
 
 
 def test_what_the_deferral_keeps_is_bounded_and_past_the_bounds_counted() -> None:
