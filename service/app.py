@@ -13,6 +13,7 @@ from fastapi import FastAPI
 
 from service.api import health
 from service.api.catalog import CATALOG_MAX_ANSWERS, CATALOG_MAX_LOOKUPS, ContentCatalog
+from service.api.deferred import DeferredHeartbeats
 from service.api.ingest import ProgressIngest
 from service.api.openapi import build_openapi
 from service.api.ratelimit import RateLimiter
@@ -177,6 +178,9 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
                              redis_retry_s=settings.degraded_redis_retry_seconds,
                              direct_timeout_s=settings.degraded_write_timeout_seconds)  # fmt: skip
         resources.push_async_callback(sink.aclose)
+        if ingest.deferred is not None:  # the rate limit's refused positions, written about twice a second
+            background.start("deferred-heartbeats", ingest.deferred.run(sink, background.stop))
+            resources.push_async_callback(ingest.deferred.drain, sink)  # the last ones, before the sink closes
         # the door and Redis memory (hostile clients): the first catalog snapshot is loaded before serving
         if settings.content_catalog_enabled and pool is not None:
             catalog = ContentCatalog(pool, lookup_timeout_s=settings.content_catalog_lookup_timeout_seconds,
@@ -200,7 +204,7 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
                                                       wait_timeout_ms=settings.redis_wait_timeout_ms), pool,
                                        ttl_s=settings.progress_position_ttl_seconds,
                                        max_skew_s=settings.sync_max_clock_skew_seconds,
-                                       max_age_s=settings.sync_max_age_days * 86_400)  # fmt: skip
+                                       max_backdate_s=settings.sync_max_backdate_hours * 3600)  # fmt: skip
         # Everything alive now lives as long as the process: moved out of the collector's sight,
         # a full collection under load scans ~1 k objects instead of ~80 k (a 37 ms pause at p99.9).
         gc.collect()
@@ -245,7 +249,7 @@ def create_app(settings: Settings | None = None) -> ProgressIngest:
     reads = ProgressReads(sync, authenticator=authenticator, limiter=reads_limiter)
     app = ProgressIngest(api, authenticator=authenticator, max_body_bytes=settings.max_body_bytes,
                          body_read_timeout_s=settings.body_read_timeout_seconds, limiter=limiter,
-                         reads=reads)  # fmt: skip
+                         deferred=DeferredHeartbeats() if limiter is not None else None, reads=reads)  # fmt: skip
     api.state.settings = settings
     api.state.ingest = app
     api.state.reads = reads

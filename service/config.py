@@ -72,7 +72,8 @@ class Settings(BaseSettings):
     # POST /progress/sync: positions listened offline, uploaded later
     sync_max_body_bytes: int = Field(262_144, ge=4096, le=4_194_304)
     sync_max_clock_skew_seconds: float = Field(300.0, ge=0)
-    sync_max_age_days: float = Field(30.0, gt=0)
+    # how far before its receipt a sync item may date a position or a completion (older: stored at that edge)
+    sync_max_backdate_hours: float = Field(6.0, gt=0)
     # a sync's items count against their own per-user cap (the request itself is one call against the
     # heartbeats' limit); the burst holds at least one full request of 500 items
     sync_items_per_user_per_second: float = Field(1.0, gt=0)

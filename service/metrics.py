@@ -47,6 +47,11 @@ REFUSED = Counter(
     "body_timeout (408).",
     ["reason"],
 )
+DEFERRED_SHED = Counter(
+    "progress_deferred_shed_total",
+    "Heartbeats refused by the rate limit whose position was not kept for the deferred write (past the "
+    "bounds of service/api/deferred.py).",
+)
 CATALOG_UNVERIFIED = Counter(
     "progress_catalog_unverified_total",
     "Heartbeats for an id not in the catalog snapshot, accepted unchecked because Postgres could not be asked.",

@@ -144,16 +144,21 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
                f"(rate(progress_flush_batch_seconds_bucket[{RATE}])))", "{{content_type}}")),
     ]),
     ("Outbox", [
+        graph("Owed and parked", "Messages committed and not yet published (owed), and those refused "
+              "OUTBOX_MAX_ATTEMPTS times (parked: `progress-service outbox list --parked`).", "short",
+              ("max by (outbox) (progress_outbox_owed_messages)", "owed {{outbox}}"),
+              ("max by (outbox) (progress_outbox_parked_messages)", "parked {{outbox}}")),
         graph("Oldest owed age", "Age of the oldest row still owed to the broker, per outbox "
               "(ProgressOutboxLagging: over 300 s).", "s",
               ("max by (outbox) (progress_outbox_oldest_unpublished_age_seconds)", "{{outbox}}"),
               thresholds=[("green", None), ("red", 300)]),
         graph("Published/s", "Messages the broker acknowledged, republishes included.", "ops",
               (f"sum by (outbox) (rate(progress_outbox_published_total[{RATE}]))", "{{outbox}}")),
-        graph("Republished and parked", "Republished with the same task id after a relay died before marking; "
-              "parked: refused by the broker for good (ProgressOutboxMessagesRefused; "
-              "`progress-service outbox list --parked`).", "short",
+        graph("Republished, retried and parked", "Republished with the same task id after a relay died before "
+              "marking; retried: refused, sent again after a backoff; parked: refused OUTBOX_MAX_ATTEMPTS times "
+              "(ProgressOutboxMessagesRefused; `progress-service outbox list --parked`).", "short",
               (f"sum by (outbox) (increase(progress_outbox_republished_total[{RATE}]))", "republished {{outbox}}"),
+              (f"sum by (outbox) (increase(progress_outbox_retried_total[{RATE}]))", "retried {{outbox}}"),
               (f"sum by (outbox) (increase(progress_outbox_failed_total[{RATE}]))", "parked {{outbox}}")),
         graph("Relay errors and broker outages", "Relay passes ended by a bug (ProgressOutboxRelayErrors) and "
               "batches stopped because the broker was unreachable.", "short",
@@ -174,8 +179,10 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
     ]),
     ("Door", [
         graph("Refusals by reason", "Heartbeats refused before any write: unknown_content (404), "
-              "rate_limited (429), body_timeout (408).", "reqps",
-              (f"sum by (reason) (rate(progress_refused_total[{RATE}]))", "{{reason}}")),
+              "rate_limited (429; the last position per content is still written about every 0.5 s), "
+              "body_timeout (408); shed: rate-limited positions not kept, past the deferral's bounds.", "reqps",
+              (f"sum by (reason) (rate(progress_refused_total[{RATE}]))", "{{reason}}"),
+              (f"sum(rate(progress_deferred_shed_total[{RATE}]))", "shed")),
         graph("Catalog size", "Content ids in the catalog snapshot (8 bytes each in memory).", "short",
               ("max by (content_type) (progress_catalog_known_ids)", "{{content_type}}")),
         stat("Catalog snapshot age", "Since the catalog snapshot was last loaded.", "s",

@@ -4,7 +4,8 @@ The guarantee: a known id costs no round trip (a bisect in a sorted in-memory ar
 id costs at most one query per id and cache period, shared by every concurrent request naming it;
 and an id that cannot be checked because Postgres is unreachable is accepted (and counted), so an
 outage never costs a real heartbeat. Content published since the last snapshot is found by the
-lookup at once.
+lookup at once, and within about a second when it was asked about before it existed: an "unknown"
+answer is kept at most UNKNOWN_ANSWER_TTL_S, a known one for the configured cache period.
 """
 
 import asyncio
@@ -30,6 +31,9 @@ _DB_RETRY_S = 1.0
 # answers for ids outside the snapshot (~100 bytes each), and distinct ids looked up at once
 CATALOG_MAX_ANSWERS = 100_000
 CATALOG_MAX_LOOKUPS = 64
+# a lesson asked about a moment before the monolith created it must not be refused for the whole cache
+# period (its heartbeats would be lost); a made-up id still costs one query per id and this period
+UNKNOWN_ANSWER_TTL_S = 1.0
 
 
 class LookupsSaturated(Exception):
@@ -46,7 +50,7 @@ class ContentCatalog:
         self._max_lookups = max_lookups
         self._clock = clock
         self._known: dict[str, array[int]] = {}  # per content type, ascending; replaced whole by refresh()
-        # recent answers for ids not in the snapshot: (known, valid until); insertion order = expiry order
+        # recent answers for ids not in the snapshot: (known, valid until); the oldest inserted go first
         self._answers: dict[tuple[str, int], tuple[bool, float]] = {}
         self._lookups: dict[tuple[str, int], asyncio.Task[bool | None]] = {}
         self._db_down_until = 0.0
@@ -54,6 +58,11 @@ class ContentCatalog:
 
     def is_known(self, kind: ContentKind, content_id: int) -> bool | Awaitable[bool]:
         """A bool when memory knows the answer (the hot path: no await), else an awaitable lookup."""
+        known = self.known_in_memory(kind, content_id)
+        return self._look_up(kind, content_id) if known is None else known
+
+    def known_in_memory(self, kind: ContentKind, content_id: int) -> bool | None:
+        """The snapshot's or a cached answer; None when only a lookup can tell."""
         ids = self._known.get(kind.name)
         if ids is not None:
             i = bisect_left(ids, content_id)
@@ -62,7 +71,7 @@ class ContentCatalog:
         answer = self._answers.get((kind.name, content_id))
         if answer is not None and answer[1] > self._clock():
             return answer[0]
-        return self._look_up(kind, content_id)
+        return None
 
     async def _look_up(self, kind: ContentKind, content_id: int) -> bool:
         key = (kind.name, content_id)
@@ -94,10 +103,11 @@ class ContentCatalog:
         return known
 
     def _remember(self, key: tuple[str, int], known: bool) -> None:
-        self._answers.pop(key, None)  # re-inserted at the end: the order stays the expiry order
+        self._answers.pop(key, None)  # re-inserted at the end: the newest answer goes last
         while len(self._answers) >= self._max_answers:
             del self._answers[next(iter(self._answers))]
-        self._answers[key] = (known, self._clock() + self._answer_ttl_s)
+        ttl_s = self._answer_ttl_s if known else min(self._answer_ttl_s, UNKNOWN_ANSWER_TTL_S)
+        self._answers[key] = (known, self._clock() + ttl_s)
 
     def _accept_unverified(self, kind: ContentKind) -> bool:
         self._unverified[kind.name].inc()

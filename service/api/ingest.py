@@ -11,8 +11,9 @@ import time
 
 from service import metrics
 from service.api.catalog import ContentCatalog, LookupsSaturated
-from service.api.http import ClientGone, HttpError, charge, identify, read_json, send_error
-from service.api.ratelimit import RateLimiter
+from service.api.deferred import DeferredHeartbeats
+from service.api.http import ClientGone, HttpError, identify, read_json, send_error
+from service.api.ratelimit import RateLimiter, retry_after_header
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.buffer import receive_ms
@@ -34,7 +35,7 @@ class ProgressIngest:
 
     def __init__(self, app: ASGIApp, *, authenticator: Authenticator, max_body_bytes: int,
                  body_read_timeout_s: float = 10.0, limiter: RateLimiter | None = None,
-                 reads: ASGIApp | None = None) -> None:  # fmt: skip
+                 deferred: DeferredHeartbeats | None = None, reads: ASGIApp | None = None) -> None:  # fmt: skip
         self.app = app
         # the progress reads, then the sync (service/api/reads.py, sync.py), in front of `app` for the rest
         self._next = reads or app
@@ -42,6 +43,9 @@ class ProgressIngest:
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
         self.limiter = limiter
+        # what the limit refuses, kept for a write by the pod's loop (the lifespan runs it): a burst still
+        # ends with the user's last position stored
+        self.deferred = deferred
         self.sink: HeartbeatSink | None = None  # set by the lifespan once its clients exist
         self.catalog: ContentCatalog | None = None  # likewise; None: every id is accepted
         self._refused_since_log = 0
@@ -74,9 +78,12 @@ class ProgressIngest:
         if scope["method"] != "POST":
             raise HttpError(405, "method not allowed: use POST", _ALLOW_POST)
         user_id, declared_length = identify(self.authenticator, scope["headers"])
-        charge(self.limiter, user_id, "too many heartbeats from this user, retry later")
+        # counted now, answered once the body is read: a refused heartbeat's position is kept for later
+        retry_after_s = self.limiter.allow(user_id) if self.limiter is not None else None
         heartbeat = await read_json(receive, kind.body, declared_length, limit=self.max_body_bytes,
                                     timeout_s=self.body_read_timeout_s)  # fmt: skip
+        if retry_after_s is not None:
+            self._refuse(kind, getattr(heartbeat, kind.id_column), user_id, heartbeat.position, retry_after_s)
         sink = self.sink  # once: the lifespan may take it away while the catalog lookup below waits
         if sink is None:
             raise HttpError(503, "service starting or stopping, retry later")
@@ -97,6 +104,20 @@ class ProgressIngest:
         except Unavailable as exc:
             self._log_refusal(kind, exc)
             raise HttpError(503, str(exc)) from None
+
+    def _refuse(self, kind: ContentKind, content_id: int, user_id: int, position: float, retry_after_s: float) -> None:
+        """429: nothing written now, nothing promised; the position is kept for the deferred write.
+
+        Kept only for content memory knows to be real: a refused request costs no lookup, so one user's
+        flood of made-up ids costs the database no more than before the limit let it through.
+        """
+        catalog = self.catalog
+        if self.deferred is not None and (catalog is None or catalog.known_in_memory(kind, content_id)):
+            self.deferred.keep(kind, content_id=content_id, user_id=user_id, position=position,
+                               received_ms=receive_ms())  # fmt: skip
+        metrics.REFUSED.labels("rate_limited").inc()
+        raise HttpError(429, "too many heartbeats from this user, retry later",
+                        [(b"retry-after", retry_after_header(retry_after_s))])  # fmt: skip
 
     def _log_refusal(self, kind: ContentKind, exc: Unavailable) -> None:
         self._refused_since_log += 1

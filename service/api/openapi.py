@@ -134,9 +134,10 @@ def _read_operations() -> dict[str, Any]:
         "post": {
             "operationId": "post_progress_sync",
             "summary": "Positions listened offline, uploaded later",
-            "description": "Each item goes through the heartbeat buffer with `listened_at` as its time: applied "
-            "only if no later position is stored. Items are refused one by one (applied false, with a reason) "
-            "when their time is too far in the future or too old, or their content is unknown.",
+            "description": "Each item goes through the heartbeat buffer with `listened_at` as its time (a time "
+            "more than SYNC_MAX_BACKDATE_HOURS before the request is stored as that edge): applied only if no "
+            "later position is stored. Items are refused one by one (applied false, with a reason) when their "
+            "time is too far in the future, or their content is unknown.",
             "security": [{"bearerAuth": []}],
             "requestBody": {
                 "required": True,

@@ -30,12 +30,14 @@ class RateLimiter:
         full_at = self._full_at.get(user_id, now)
         if full_at < now:
             full_at = now
-        next_full_at = full_at + cost * self._interval_s
-        if next_full_at - now > self._window_s:
-            return next_full_at - now - self._window_s
+        # how far ahead the bucket would be, from the difference first: `(now + x) - now` may round above
+        # x, and refuse the burst's last request (the first one, with a burst of 1)
+        ahead_s = (full_at - now) + cost * self._interval_s
+        if ahead_s > self._window_s:
+            return ahead_s - self._window_s
         if user_id not in self._full_at and len(self._full_at) >= self._max_users:
             self._forget(now)
-        self._full_at[user_id] = next_full_at
+        self._full_at[user_id] = now + ahead_s
         return None
 
     def tracked_users(self) -> int:

@@ -207,8 +207,10 @@ class Flusher:
                 heartbeats.append(heartbeat)
                 usable.append((member, raw))
         if unusable:
-            # nothing in them to persist or retry: settled now, so a failed batch cannot bring them back
-            await self._leases.ack(replace(claim, entries=unusable))
+            # nothing in them to persist or retry: settled now, so a failed batch cannot bring them back;
+            # the unreadable values go with them (an expired one has none)
+            unreadable = [member for member, raw in unusable if raw is not None]
+            await self._leases.ack(replace(claim, entries=unusable), dropped=unreadable)
             claim = replace(claim, entries=usable)
         if not heartbeats:
             return result
@@ -232,7 +234,8 @@ class Flusher:
             await asyncio.shield(self._leases.release(claim))
             raise
         self._fail_at("after_commit")
-        await self._leases.ack(claim)
+        # the values of unknown users or content go in the same script, unless written again since the claim
+        await self._leases.ack(claim, dropped=batch.dropped)
         # the batch's oldest heartbeat: the lag an alert on "two flush intervals" cares about
         metrics.FLUSH_LAG_SECONDS.observe((now_ms() - min(hb.received_ms for hb in heartbeats)) / 1000)
         metrics.FLUSH_BATCH_SECONDS.labels(kind.name).observe(time.perf_counter() - started)

@@ -2,13 +2,15 @@
 
 A claimed member moves from the pending set to the in-flight sorted set, scored by its lease
 deadline, in the same script that reads its value. It leaves the in-flight set only when it is
-acked (after the Postgres commit) or released/requeued back to the pending set. A flusher killed
+acked (after the Postgres commit; the values of the entries the batch dropped go with the ack) or
+released/requeued back to the pending set. A flusher killed
 at any point leaves its members in flight; once their lease is past, any flusher requeues them.
 Every script works on one shard (service/progress/keys.py): its keys share one hash slot, so the
 same scripts run on a Redis Cluster.
 """
 
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from redis.commands.core import AsyncScript
@@ -38,24 +40,40 @@ end
 return {members, values}
 """
 
-# KEYS: in-flight zset, pending set. ARGV: lease score, 1 to put back in pending / 0 to drop, members...
-# Only a lease that is still ours is touched: if it expired and another flusher claimed the member
-# again, that flusher's lease must survive our late ack.
+# KEYS: in-flight zset, pending set. ARGV: lease score, 1 to put back in pending / 0 to drop, the shard's
+# latest-position key prefix, the number of members n, n members, then (member, value as claimed) pairs
+# to forget. Only a lease that is still ours is touched: if it expired and another flusher claimed the
+# member again, that flusher's lease must survive our late ack.
+# Forgetting deletes the value of an entry the flush dropped (unknown user or content, unreadable), in
+# the script that settles it, so a flood of made-up users does not hold Redis memory for the value's
+# TTL. Only a value unchanged since the claim, of a member settled here and not pending again, goes:
+# a heartbeat written since (which re-adds the member) is the next flush's to judge.
 _SETTLE = """
 local lease = tonumber(ARGV[1])
+local last_member = 4 + tonumber(ARGV[4])
 local settled = 0
-for first = 3, #ARGV, 1000 do
-  local last = math.min(first + 999, #ARGV)
+local ours = {}
+for first = 5, last_member, 1000 do
+  local last = math.min(first + 999, last_member)
   local members = {unpack(ARGV, first, last)}
   local scores = redis.call('ZMSCORE', KEYS[1], unpack(members))
-  local ours = {}
+  local chunk = {}
   for i = 1, #members do
-    if scores[i] and tonumber(scores[i]) == lease then ours[#ours + 1] = members[i] end
+    if scores[i] and tonumber(scores[i]) == lease then
+      chunk[#chunk + 1] = members[i]
+      ours[members[i]] = true
+    end
   end
-  if #ours > 0 then
-    redis.call('ZREM', KEYS[1], unpack(ours))
-    if ARGV[2] == '1' then redis.call('SADD', KEYS[2], unpack(ours)) end
-    settled = settled + #ours
+  if #chunk > 0 then
+    redis.call('ZREM', KEYS[1], unpack(chunk))
+    if ARGV[2] == '1' then redis.call('SADD', KEYS[2], unpack(chunk)) end
+    settled = settled + #chunk
+  end
+end
+for i = last_member + 1, #ARGV, 2 do
+  local member, key = ARGV[i], ARGV[3] .. ARGV[i]
+  if ours[member] and redis.call('GET', key) == ARGV[i + 1] and redis.call('SISMEMBER', KEYS[2], member) == 0 then
+    redis.call('DEL', key)
   end
 end
 return settled
@@ -104,21 +122,28 @@ class Leases:
                    for member, value in zip(members, values, strict=True)]  # fmt: skip
         return Claim(shard, lease_score, entries)
 
-    async def ack(self, claim: Claim) -> int:
-        """The batch is committed: forget it."""
-        return await self._settle_claim(claim, requeue=False)
+    async def ack(self, claim: Claim, *, dropped: Collection[str] = ()) -> int:
+        """The batch is committed: forget it, and the values of its `dropped` members unless written since."""
+        return await self._settle_claim(claim, requeue=False, dropped=dropped)
 
     async def release(self, claim: Claim) -> int:
         """The batch was not committed: put it back in the pending set now, not after the lease."""
         return await self._settle_claim(claim, requeue=True)
 
-    async def _settle_claim(self, claim: Claim, *, requeue: bool) -> int:
+    async def _settle_claim(self, claim: Claim, *, requeue: bool, dropped: Collection[str] = ()) -> int:
         if not claim.entries:
             return 0
+        forget: list[str | bytes] = []
+        if dropped:
+            drop = set(dropped)
+            for member, raw in claim.entries:
+                if member in drop and raw is not None:
+                    forget += [member, raw]
         settled: int = await self._settle(
             keys=[claim.shard.in_flight_key, claim.shard.pending_key],
-            args=[claim.lease_score, "1" if requeue else "0", *claim.members],
-        )
+            args=[claim.lease_score, "1" if requeue else "0", claim.shard.value_prefix, len(claim.entries),
+                  *claim.members, *forget],
+        )  # fmt: skip
         return settled
 
     async def requeue_expired(self, shard: Shard, *, now_ms: int, limit: int = 10_000) -> int:

@@ -111,9 +111,16 @@ async def persist_batch(
     return BatchResult(written=record["written"], completions=record["completions"], dropped=list(record["dropped"]))
 
 
+# keys named in a batch's drop line: enough to look into, not a line per key (a flood of made-up users
+# behind a gateway is thousands of keys a second)
+_DROPPED_SAMPLE = 10
+
+
 def report_batch(kind: ContentKind, result: BatchResult) -> None:
-    """What a persisted batch did, as metrics and one log line per dropped key (flusher and degraded mode)."""
+    """What a persisted batch did, as metrics and one log line for its dropped keys (flusher and degraded mode)."""
     metrics.FLUSH_COMPLETIONS.labels(kind.name).inc(result.completions)
     metrics.FLUSH_DROPPED.labels(kind.name).inc(len(result.dropped))
-    for key in result.dropped:
-        log.warning("heartbeat dropped: unknown user or content", extra={"content_type": kind.name, "key": key})
+    if result.dropped:
+        log.warning("%d heartbeats dropped: unknown user or content", len(result.dropped),
+                    extra={"content_type": kind.name, "count": len(result.dropped),
+                           "key": " ".join(result.dropped[:_DROPPED_SAMPLE])})  # fmt: skip

@@ -11,6 +11,10 @@ as no older than its value (the script says so) and no older than the row (`upda
 value may have expired after its flush (the same time counts as applied: a retried request gets
 the same answer). An item older than either is still written, so its peak can complete
 the content, but reported `applied: false`.
+
+A client's clock is not evidence: an item is written at most `max_backdate_s` before its receipt
+(clamped, not refused: offline progress is kept), so no completion, event or row a sync writes is
+dated further back, and one request cannot fill a month of the monolith's journey.
 """
 
 import asyncio
@@ -83,8 +87,19 @@ class _Accepted:
     kind: ContentKind
     content_id: int
     position: float
-    listened_ms: float  # the time it is written with: listened_at, or now for a clock a little ahead
-    told_ms: float  # listened_at as the device said it: orders items clamped to the same now
+    listened_ms: float  # the time it is written with: listened_at within [now - window, now] (listened_ms())
+    told_ms: float  # listened_at as the device said it: orders items clamped to the same time
+
+
+def listened_ms(told_ms: float, now_ms: int, max_backdate_ms: int) -> float:
+    """The receive time an item is written with: its `listened_at`, clamped to the back-dating window.
+
+    Earlier than the window's edge it is stored at the edge, so no completion, event or row is dated
+    more than the window before its receipt; a clock a little ahead (within the skew) is stored as
+    now, so it cannot hold off the live heartbeats that follow. Items clamped to the same time are
+    ordered by `told_ms` (see apply).
+    """
+    return min(max(told_ms, now_ms - max_backdate_ms), now_ms)
 
 
 def _all_set(outcomes: list[SyncOutcome | None]) -> list[SyncOutcome]:
@@ -95,20 +110,18 @@ def _all_set(outcomes: list[SyncOutcome | None]) -> list[SyncOutcome]:
 
 class OfflineSync:
     def __init__(self, writer: PositionWriter, pool: asyncpg.Pool, *, ttl_s: int, max_skew_s: float,
-                 max_age_s: float) -> None:  # fmt: skip
+                 max_backdate_s: float) -> None:  # fmt: skip
         self._writer = writer
         self._pool = pool
         self._ttl_s = ttl_s
         self._max_skew_ms = int(max_skew_s * 1000)
-        self._max_age_ms = int(max_age_s * 1000)
+        self._max_backdate_ms = int(max_backdate_s * 1000)
 
     def check_time(self, listened_at: datetime, now_ms: int) -> str | None:
         """Why an item's time is refused, or None."""
         listened_ms = as_ms(listened_at)
         if listened_ms > now_ms + self._max_skew_ms:
             return f"listened_at is more than {self._max_skew_ms / 1000:g} s in the future"
-        if listened_ms < now_ms - self._max_age_ms:
-            return f"listened_at is older than {self._max_age_ms / 86_400_000:g} days"
         return None
 
     async def apply(self, user_id: int, items: Sequence[SyncItem], *, now_ms: int) -> list[SyncOutcome]:
@@ -119,10 +132,9 @@ class OfflineSync:
             if refusal is not None:
                 outcomes[index] = SyncOutcome(False, refusal)
                 continue
-            # a clock a little ahead is tolerated, but its time must not hold off the live heartbeats to come
             told_ms = as_ms(item.listened_at)
             accepted.append(_Accepted(index, KIND_BY_NAME[item.content_type], item.content_id, item.position,
-                                      min(told_ms, now_ms), told_ms))  # fmt: skip
+                                      listened_ms(told_ms, now_ms, self._max_backdate_ms), told_ms))  # fmt: skip
         if not accepted:
             return _all_set(outcomes)
         rows = await self._rows(user_id, accepted)
@@ -132,7 +144,7 @@ class OfflineSync:
                 outcomes[a.index] = SyncOutcome(False, UNKNOWN_CONTENT)  # the flush would drop it
         # oldest first: for one content the later item is written last and stands, the script keeps
         # the furthest position of all of them as the peak (an offline listen to the end completes).
-        # Items of one time (or clamped to the same now): the one that stands (latest as the device
+        # Items of one time (or clamped to the same edge or now): the one that stands (latest as the device
         # told it, then last in the request) is written first, as the script keeps the first of equal
         # times, so the item reported as standing is the one stored.
         known.sort(key=lambda a: (a.listened_ms, -a.told_ms, -a.index))

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import time
 
 import asyncpg
 import pytest
@@ -10,11 +11,15 @@ from redis.asyncio import Redis
 from service import metrics
 from service.api import catalog as catalog_module
 from service.api.catalog import ContentCatalog, LookupsSaturated
+from service.api.deferred import DEFER_INTERVAL_S, DeferredHeartbeats
 from service.api.ratelimit import RateLimiter
+from service.app import build_flusher
 from service.config import Settings
+from service.progress.buffer import PositionWriter, decode_value, receive_ms
 from service.progress.content import KIND_BY_PATH
 from service.progress.known_content import load_ids
-from tests.helpers import auth, running_app, seed
+from service.progress.sink import HeartbeatSink
+from tests.helpers import auth, events, running_app, seed, wait_for
 
 LESSON = KIND_BY_PATH["/engagements/progress/lesson"]
 
@@ -54,6 +59,23 @@ async def test_content_published_a_moment_ago_is_accepted_at_once(
                                      headers=auth(token))  # fmt: skip
         assert response.status_code == 201
     assert await redis.smembers("progress:pending_flush:lesson") == {"50:7"}
+
+
+async def test_content_created_after_a_404_is_accepted_within_a_second(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str
+) -> None:
+    """A cached "unknown" never outlives ~1 s, whatever CONTENT_CATALOG_CACHE_SECONDS (default: 10 s)."""
+    await seed(db, users=7, contents=1)
+    assert door.content_catalog_cache_seconds == Settings().content_catalog_cache_seconds > 1.2
+    body = {"lesson_id": 5000, "position": 3}
+    async with running_app(door) as (_, client):
+        early = await client.post("/engagements/progress/lesson", json=body, headers=auth(token))
+        assert early.status_code == 404
+        await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (5000, 'new', 600)")
+        await asyncio.sleep(1.2)
+        late = await client.post("/engagements/progress/lesson", json=body, headers=auth(token))
+        assert late.status_code == 201
+    assert await redis.smembers("progress:pending_flush:lesson") == {"5000:7"}
 
 
 async def test_concurrent_requests_for_one_unseen_id_share_one_query(
@@ -172,22 +194,144 @@ def test_limiter_memory_is_bounded_and_idle_users_are_forgotten() -> None:
     assert limiter.tracked_users() <= 1000
 
 
-async def test_a_flood_from_one_user_gets_429_and_no_writes_beyond_the_limit(
+async def test_a_flood_from_one_user_gets_429_and_only_the_last_position_per_content_is_written_later(
     door: Settings, db: asyncpg.Pool, redis: Redis, token: str
 ) -> None:
     await seed(db, users=7, contents=50)
     flood = door.model_copy(update={"rate_limit_per_user_per_second": 0.01, "rate_limit_burst": 10})
     async with running_app(flood) as (_, client):
         answers = [
-            await client.post("/lives/progress", json={"live_id": i, "position": 1}, headers=auth(token))
-            for i in range(1, 51)
+            await client.post("/lives/progress", json={"live_id": i, "position": position}, headers=auth(token))
+            for position in (1, 2, 3) for i in range(1, 51)
         ]
     statuses = [a.status_code for a in answers]
-    assert statuses == [201] * 10 + [429] * 40
+    assert statuses == [201] * 10 + [429] * 140
     assert answers[-1].json() == {"detail": "too many heartbeats from this user, retry later"}
     assert 1 <= int(answers[-1].headers["retry-after"]) <= 100
-    assert await redis.scard("progress:pending_flush:live") == 10
-    assert len(await redis.keys("progress:latest_position:*")) == 10
+    # each content's last position, written by the deferral (the last time at shutdown): one value each
+    assert await redis.scard("progress:pending_flush:live") == 50
+    keys = await redis.keys("progress:latest_position:*")
+    values = {key: decode_value(await redis.get(key)).position for key in keys}
+    assert values == {f"progress:latest_position:live:{i}:7": 3.0 for i in range(1, 51)}
+
+
+async def test_refused_made_up_ids_cost_no_lookup_and_leave_no_key(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await seed(db, users=7, contents=1)
+    queries: list[int] = []
+    real_exists = catalog_module.exists
+
+    async def counted(pool: asyncpg.Pool, kind: object, content_id: int, *, timeout_s: float) -> bool:
+        queries.append(content_id)
+        return await real_exists(pool, kind, content_id, timeout_s=timeout_s)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(catalog_module, "exists", counted)
+    async with running_app(door.model_copy(update={"rate_limit_burst": 1, "rate_limit_per_user_per_second": 0.01})) \
+            as (_, client):  # fmt: skip
+        statuses = []
+        for lesson_id in (1, *range(900, 920)):
+            response = await client.post("/engagements/progress/lesson", json={"lesson_id": lesson_id, "position": 1},
+                                         headers=auth(token))  # fmt: skip
+            statuses.append(response.status_code)
+    assert statuses == [201] + [429] * 20 and queries == []
+    assert sorted(await redis.keys("*")) == ["progress:latest_position:lesson:1:7", "progress:pending_flush:lesson"]
+
+
+async def test_refused_positions_neither_store_took_are_kept_for_the_next_drain(redis: Redis) -> None:
+    unreachable = Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+    deferred = DeferredHeartbeats()
+    deferred.keep(LESSON, content_id=1, user_id=7, position=590, received_ms=receive_ms())
+    deferred.keep(LESSON, content_id=1, user_id=7, position=5, received_ms=receive_ms())
+    down = HeartbeatSink(PositionWriter(unreachable, ttl_s=60), None, redis_retry_s=0.1, direct_timeout_s=0.5)
+    assert await deferred.drain(down) is False and len(deferred) == 1
+    await unreachable.aclose()
+    up = HeartbeatSink(PositionWriter(redis, ttl_s=60), None, redis_retry_s=0.1, direct_timeout_s=0.5)
+    assert await deferred.drain(up) is True and len(deferred) == 0
+    stored = decode_value(await redis.get("progress:latest_position:lesson:1:7"))
+    assert (stored.position, stored.peak) == (5.0, 590.0)
+
+
+def test_what_the_deferral_keeps_is_bounded_and_past_the_bounds_counted() -> None:
+    deferred = DeferredHeartbeats(max_entries=5, max_contents_per_user=3)
+    shed = metrics.DEFERRED_SHED._value.get()
+    for content_id in range(1, 5):  # a fourth content of one user is one too many
+        for position in range(100):  # one entry per content, however many refusals
+            deferred.keep(LESSON, content_id=content_id, user_id=1, position=position, received_ms=position)
+    assert (len(deferred), metrics.DEFERRED_SHED._value.get()) == (3, shed + 100)
+    for user_id in range(2, 5):
+        deferred.keep(LESSON, content_id=1, user_id=user_id, position=1, received_ms=1)
+    assert (len(deferred), metrics.DEFERRED_SHED._value.get()) == (5, shed + 101)
+
+
+async def evalsha_calls(redis: Redis) -> int:
+    return int((await redis.info("commandstats")).get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+async def test_a_ten_minute_offline_replay_stores_its_last_position_and_completes_once(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str
+) -> None:
+    """120 queued heartbeats (one per 5 s offline) sent at once, default limit: many get 429, but the last
+    position lands within about a second, and its completion once."""
+    await seed(db, users=7, contents=1, duration_s=600)
+    defaults = Settings()
+    assert (door.rate_limit_per_user_per_second, door.rate_limit_burst) == (defaults.rate_limit_per_user_per_second,
+                                                                            defaults.rate_limit_burst)  # fmt: skip
+    async with running_app(door) as (_, client):
+        statuses = []
+        for i in range(1, 121):
+            response = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": 5 * i},
+                                         headers=auth(token))  # fmt: skip
+            statuses.append(response.status_code)
+        assert statuses.count(201) >= 60 and statuses[-1] == 429  # the limit still answers
+
+        async def last_position_stored() -> bool:
+            raw = await redis.get("progress:latest_position:lesson:1:7")
+            return raw is not None and decode_value(raw).position == 600.0
+
+        await wait_for(last_position_stored, timeout_s=1.5)
+    flusher = build_flusher(door, redis, db)
+    assert (await flusher.flush_cycle()).completions == 1
+    assert await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7") == 600.0
+    assert await events(db) == [("lesson", 1, 7)]
+
+
+async def test_a_refused_heartbeat_at_the_end_still_completes_after_a_restart(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str
+) -> None:
+    """Refused: the end (595 of 600), then a restart at 3: the stored position is 3 and the content completes."""
+    await seed(db, users=7, contents=1, duration_s=600)
+    async with running_app(door.model_copy(update={"rate_limit_burst": 1, "rate_limit_per_user_per_second": 0.01})) \
+            as (_, client):  # fmt: skip
+        for position, status in ((100, 201), (595, 429), (3, 429)):
+            response = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": position},
+                                         headers=auth(token))  # fmt: skip
+            assert response.status_code == status
+    stored = decode_value(await redis.get("progress:latest_position:lesson:1:7"))
+    assert (stored.position, stored.peak) == (3.0, 595.0)
+    assert (await build_flusher(door, redis, db).flush_cycle()).completions == 1
+    assert await events(db) == [("lesson", 1, 7)]
+
+
+async def test_a_flooding_user_costs_a_bounded_number_of_redis_writes(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str
+) -> None:
+    await seed(db, users=7, contents=1)
+    settings = door.model_copy(update={"rate_limit_per_user_per_second": 0.01, "rate_limit_burst": 5})
+    async with running_app(settings) as (_, client):
+        before = await evalsha_calls(redis)
+        started = time.monotonic()
+        last = 0
+        while time.monotonic() - started < 1.5:  # ~1.5 s of flood: hundreds of heartbeats
+            last += 1
+            await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": last},
+                              headers=auth(token))  # fmt: skip
+        elapsed = time.monotonic() - started
+    assert last > 100
+    writes = await evalsha_calls(redis) - before
+    # the burst of 5, then at most one write per deferral interval (no peak above the latest), and the last
+    assert writes <= 5 + elapsed / DEFER_INTERVAL_S + 2
+    assert decode_value(await redis.get("progress:latest_position:lesson:1:7")).position == last
 
 
 async def test_a_refresh_replaces_the_snapshot(door: Settings, db: asyncpg.Pool, redis: Redis) -> None:

@@ -150,17 +150,52 @@ async def test_refused_items_are_reported_one_by_one_and_not_written(
     outcomes = await sync(
         client, token,
         item(1, 10.0, ago(-3600)),  # an hour in the future: a wrong clock
-        item(2, 10.0, ago(31 * 86_400)),  # older than SYNC_MAX_AGE_DAYS
         item(999, 10.0, ago(5)),  # no such audio: the flush would drop it
         item(3, 10.0, ago(-60)),  # a clock a minute ahead: tolerated, stored as now
     )  # fmt: skip
-    assert [applied for applied, _ in outcomes] == [False, False, False, True]
+    assert [applied for applied, _ in outcomes] == [False, False, True]
     assert "future" in str(outcomes[0][1])
-    assert "30 days" in str(outcomes[1][1])
-    assert outcomes[2][1] == UNKNOWN_CONTENT
+    assert outcomes[1][1] == UNKNOWN_CONTENT
     assert await redis.smembers("progress:pending_flush:audio") == {"3:7"}
     assert sorted(await redis.keys("progress:latest_position:*")) == [VALUE.format("audio", 3)]
     assert decode_value(await redis.get(VALUE.format("audio", 3))).received_ms <= time.time_ns() // 1_000_000
+
+
+async def test_one_sync_cannot_date_completions_further_back_than_the_window(
+    client: httpx.AsyncClient, settings: Settings, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
+) -> None:
+    """29 items at the end, listened 1..29 days ago: applied (offline progress is not lost), but every
+    completion, event and row is dated at most SYNC_MAX_BACKDATE_HOURS before the request."""
+    await seed(db, users=7, contents=29, duration_s=600)
+    window_ms = settings.sync_max_backdate_hours * 3_600_000
+    assert window_ms == 6 * 3_600_000  # the default
+    before = time.time_ns() // 1_000_000
+    outcomes = await sync(client, token, *(item(d, 600.0, ago(d * 86_400)) for d in range(1, 30)))
+    after = time.time_ns() // 1_000_000
+    assert outcomes == [(True, None)] * 29
+    assert (await flusher.flush_cycle()).completions == 29
+    dates = [as_ms(row["completed_at"]) for row in await db.fetch("SELECT completed_at FROM progress_completion_event")]
+    assert len(dates) == 29 and before - window_ms <= min(dates) and max(dates) <= after - window_ms
+    rows = await db.fetch("SELECT created_at, updated_at, completed_at FROM audios_audioprogress")
+    assert len(rows) == 29
+    assert all(before - window_ms <= as_ms(row[column]) for row in rows for column in row.keys())
+
+
+async def test_items_clamped_to_the_window_are_ordered_at_its_edge(
+    client: httpx.AsyncClient, settings: Settings, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    await seed(db, users=7, contents=3, duration_s=600)
+    window_s = settings.sync_max_backdate_hours * 3600
+    # stored 1 s before the window's edge: the clamped items are later, so they stand
+    await live_heartbeat(redis, 1, 70.0, ms(ago(window_s + 1)))
+    outcomes = await sync(client, token, item(1, 50.0, ago(window_s + 3 * 3600)),
+                          item(1, 100.0, ago(window_s + 3600)),  # clamped to the same edge, told later: stands
+                          item(2, 30.0, ago(400 * 86_400)))  # no age limit: a year offline is still progress
+    assert outcomes == [(False, SUPERSEDED), (True, None), (True, None)]
+    stored = decode_value(await redis.get(VALUE.format("audio", 1)))
+    assert stored.position == 100.0
+    assert abs(stored.received_ms - ms(ago(window_s))) < 5_000
+    assert abs(decode_value(await redis.get(VALUE.format("audio", 2))).received_ms - stored.received_ms) < 1
 
 
 def _body(items: int) -> bytes:

@@ -12,12 +12,13 @@ from redis.asyncio import Redis
 
 from service.app import build_flusher
 from service.config import Settings
+from service.progress import flusher as flusher_module
 from service.progress.buffer import StoredPosition, decode_value
 from service.progress.content import CONTENT_KINDS
 from service.progress.flusher import Flusher
 from service.progress.keys import STANDALONE
 from service.progress.leases import Leases
-from tests.helpers import Servers, auth, events, lesson_rows, running_app, seed, write
+from tests.helpers import Servers, auth, events, lesson_rows, running_app, seed, wait_for, write
 
 
 @pytest.fixture
@@ -163,6 +164,48 @@ async def test_unknown_user_is_dropped_and_counted(redis: Redis, db: asyncpg.Poo
     assert await db.fetchval("SELECT count(*) FROM lives_liveprogress") == 1
 
 
+async def test_values_the_flush_drops_are_deleted_unless_written_since_the_claim(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Made-up users behind a gateway get 201; their values go with the batch that drops them (not an hour
+    later), except one written again between the claim and the settle; one log line per batch, not per key."""
+    await seed(db, users=1, contents=1)
+    async with running_app(settings.model_copy(update={"auth_mode": "gateway"})) as (_, client):
+        for user_id in [1, *range(1000, 1200)]:
+            response = await client.post("/lives/progress", json={"live_id": 1, "position": 5},
+                                         headers={"X-User-Id": str(user_id)})  # fmt: skip
+            assert response.status_code == 201
+    real_persist = flusher_module.persist_batch
+    stop = asyncio.Event()  # set once both batches are claimed: the newer write waits for the next cycle
+
+    async def all_claimed() -> bool:
+        return await redis.scard("progress:pending_flush:live") == 0
+
+    async def persist_after_a_newer_write(*args: object, **kwargs: object) -> object:
+        if not stop.is_set():  # user 1000 sends again while its claimed value is being persisted
+            await wait_for(all_claimed)  # the other batch is claimed too
+            await write(redis, "live", 1, 1000, 9)
+            stop.set()
+        return await real_persist(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(flusher_module, "persist_batch", persist_after_a_newer_write)
+    flusher = build_flusher(settings.model_copy(update={"progress_flush_batch_size": 150}), redis, db)
+    with caplog.at_level(logging.WARNING):
+        result = await flusher.flush_cycle(stop=stop)
+    assert (result.written, result.dropped, result.batches) == (1, 200, 2)
+    assert sorted(await redis.keys("progress:latest_position:*")) == [
+        "progress:latest_position:live:1:1", "progress:latest_position:live:1:1000"]  # fmt: skip
+    assert decode_value(await redis.get("progress:latest_position:live:1:1000")).position == 9
+    assert await redis.smembers("progress:pending_flush:live") == {"1:1000"}
+    lines = [r for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(lines) == 2 and sum(getattr(r, "count", 0) for r in lines) == 200  # one per batch
+    assert all(len(getattr(r, "key", "").split()) <= 10 for r in lines)  # a sample of the keys
+    monkeypatch.undo()
+    assert (await flusher.flush_cycle()).dropped == 1
+    assert await redis.keys("progress:latest_position:*") == ["progress:latest_position:live:1:1"]
+
+
 async def test_an_expired_value_is_counted_and_logged(
     redis: Redis, db: asyncpg.Pool, flusher: Flusher, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -273,6 +316,8 @@ async def test_an_unreadable_value_is_dropped_and_logged_not_fatal(
     assert {getattr(r, "key", None) for r in caplog.records} >= {"2:1", "3:1", "1:2", "not-a-member"}
     assert await redis.zcard("progress:in_flight:live") == 0
     assert await redis.scard("progress:pending_flush:live") == 0
+    # the unreadable values go with their batch; the readable one stays for its TTL
+    assert await redis.keys("progress:latest_position:live:*") == ["progress:latest_position:live:1:1"]
 
 
 async def test_a_backend_terminated_during_the_upsert_requeues_its_batch(

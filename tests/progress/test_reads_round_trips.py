@@ -106,7 +106,7 @@ async def test_500_items_in_one_sync_are_one_redis_round_trip(counted: Counted, 
                                                               redis: Redis) -> None:  # fmt: skip
     await seed(db, users=7, contents=125)
     sync = OfflineSync(PositionWriter(counted.redis, ttl_s=3600), counted.pool, ttl_s=3600, max_skew_s=300,
-                       max_age_s=30 * 86_400)  # fmt: skip
+                       max_backdate_s=6 * 3600)  # fmt: skip
     listened_at = datetime.now(UTC) - timedelta(minutes=5)
     items = [SyncItem(content_type=kind.name, content_id=cid, position=float(cid), listened_at=listened_at)
              for kind in CONTENT_KINDS for cid in range(1, 126)]  # fmt: skip
