@@ -338,6 +338,7 @@ class Bench:
         self.settings = Settings(
             redis_url=env.redis_url, database_url=env.database_url,
             progress_flush_batch_size=args.batch_size, progress_flush_concurrency=args.concurrency,
+            progress_flush_max_rows_per_second=0,  # the flush's own speed (bench_flush_budget.py: with a budget)
             log_level="WARNING",
         )  # fmt: skip
         self.redis: Redis = Redis.from_url(env.redis_url)
@@ -551,7 +552,8 @@ class Bench:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PROGRESS_", "REDIS_", "DATABASE_"))}
         env.update(REDIS_URL=self.env.redis_url, DATABASE_URL=self.env.database_url, LOG_LEVEL="WARNING",
                    PROGRESS_FLUSH_BATCH_SIZE=str(self.args.batch_size),
-                   PROGRESS_FLUSH_CONCURRENCY=str(self.args.concurrency))  # fmt: skip
+                   PROGRESS_FLUSH_CONCURRENCY=str(self.args.concurrency),
+                   PROGRESS_FLUSH_MAX_ROWS_PER_SECOND="0")  # fmt: skip
         return env
 
     async def drain_process(self, label: str, keys: int, heartbeats: int) -> Drain:
