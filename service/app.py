@@ -83,7 +83,10 @@ def build_flusher(settings: Settings, redis: RedisClient, pool: asyncpg.Pool) ->
                    margin_s=settings.progress_completion_margin_seconds,
                    interval_s=settings.progress_flush_interval_seconds,
                    concurrency=settings.progress_flush_concurrency,
-                   shutdown_timeout_s=settings.progress_shutdown_timeout_seconds)  # fmt: skip
+                   shutdown_timeout_s=settings.progress_shutdown_timeout_seconds,
+                   max_rows_per_second=settings.progress_flush_max_rows_per_second,
+                   statement_timeout_s=settings.database_statement_timeout_seconds,
+                   lock_timeout_s=settings.database_lock_timeout_seconds)  # fmt: skip
 
 
 def completion_route(settings: Settings, publisher: Publisher) -> Route:

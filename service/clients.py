@@ -280,7 +280,19 @@ async def _pipeline(redis: RedisClient, commands: Sequence[tuple[object, ...]], 
     return results
 
 
+def statement_timeouts(*, statement_timeout_s: float, lock_timeout_s: float) -> dict[str, str]:
+    """statement_timeout and lock_timeout as Postgres settings (ms); a 0 is left to the server (or the role)."""
+    wanted = {"statement_timeout": statement_timeout_s, "lock_timeout": lock_timeout_s}
+    return {name: f"{max(1, round(seconds * 1000))}" for name, seconds in wanted.items() if seconds > 0}
+
+
 async def create_db_pool(settings: Settings) -> asyncpg.Pool:
+    # Startup parameters hold for every statement of every connection. PgBouncer in transaction mode
+    # refuses them ("unsupported startup parameter"): there DATABASE_TIMEOUTS_AT_CONNECT=false and the
+    # role carries them (ALTER ROLE ... SET statement_timeout ...); the flush sets its own per transaction.
+    timeouts = statement_timeouts(statement_timeout_s=settings.database_statement_timeout_seconds,
+                                  lock_timeout_s=settings.database_lock_timeout_seconds)  # fmt: skip
+    server_settings = timeouts if settings.database_timeouts_at_connect else None
     return await asyncpg.create_pool(
         settings.database_url,
         min_size=settings.database_pool_min_size,
@@ -288,4 +300,5 @@ async def create_db_pool(settings: Settings) -> asyncpg.Pool:
         command_timeout=settings.database_command_timeout_seconds,
         timeout=settings.database_connect_timeout_seconds,
         statement_cache_size=settings.database_statement_cache_size,
+        server_settings=server_settings,
     )

@@ -40,6 +40,13 @@ class Settings(BaseSettings):
     database_connect_timeout_seconds: float = Field(10.0, gt=0)
     # PgBouncer in transaction mode cannot keep prepared statements across transactions.
     database_statement_cache_size: int = Field(100, ge=0)
+    # every statement of the service, cancelled by Postgres past these (0: the server's own setting): a
+    # statement queued behind a migration's lock gives up instead of queueing the monolith's behind it
+    database_statement_timeout_seconds: float = Field(10.0, ge=0)
+    database_lock_timeout_seconds: float = Field(2.0, ge=0)
+    # sent as startup parameters of each connection; PgBouncer (transaction mode) refuses them: set false
+    # there and set both on the role (ALTER ROLE ... SET); the flush's own statement sets them either way
+    database_timeouts_at_connect: bool = True
 
     auth_mode: Literal["jwt", "gateway"] = "jwt"
     auth_gateway_header: str = "X-User-Id"
@@ -66,6 +73,8 @@ class Settings(BaseSettings):
     progress_flush_batch_size: int = Field(500, ge=1, le=10_000)
     progress_flush_lease_seconds: float = Field(120.0, gt=0)
     progress_flush_concurrency: int = Field(4, ge=1)
+    # rows per second written by the whole fleet's flushers together, shared through Redis (0: no limit)
+    progress_flush_max_rows_per_second: int = Field(5000, ge=0)
     progress_completion_margin_seconds: float = Field(10.0, ge=0)
     progress_shutdown_timeout_seconds: float = Field(20.0, gt=0)
 

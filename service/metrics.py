@@ -100,6 +100,17 @@ FLUSH_LAG_SECONDS = Histogram(
     "progress_flush_lag_seconds", "Per batch: flush time minus the receive time of its oldest heartbeat.",
     buckets=(1, 5, 15, 30, 60, 90, 120, 180, 300, 600, 1800, 3600),
 )
+FLUSH_BUDGET_WAIT_SECONDS = Counter(
+    "progress_flush_budget_wait_seconds_total", "Seconds the flush drains spent waiting for the fleet's write budget."
+)
+FLUSH_CONCURRENCY_LIMIT = Gauge(
+    "progress_flush_concurrency_limit", "Statements the flush may run at once now (adapts to their latency).",
+    multiprocess_mode="max",
+)
+FLUSH_DRAIN_SECONDS = Gauge(
+    "progress_flush_drain_seconds", "Estimated time to write the backlog: pending entries / the rate they drain at.",
+    multiprocess_mode="max",
+)
 FLUSH_LAST_SUCCESS = Gauge(
     "progress_flush_last_success_timestamp_seconds", "When a flush cycle last finished with no failed batch.",
     multiprocess_mode="max",

@@ -4,6 +4,9 @@ Callers catch these tuples, never a client library's exceptions of their own cho
 - `*_UNAVAILABLE`: the store is not there now (down, unreachable, failing over, a connection that
   died under a call). Expected weather: the work waits, degraded mode takes the heartbeat, the
   answer is 503 and nothing is lost.
+- `POSTGRES_BUSY`: Postgres answered "not now": a statement cancelled past `statement_timeout`, or
+  one that waited `lock_timeout` for a lock (a migration's). Among the unavailable: the work waits
+  and is retried after backoff; the flush also halves its concurrency on it.
 - `*_FAILED`: any failure of a call to the store, the above included (a full Redis, a refused
   statement). Whoever catches it must still give the work back; it may log a non-outage louder.
 
@@ -34,7 +37,12 @@ REDIS_UNAVAILABLE: tuple[type[Exception], ...] = (
 )
 REDIS_FAILED: tuple[type[Exception], ...] = (RedisError, *REDIS_UNAVAILABLE)
 
+POSTGRES_BUSY: tuple[type[Exception], ...] = (
+    asyncpg.LockNotAvailableError,  # lock_timeout (55P03)
+    asyncpg.QueryCanceledError,  # statement_timeout, or an operator's pg_cancel_backend (57014)
+)
 POSTGRES_UNAVAILABLE: tuple[type[Exception], ...] = (
+    *POSTGRES_BUSY,
     asyncpg.PostgresConnectionError,
     asyncpg.CannotConnectNowError,
     asyncpg.AdminShutdownError,

@@ -142,6 +142,18 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
         graph("Batch time p99", "Time to persist one upsert batch in Postgres.", "s",
               ("histogram_quantile(0.99, sum by (le, content_type) "
                f"(rate(progress_flush_batch_seconds_bucket[{RATE}])))", "{{content_type}}")),
+        graph("Backlog drain time", "Pending and in-flight entries over the rate they drain at: the write budget "
+              "(PROGRESS_FLUSH_MAX_ROWS_PER_SECOND), or without one a pod's own measured rate "
+              "(ProgressFlushDrainSlow: over 600 s for 15 min).", "s",
+              ("max(progress_flush_drain_seconds)", "drain time"),
+              thresholds=[("green", None), ("orange", 600)]),
+        graph("Budget waits", "Seconds per second the flush drains spent waiting for the fleet's write budget: "
+              "near the drains' number, the budget is what limits the flush.", "s",
+              (f"sum(rate(progress_flush_budget_wait_seconds_total[{RATE}]))", "waiting")),
+        graph("Concurrency limit", "Flush statements allowed at once per pod; halves when their latency doubles "
+              "over its recent baseline or Postgres refuses one (lock_timeout, statement_timeout).", "short",
+              ("min(progress_flush_concurrency_limit > 0)", "lowest"),
+              ("max(progress_flush_concurrency_limit)", "highest")),
     ]),
     ("Outbox", [
         graph("Owed and parked", "Messages committed and not yet published (owed), and those refused "

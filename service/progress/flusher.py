@@ -3,9 +3,16 @@
 Each cycle walks every shard of every content type (service/progress/keys.py), from a random
 first shard so that pods do not all contend for the same one; a shard whose Redis node cannot be
 reached is skipped for the cycle and the others are flushed.
+
+The flush yields to the monolith's database: every batch first takes its rows from the fleet's write
+budget (service/progress/budget.py), before it is claimed so that its lease does not tick while it
+waits; its statement runs in a slot of an adaptive limit (service/progress/concurrency.py) and with
+statement_timeout and lock_timeout. A content type's cycle takes at most what was pending when it
+began, so a backlog of one type that keeps growing cannot keep the next types waiting.
 """
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -22,12 +29,21 @@ from service import metrics
 from service.clients import RedisClient, node_name
 from service.loops import Backoff, every
 from service.progress.backlog import measure_backlog
+from service.progress.budget import FlushBudget
 from service.progress.buffer import decode_value, now_ms
+from service.progress.concurrency import AdaptiveLimit
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import KeyLayout, Shard, parse_member
 from service.progress.leases import Claim, Leases
-from service.progress.store import BatchResult, Heartbeat, persist_batch, report_batch
-from service.stores import POSTGRES_FAILED, POSTGRES_UNAVAILABLE, REDIS_FAILED, REDIS_UNAVAILABLE, pooled_connection
+from service.progress.store import BatchResult, Heartbeat, local_timeouts_sql, persist_batch, report_batch
+from service.stores import (
+    POSTGRES_BUSY,
+    POSTGRES_FAILED,
+    POSTGRES_UNAVAILABLE,
+    REDIS_FAILED,
+    REDIS_UNAVAILABLE,
+    pooled_connection,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +70,29 @@ class CycleResult:
             self.by_type[content_type] = self.by_type.get(content_type, 0) + written
 
 
+@dataclass
+class _Quota:
+    """What a content type's cycle may still claim: what was pending at its start (None: not known)."""
+
+    left: int | None
+
+    def take(self, rows: int) -> int:
+        if self.left is None:
+            return rows
+        taken = min(rows, self.left)
+        self.left -= taken
+        return taken
+
+    def give_back(self, rows: int) -> None:
+        if self.left is not None:
+            self.left += rows
+
+
 class Flusher:
     def __init__(self, *, redis: RedisClient, pool: asyncpg.Pool, layout: KeyLayout, batch_size: int, lease_s: float,
-                 margin_s: float, interval_s: float, concurrency: int, shutdown_timeout_s: float) -> None:  # fmt: skip
+                 margin_s: float, interval_s: float, concurrency: int, shutdown_timeout_s: float,
+                 max_rows_per_second: int = 0, statement_timeout_s: float = 0.0,
+                 lock_timeout_s: float = 0.0) -> None:  # fmt: skip
         self._redis = redis
         self._pool = pool
         self._leases = Leases(redis)
@@ -67,6 +103,10 @@ class Flusher:
         self._interval_s = interval_s
         self._concurrency = concurrency
         self._shutdown_timeout_s = shutdown_timeout_s
+        self.budget = FlushBudget(redis, rows_per_second=max_rows_per_second)
+        self.limit = AdaptiveLimit(max_limit=concurrency)
+        self._timeouts_sql = local_timeouts_sql(statement_timeout_s=statement_timeout_s, lock_timeout_s=lock_timeout_s)
+        self._measured_rows_per_s = 0.0  # this pod's own rate in its last cycle that wrote
         # Test-only failpoint: the process SIGKILLs itself at a named point of a batch, so the
         # crash tests hit the exact moments they claim to (after_claim, after_commit).
         self._failpoint = os.environ.get("PROGRESS_FLUSH_FAILPOINT", "")
@@ -107,8 +147,14 @@ class Flusher:
         total = CycleResult()
         lease_expired = [0]
         unreachable: set[str] = set()  # Redis nodes that failed this cycle: their shards wait for the next
+        started = time.monotonic()
+        # what each type holds now: the cycle claims no more than that (see _Quota)
+        at_start = await measure_backlog(self._redis, self._layout)
         for kind in CONTENT_KINDS:
             shards = self._layout.shards_to_flush(kind.name)
+            sizes = at_start.by_type[kind.name]
+            # a node that did not answer: no quota (the drains find out which node, and skip its shards)
+            quota = _Quota(None if sizes.unread else sizes.pending + sizes.in_flight)
             first = random.randrange(len(shards))
             work = shards[first:] + shards[:first]
             # fewer shards than drains (one on a standalone server): several drains share a shard
@@ -118,7 +164,7 @@ class Flusher:
             failed = asyncio.Event()
             # every drain is awaited to its end before an error goes up: none is left running unowned
             results = await asyncio.gather(
-                *(self._drain_shards(kind, queue, stop, failed, unreachable, lease_expired, on_batch)
+                *(self._drain_shards(kind, queue, quota, stop, failed, unreachable, lease_expired, on_batch)
                   for _ in range(self._concurrency)),
                 return_exceptions=True,
             )  # fmt: skip
@@ -131,12 +177,14 @@ class Flusher:
             metrics.FLUSH_REQUEUED.inc(lease_expired[0])
             log.warning("requeued %d entries whose lease expired (a flusher died or stalled)", lease_expired[0],
                         extra={"count": lease_expired[0]})  # fmt: skip
+        if total.written:
+            self._measured_rows_per_s = total.written / max(time.monotonic() - started, 1e-3)
         await self._record_backlog()
         if total.failed_batches == 0:
             metrics.FLUSH_LAST_SUCCESS.set_to_current_time()
         return total
 
-    async def _drain_shards(self, kind: ContentKind, queue: deque[Shard], stop: asyncio.Event | None,
+    async def _drain_shards(self, kind: ContentKind, queue: deque[Shard], quota: _Quota, stop: asyncio.Event | None,
                             failed: asyncio.Event, unreachable: set[str], lease_expired: list[int],
                             on_batch: OnBatch | None) -> CycleResult:  # fmt: skip
         result = CycleResult()
@@ -155,7 +203,7 @@ class Flusher:
                         continue
                     try:
                         lease_expired[0] += await self._leases.requeue_expired(shard, now_ms=now_ms())
-                        result.add(await self._drain(conn, kind, shard, stop, failed, on_batch))
+                        result.add(await self._drain(conn, kind, shard, quota, stop, failed, on_batch))
                     except REDIS_UNAVAILABLE as exc:
                         # that shard's node is down (or failing over): its members wait there, under
                         # lease if claimed; the shards of the other nodes are still flushed
@@ -173,13 +221,28 @@ class Flusher:
             failed.set()
         return result
 
-    async def _drain(self, conn: asyncpg.Connection, kind: ContentKind, shard: Shard, stop: asyncio.Event | None,
-                     failed: asyncio.Event, on_batch: OnBatch | None) -> CycleResult:  # fmt: skip
+    async def _drain(self, conn: asyncpg.Connection, kind: ContentKind, shard: Shard, quota: _Quota,
+                     stop: asyncio.Event | None, failed: asyncio.Event,
+                     on_batch: OnBatch | None) -> CycleResult:
         result = CycleResult()
         while not failed.is_set() and (stop is None or not stop.is_set()):
-            claim = await self._leases.claim_batch(shard, count=self._batch_size, now_ms=now_ms(),
-                                                   lease_ms=self._lease_ms)  # fmt: skip
-            if not claim.entries:
+            rows = quota.take(self._batch_size)
+            if not rows:
+                break
+            # the budget first, the claim after: the lease starts when the batch may be written
+            await self.budget.reserve(rows)
+            claimed = 0
+            try:
+                if not failed.is_set() and (stop is None or not stop.is_set()):
+                    claim = await self._leases.claim_batch(shard, count=rows, now_ms=now_ms(),
+                                                           lease_ms=self._lease_ms)  # fmt: skip
+                    claimed = len(claim.entries)
+            finally:
+                if claimed < rows:  # the shard had fewer, or the drain stops: later batches may go sooner
+                    quota.give_back(rows - claimed)
+                    with contextlib.suppress(*REDIS_FAILED):  # a budget not given back only slows the fleet
+                        await asyncio.shield(self.budget.refund(rows - claimed))
+            if not claimed:
                 break
             self._fail_at("after_claim")
             try:
@@ -222,10 +285,11 @@ class Flusher:
             metrics.FLUSH_REQUEUED.inc(len(claim.entries))
             metrics.FLUSH_FAILURES.labels(kind.name).inc()
             outage = isinstance(exc, POSTGRES_UNAVAILABLE)
-            # an outage is expected weather; any other database error is a bug or a schema drift
+            # an outage (or a lock, a timeout) is expected weather; any other database error is a bug or a schema drift
+            reason = "database busy" if isinstance(exc, POSTGRES_BUSY) else "database unavailable"
             log.log(logging.WARNING if outage else logging.ERROR,
                     "batch of %d requeued: %s (%s: %s)", len(claim.entries),
-                    "database unavailable" if outage else "database error", type(exc).__name__, exc,
+                    reason if outage else "database error", type(exc).__name__, exc,
                     extra={"content_type": kind.name, "batch_size": len(claim.entries)})  # fmt: skip
             result.requeued, result.failed_batches = len(claim.entries), 1
             return result
@@ -270,10 +334,22 @@ class Flusher:
 
     async def _persist_with_retry(self, conn: asyncpg.Connection, kind: ContentKind,
                                   heartbeats: list[Heartbeat]) -> BatchResult:  # fmt: skip
-        try:
+        # a slot of the adaptive limit: its latency (or a lock or timeout) says how many may run at once
+        async with self.limit.slot():
+            try:
+                return await self._persist_once(conn, kind, heartbeats)
+            except asyncpg.ForeignKeyViolationError:
+                # a user or content was deleted between our check and the commit: the retry drops it
+                return await self._persist_once(conn, kind, heartbeats)
+
+    async def _persist_once(self, conn: asyncpg.Connection, kind: ContentKind,
+                            heartbeats: list[Heartbeat]) -> BatchResult:  # fmt: skip
+        if not self._timeouts_sql:
             return await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s)
-        except asyncpg.ForeignKeyViolationError:
-            # a user or content was deleted between our check and the commit: the retry drops it
+        # the timeouts for this transaction only: a lock held by a migration sends the batch back in
+        # lock_timeout instead of queueing it, and the monolith's statements behind it
+        async with conn.transaction():
+            await conn.execute(self._timeouts_sql)
             return await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s)
 
     def _fail_at(self, point: str) -> None:
@@ -283,6 +359,9 @@ class Flusher:
     async def _record_backlog(self) -> None:
         # a node that does not answer counts as empty here; its shards' flush failures show it
         backlog = await measure_backlog(self._redis, self._layout)
+        total = 0
         for content_type, sizes in backlog.by_type.items():
             metrics.PENDING_ENTRIES.labels(content_type).set(sizes.pending)
             metrics.IN_FLIGHT_ENTRIES.labels(content_type).set(sizes.in_flight)
+            total += sizes.pending + sizes.in_flight
+        metrics.FLUSH_DRAIN_SECONDS.set(self.budget.drain_s(total, self._measured_rows_per_s))

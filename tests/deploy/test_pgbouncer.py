@@ -15,6 +15,7 @@ from service.clients import connect_redis, create_db_pool
 from service.config import Settings
 from service.outbox.celery_publisher import publisher_from_settings
 from service.progress.content import CONTENT_KINDS
+from service.progress.store import local_timeouts_sql
 from tests.helpers import PgBouncer, Tls, auth, seed
 from tests.monolith.fixtures import Broker, Executions
 
@@ -43,6 +44,7 @@ async def test_flusher_writes_through_pgbouncer_in_transaction_mode_over_tls(
     through_pgbouncer = settings.model_copy(update={
         "database_url": pgbouncer.url(sslmode="verify-full", sslrootcert=str(tls.ca)),
         "database_statement_cache_size": 0,
+        "database_timeouts_at_connect": False,  # PgBouncer refuses them as startup parameters
         "database_pool_max_size": 6,  # more clients than PgBouncer's 2 server connections
         "progress_flush_batch_size": 5,  # many transactions, interleaved by the flusher's concurrency
     })  # fmt: skip
@@ -64,6 +66,33 @@ async def test_flusher_writes_through_pgbouncer_in_transaction_mode_over_tls(
         assert all(row["position"] == 595.0 and row["completed_at"] is not None for row in rows)
     events = await db.fetchval("SELECT count(*) FROM progress_completion_event")
     assert events == USERS * CONTENTS * len(CONTENT_KINDS)
+
+
+async def test_pgbouncer_refuses_the_timeouts_at_connect_and_the_flush_sets_them_per_transaction(
+    settings: Settings, pgbouncer: PgBouncer, tls: Tls
+) -> None:
+    """Why DATABASE_TIMEOUTS_AT_CONNECT=false behind PgBouncer, and what still holds there."""
+    through_pgbouncer = settings.model_copy(update={
+        "database_url": pgbouncer.url(sslmode="verify-full", sslrootcert=str(tls.ca)),
+        "database_statement_cache_size": 0, "database_statement_timeout_seconds": 7,
+        "database_lock_timeout_seconds": 0.5,
+    })  # fmt: skip
+    refused = await create_db_pool(through_pgbouncer)
+    try:
+        with pytest.raises(asyncpg.ProtocolViolationError, match="unsupported startup parameter"):
+            await refused.fetchval("SELECT 1")
+    finally:
+        await refused.close()
+    pool = await create_db_pool(through_pgbouncer.model_copy(update={"database_timeouts_at_connect": False}))
+    try:
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.execute(local_timeouts_sql(statement_timeout_s=7, lock_timeout_s=0.5))
+            timeouts = (await conn.fetchval("SHOW statement_timeout"), await conn.fetchval("SHOW lock_timeout"))
+            assert timeouts == ("7s", "500ms")
+        # LOCAL: the server connection PgBouncer hands to the next transaction is as it was
+        assert await pool.fetchval("SHOW lock_timeout") == "0"
+    finally:
+        await pool.close()
 
 
 async def test_pgbouncer_refuses_clients_without_tls(pgbouncer: PgBouncer) -> None:
@@ -102,7 +131,8 @@ async def test_the_relay_behind_pgbouncer_listens_on_its_direct_url_and_otherwis
     await seed(db, users=2, contents=1, duration_s=600)
     through_pgbouncer = settings.model_copy(update={
         "database_url": pgbouncer.url(sslmode="verify-full", sslrootcert=str(tls.ca)),
-        "database_statement_cache_size": 0, "celery_broker_url": broker.url, "relay_enabled": True,
+        "database_statement_cache_size": 0, "database_timeouts_at_connect": False,
+        "celery_broker_url": broker.url, "relay_enabled": True,
         # a poll a minute: only a notification can bring the event out within seconds
         "relay_poll_interval_seconds": 60, "relay_listen_database_url": settings.database_url,
     })  # fmt: skip

@@ -1,0 +1,223 @@
+"""The flush yields to the monolith's database: the fleet's write budget, lock_timeout, the adaptive limit.
+
+Rows are counted from Postgres itself: a statement trigger of the test's own records, per statement,
+the clock_timestamp() and the number of rows it inserted.
+"""
+
+import asyncio
+import itertools
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+
+import asyncpg
+import pytest
+from redis.asyncio import Redis
+
+from service.app import build_flusher
+from service.config import Settings
+from service.progress.budget import FlushBudget
+from service.progress.buffer import WRITE_SCRIPT
+from service.progress.flusher import Flusher
+from service.progress.keys import FLUSH_BUDGET_KEY
+from tests.helpers import Servers, assert_all_persisted, backlog, fill, flusher_env, metric, write
+
+
+class WriteLog:
+    """When Postgres inserted the lesson rows: (clock_timestamp of the statement, rows)."""
+
+    def __init__(self, db: asyncpg.Pool) -> None:
+        self._db = db
+
+    async def entries(self) -> list[tuple[float, int]]:
+        rows = await self._db.fetch("SELECT extract(epoch FROM at)::float8 AS at, rows FROM test_write_log ORDER BY at")
+        return [(row["at"], row["rows"]) for row in rows]
+
+    async def peak_per_second(self) -> int:
+        """The most rows inserted within any one-second window."""
+        entries = await self.entries()
+        peak = 0
+        for i, (start, _) in enumerate(entries):
+            peak = max(peak, sum(rows for at, rows in entries[i:] if at < start + 1.0))
+        return peak
+
+
+@pytest.fixture
+async def write_log(db: asyncpg.Pool) -> AsyncIterator[WriteLog]:
+    await db.execute("""
+        CREATE TABLE test_write_log (at timestamptz NOT NULL, rows bigint NOT NULL);
+        CREATE FUNCTION test_log_writes() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO test_write_log SELECT clock_timestamp(), count(*) FROM inserted;
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER test_log_writes AFTER INSERT ON engagements_lessonprogress
+            REFERENCING NEW TABLE AS inserted FOR EACH STATEMENT EXECUTE FUNCTION test_log_writes();
+    """)
+    try:
+        yield WriteLog(db)
+    finally:
+        await db.execute("""
+            DROP TRIGGER test_log_writes ON engagements_lessonprogress;
+            DROP FUNCTION test_log_writes();
+            DROP TABLE test_write_log;
+        """)
+
+
+@pytest.fixture(autouse=True)
+async def write_script(redis: Redis) -> None:
+    await redis.script_load(WRITE_SCRIPT)  # fill() sends it by its digest
+
+
+def _flusher(settings: Settings, redis: Redis, db: asyncpg.Pool, **update: object) -> Flusher:
+    return build_flusher(settings.model_copy(update=update), redis, db)
+
+
+async def test_reservations_follow_one_another_at_the_budgets_pace(redis: Redis) -> None:
+    budget = FlushBudget(redis, rows_per_second=1000)
+    waits = [await _reserve_without_sleeping(redis, budget, 100) for _ in range(5)]
+    # 100 rows at 1000/s: each reservation starts 0.1 s after the one before it, on the server's clock
+    assert waits[0] == pytest.approx(0, abs=0.01)
+    for before, after in itertools.pairwise(waits):
+        assert after - before == pytest.approx(0.1, abs=0.01)
+    await budget.refund(300)  # three batches' rows were not written: the next reservation starts sooner
+    assert await _reserve_without_sleeping(redis, budget, 100) == pytest.approx(waits[-1] - 0.2, abs=0.01)
+    assert 0 < await redis.pttl(FLUSH_BUDGET_KEY) <= 2000  # gone once idle
+
+
+async def _reserve_without_sleeping(redis: Redis, budget: FlushBudget, rows: int) -> float:
+    script = budget._script
+    wait_us: int = await script(keys=[FLUSH_BUDGET_KEY], args=[budget.rows_per_second, rows])
+    return wait_us / 1_000_000
+
+
+async def test_no_budget_asks_nothing_of_redis(redis: Redis) -> None:
+    budget = FlushBudget(redis, rows_per_second=0)
+    assert await budget.reserve(10_000) == 0
+    assert await redis.exists(FLUSH_BUDGET_KEY) == 0
+
+
+@pytest.mark.slow
+async def test_a_backlog_drains_at_the_budget_never_in_a_burst(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, write_log: WriteLog
+) -> None:
+    last = await fill(redis, db, 60_000)
+    flusher = _flusher(settings, redis, db, progress_flush_max_rows_per_second=10_000)
+    waited = metric("progress_flush_budget_wait_seconds_total")
+    started = time.monotonic()
+    result = await flusher.flush_cycle()
+    elapsed = time.monotonic() - started
+    assert result.written == 60_000
+    await assert_all_persisted(redis, db, last)
+    peak = await write_log.peak_per_second()
+    assert peak < 1.2 * 10_000, peak
+    assert sum(rows for _, rows in await write_log.entries()) == 60_000
+    assert elapsed > 60_000 / 10_000 * 0.9  # paced: unbudgeted, this takes about a second
+    assert metric("progress_flush_budget_wait_seconds_total") - waited > 4
+
+
+@pytest.mark.slow
+async def test_two_flusher_processes_share_one_budget(
+    servers: Servers, redis: Redis, db: asyncpg.Pool, write_log: WriteLog
+) -> None:
+    last = await fill(redis, db, 20_000)
+    env = flusher_env(servers, PROGRESS_FLUSH_MAX_ROWS_PER_SECOND="4000", PROGRESS_FLUSH_BATCH_SIZE="200",
+                      PROGRESS_FLUSH_LEASE_SECONDS="30")  # fmt: skip
+    processes = [subprocess.Popen([sys.executable, "-m", "service", "flush", "--once"], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]  # fmt: skip
+    outputs = [process.communicate(timeout=60) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], outputs
+    written = [json.loads(stdout.strip().splitlines()[-1])["written"] for stdout, _ in outputs]
+    assert sum(written) == 20_000 and min(written) > 0, written  # both flushed, the backlog once
+    await assert_all_persisted(redis, db, last)
+    peak = await write_log.peak_per_second()
+    assert peak < 1.2 * 4000, peak
+    entries = await write_log.entries()
+    assert entries[-1][0] - entries[0][0] > 20_000 / 4000 * 0.8  # together at one budget, not at two
+
+
+@pytest.mark.slow
+async def test_a_migrations_lock_sends_the_batches_back_within_lock_timeout_and_the_flush_resumes(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, migrated: str
+) -> None:
+    last = await fill(redis, db, 2000)
+    # no budget here: every drain claims at once, so the batches are all in flight at the same moment
+    flusher = _flusher(settings, redis, db, database_lock_timeout_seconds=0.5, progress_flush_interval_seconds=0.2,
+                       progress_flush_max_rows_per_second=0)  # fmt: skip
+    migration = await asyncpg.connect(migrated)
+    stop = asyncio.Event()
+    running = None
+    try:
+        async with migration.transaction():
+            await migration.execute("LOCK TABLE engagements_lessonprogress IN ACCESS EXCLUSIVE MODE")
+            locked_at = time.monotonic()
+            running = asyncio.create_task(flusher.run(stop))
+            claimed_at = await _when(redis, lambda pending, in_flight: in_flight == 2000)
+            released_at = await _when(redis, lambda pending, in_flight: (pending, in_flight) == (2000, 0))
+            # every batch given back in lock_timeout (and a round trip), none left waiting under its lease
+            assert released_at - claimed_at < 0.5 + 0.3, (claimed_at - locked_at, released_at - claimed_at)
+            assert flusher.limit.limit < settings.progress_flush_concurrency  # a refusal halves the limit
+            waiting = await db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> $1",
+                migration.get_server_pid(),
+            )  # fmt: skip
+            assert waiting <= settings.progress_flush_concurrency  # nothing piles up behind the lock
+            await asyncio.sleep(max(0.0, 5 - (time.monotonic() - locked_at)))
+        # the lock is gone: the flush comes back by itself, after its backoff
+        deadline = time.monotonic() + 20
+        while sum(await backlog(redis)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await assert_all_persisted(redis, db, last)
+    finally:
+        stop.set()
+        if running is not None:
+            await running
+        await migration.close()
+
+
+async def _when(redis: Redis, condition: Callable[[int, int], bool], timeout_s: float = 5.0) -> float:
+    """When (time.monotonic()) the lesson backlog, (pending, in flight), first meets `condition`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(*await backlog(redis)):
+        assert time.monotonic() < deadline, await backlog(redis)
+        await asyncio.sleep(0.01)
+    return time.monotonic()
+
+
+@pytest.mark.slow
+async def test_slow_statements_bring_the_concurrency_limit_down_and_it_recovers(
+    settings: Settings, redis: Redis, db: asyncpg.Pool
+) -> None:
+    flusher = _flusher(settings, redis, db, progress_flush_max_rows_per_second=0, progress_flush_batch_size=20,
+                       progress_flush_concurrency=4)  # fmt: skip
+    assert flusher.limit.limit == 4
+    await fill(redis, db, 2000)  # 100 statements at the usual latency: the baseline
+    await flusher.flush_cycle()
+    assert flusher.limit.limit == 4
+    # a competing load, as a statement that now takes 150 ms longer
+    await db.execute("""
+        CREATE FUNCTION test_slow() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN PERFORM pg_sleep(0.15); RETURN NULL; END $$;
+        CREATE TRIGGER test_slow BEFORE INSERT ON engagements_lessonprogress
+            FOR EACH STATEMENT EXECUTE FUNCTION test_slow();
+    """)
+    try:
+        await _rewrite(redis, 200)
+        await flusher.flush_cycle()
+        assert flusher.limit.limit == 1
+        assert metric("progress_flush_concurrency_limit") == 1
+    finally:
+        await db.execute("DROP TRIGGER test_slow ON engagements_lessonprogress; DROP FUNCTION test_slow()")
+    await _rewrite(redis, 2000)
+    await flusher.flush_cycle()
+    assert flusher.limit.limit == 4
+    assert metric("progress_flush_concurrency_limit") == 4
+
+
+async def _rewrite(redis: Redis, keys: int) -> None:
+    """New positions for the first `keys` of fill's keys (their users and lessons exist)."""
+    for i in range(keys):
+        await write(redis, "lesson", i % 10 + 1, i // 10 + 1, 500.0 + i % 7)
