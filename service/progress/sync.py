@@ -1,10 +1,11 @@
 """Positions listened offline, uploaded later: through the same buffer, with the time they were heard.
 
-Each accepted item is one WRITE_SCRIPT call with `listened_at` as its receive time, so the buffer
+Each accepted item is one run of WRITE_SCRIPT with `listened_at` as its receive time, so the buffer
 settles an offline position and a live heartbeat the way it settles two heartbeats: the later one
 stands whichever arrives last, and the furthest position heard still raises the peak that decides
-completion (judged by the flush as for any heartbeat). The whole request is one pipeline (one
-Redis round trip) after one query per content type present.
+completion (judged by the flush as for any heartbeat). The whole request is one Redis round trip
+(one WRITE_MANY_SCRIPT call per shard: its items in the order they are written, all keys in the
+shard's slot) after one query per content type present.
 
 `applied` is true only when the item's position is the one that now stands: written to the buffer
 as no older than its value (the script says so) and no older than the row (`updated_at`), whose
@@ -24,7 +25,7 @@ import asyncpg
 import msgspec
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
-from service.progress.buffer import PositionWriter, write_args
+from service.progress.buffer import PositionWriter
 from service.progress.content import CONTENT_KINDS, MAX_ID, MAX_POSITION_S, ContentId, ContentKind, Position
 from service.progress.reads import StoredRow, as_ms, fetch_rows
 
@@ -217,10 +218,8 @@ class OfflineSync:
             kept = latest.get((a.kind.name, a.content_id))
             if kept is None or (a.listened_ms, a.told_ms, a.at) > (kept.listened_ms, kept.told_ms, kept.at):
                 latest[(a.kind.name, a.content_id)] = a
-        written = await self._writer.write_all([
-            write_args(a.kind.name, a.content_id, user_id, a.position, a.listened_ms, self._ttl_s, self._writer.layout)
-            for a in known
-        ])  # fmt: skip
+        written = await self._writer.write_all([(a.kind.name, a.content_id, user_id, a.position, a.listened_ms)
+                                                 for a in known], ttl_s=self._ttl_s)  # fmt: skip
         for a, stored in zip(known, written, strict=True):
             row = rows[a.kind][(user_id, a.content_id)]
             if latest[(a.kind.name, a.content_id)] is not a:
