@@ -83,14 +83,14 @@ class OfflineItem(NamedTuple):
         return cls(item.content_type, item.content_id, item.position, as_ms(item.listened_at))
 
 
-class _PlainItem(msgspec.Struct):
+class _PlainItem(msgspec.Struct, gc=False):  # strings and numbers only: nothing for the collector to follow
     content_type: str
     content_id: int
     position: float
     listened_at: str
 
 
-class _PlainRequest(msgspec.Struct):
+class _PlainRequest(msgspec.Struct, gc=False):
     items: list[_PlainItem]
 
 
@@ -203,9 +203,11 @@ class OfflineSync:
         if not accepted:
             return _all_set(outcomes)
         rows = await self._rows(user_id, accepted)
-        known = [a for a in accepted if (user_id, a.content_id) in rows[a.kind]]
+        known: list[_Accepted] = []
         for a in accepted:
-            if (user_id, a.content_id) not in rows[a.kind]:
+            if (user_id, a.content_id) in rows[a.kind]:
+                known.append(a)
+            else:
                 outcomes[a.at] = _UNKNOWN  # the flush would drop it
         # oldest first: for one content the later item is written last and stands, the script keeps
         # the furthest position of all of them as the peak (an offline listen to the end completes).
