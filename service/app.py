@@ -27,7 +27,7 @@ from service.outbox.celery_publisher import CeleryPublisher, publisher_from_sett
 from service.outbox.messages import Publisher
 from service.outbox.outboxes import COMPLETIONS, EMAILS, publish_budget_s
 from service.outbox.relay import Relay, Route
-from service.progress.buffer import WRITE_SCRIPT, PositionWriter
+from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
 from service.progress.flusher import Flusher
 from service.progress.keys import KeyLayout, key_layout
 from service.progress.reads import ProgressReader
@@ -137,9 +137,10 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
         redis = connect_redis(settings)
         resources.push_async_callback(redis.aclose)
         try:
-            await redis.script_load(WRITE_SCRIPT)
+            for script in (WRITE_SCRIPT, WRITE_MANY_SCRIPT):
+                await redis.script_load(script)
         except REDIS_FAILED as exc:
-            # not fatal: readiness reports it, and the writer loads the script once Redis is back
+            # not fatal: readiness reports it, and the writer loads the scripts once Redis is back
             log.warning("Redis not reachable at start-up (%s); /health/ready will say so", exc)
         api.state.redis = redis
         api.state.db_pool = pool = None

@@ -15,12 +15,13 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, NamedTuple, TypedDict
 
 import asyncpg
 import httpx
+import pytest
 from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
@@ -388,3 +389,45 @@ class PgBouncer:
     def url(self, **params: str) -> str:
         query = "&".join(f"{key}={value}" for key, value in params.items())
         return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}" + (f"?{query}" if query else "")
+
+
+# --- offline sync -------------------------------------------------------------------------------
+
+
+def ago(seconds: float) -> datetime:
+    return datetime.now(UTC) - timedelta(seconds=seconds)
+
+
+def sync_item(
+    content_id: int, position: float, listened_at: datetime, content_type: str = "audio"
+) -> dict[str, object]:
+    return {"content_type": content_type, "content_id": content_id, "position": position,
+            "listened_at": listened_at.isoformat()}  # fmt: skip
+
+
+def sync_body(items: int) -> bytes:
+    return json.dumps({"items": [sync_item(1, 1.0, ago(5)) for _ in range(items)]}).encode()
+
+
+BAD_SYNCS = [
+    pytest.param(json.dumps({"items": [{**sync_item(1, 1.0, ago(5)), "content_type": "podcast"}]}).encode(), 422,
+                 "content_type", id="unknown-type"),
+    pytest.param(sync_body(501), 422, "500", id="501-items"),
+    pytest.param(b'{"items": []}', 422, "items", id="no-items"),
+    pytest.param(b"{}", 422, "items", id="no-items-field"),
+    pytest.param(json.dumps({"items": [{**sync_item(1, 1.0, ago(5)), "content_id": "1"}]}).encode(), 422,
+                 "content_id", id="id-as-string"),
+    pytest.param(json.dumps({"items": [{**sync_item(1, 1.0, ago(5)), "content_id": 1.5}]}).encode(), 422,
+                 "content_id", id="id-float"),
+    pytest.param(json.dumps({"items": [{**sync_item(1, 1.0, ago(5)), "position": -1}]}).encode(), 422,
+                 "position", id="position-negative"),
+    pytest.param(json.dumps({"items": [{**sync_item(1, 1.0, ago(5)), "listened_at": "2026-01-01T10:00:00"}]}).encode(),
+                 422, "listened_at", id="listened-at-without-zone"),
+    pytest.param(json.dumps({"items": [{**sync_item(1, 1.0, ago(5)), "listened_at": 1700000000}]}).encode(), 422,
+                 "listened_at", id="listened-at-number"),
+    pytest.param(json.dumps({"items": [{**sync_item(1, 1.0, ago(5)), "listened_at": "yesterday"}]}).encode(), 422,
+                 "listened_at", id="listened-at-text"),
+    pytest.param(json.dumps({"items": [{**sync_item(1, 1.0, ago(5)), "listened_at": "1796034445"}]}).encode(), 422,
+                 "listened_at", id="listened-at-unix-time-in-a-string"),
+    pytest.param(b'{"items": [', 400, "JSON", id="malformed-json"),
+]  # fmt: skip

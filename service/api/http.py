@@ -98,6 +98,15 @@ async def read_json(receive: Receive, model: type[Body], declared_length: int, *
 
     ClientGone when the client hangs up before the end of its body.
     """
+    body = await read_body(receive, declared_length, limit=limit, timeout_s=timeout_s)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise invalid_body(exc) from None
+
+
+async def read_body(receive: Receive, declared_length: int, *, limit: int, timeout_s: float) -> bytes:
+    """The whole body; HttpError 413 past `limit` bytes, 408 past `timeout_s`; ClientGone on a hang-up."""
     if declared_length > limit:
         raise HttpError(413, f"body larger than {limit} bytes")
     chunks: list[bytes] = []
@@ -119,10 +128,7 @@ async def read_json(receive: Receive, model: type[Body], declared_length: int, *
         # a client trickling its body holds a socket and a request: cut it off and close the connection
         metrics.REFUSED.labels("body_timeout").inc()
         raise HttpError(408, f"body not received within {timeout_s:g} s", [(b"connection", b"close")]) from None
-    try:
-        return model.model_validate_json(b"".join(chunks))
-    except ValidationError as exc:
-        raise invalid_body(exc) from None
+    return b"".join(chunks)
 
 
 def invalid_body(exc: ValidationError) -> HttpError:

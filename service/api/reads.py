@@ -6,13 +6,15 @@ more than the work, so these two routes are answered here, with the same auth an
 as `ingest.py`, and documented in the OpenAPI document by `service/api/openapi.py`.
 """
 
+import json
 import logging
+import math
 from urllib.parse import parse_qsl
 
 from prometheus_client import Counter
 
 from service import metrics
-from service.api.http import HttpError, charge, identify, json_body, send_error, send_json
+from service.api.http import HttpError, charge, identify, send_error, send_json
 from service.api.ratelimit import RateLimiter
 from service.api.sync import SYNC_ROUTE
 from service.asgi import ASGIApp, Receive, Scope, Send
@@ -77,14 +79,16 @@ def _ids(query_string: bytes) -> list[int]:
     return list(dict.fromkeys(_content_id(text, "query", "ids") for text in texts))
 
 
-def _progress_json(kind: ContentKind, progress: Progress) -> dict[str, object]:
-    return {
-        "content_type": kind.name,
-        "content_id": progress.content_id,
-        "position": progress.position,
-        "updated_at": progress.updated_at.isoformat(),
-        "completed_at": progress.completed_at.isoformat() if progress.completed_at is not None else None,
-    }
+def progress_json(content_type: str, progress: Progress) -> str:
+    """One entry of a read's answer: the text json_body would make of its dict, in a fraction of the time.
+
+    A read of 100 ids answers 100 of these; the fields are numbers and ISO-8601 times (ASCII, nothing
+    to escape), and a finite float's JSON is its repr, as json.dumps writes it.
+    """
+    position = repr(progress.position) if math.isfinite(progress.position) else json.dumps(progress.position)
+    completed_at = "null" if progress.completed_at is None else f'"{progress.completed_at.isoformat()}"'
+    return (f'{{"content_type":"{content_type}","content_id":{progress.content_id},"position":{position},'
+            f'"updated_at":"{progress.updated_at.isoformat()}","completed_at":{completed_at}}}')  # fmt: skip
 
 
 class ProgressReads:
@@ -129,9 +133,9 @@ class ProgressReads:
             found = await self._read(kind, user_id, [content_id])
             if not found:
                 raise HttpError(404, f"no progress for {kind.name} {content_id}")
-            return json_body(_progress_json(kind, found[0]))
+            return progress_json(kind.name, found[0]).encode()
         found = await self._read(kind, user_id, _ids(scope["query_string"]))
-        return json_body({"data": [_progress_json(kind, progress) for progress in found]})
+        return ('{"data":[' + ",".join([progress_json(kind.name, progress) for progress in found]) + "]}").encode()
 
     async def _read(self, kind: ContentKind, user_id: int, content_ids: list[int]) -> list[Progress]:
         if self.reader is None:

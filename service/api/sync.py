@@ -7,21 +7,39 @@ not this process its parsing; once parsed, its items count against their own per
 before anything is written.
 """
 
+import functools
 import logging
 
+from pydantic import ValidationError
+
 from service import metrics
-from service.api.http import ClientGone, HttpError, charge, identify, json_body, read_json, send_error, send_json
+from service.api.http import (
+    ClientGone,
+    HttpError,
+    charge,
+    identify,
+    invalid_body,
+    json_body,
+    read_body,
+    send_error,
+    send_json,
+)
 from service.api.ratelimit import RateLimiter
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.buffer import now_ms
-from service.progress.sync import OfflineSync, SyncRequest
+from service.progress.sync import OfflineSync, SyncOutcome, parse_request
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
 log = logging.getLogger(__name__)
 
 SYNC_ROUTE = "/progress/sync"
 _TOO_MANY = "too many requests from this user, retry later"
+
+
+@functools.lru_cache(maxsize=64)  # a handful of distinct outcomes: each item's answer is encoded once per process
+def _outcome_json(outcome: SyncOutcome) -> bytes:
+    return json_body({"applied": outcome.applied, "reason": outcome.reason})
 
 
 class ProgressSync:
@@ -58,15 +76,18 @@ class ProgressSync:
             raise HttpError(405, "method not allowed: use POST", [(b"allow", b"POST")])
         user_id, declared_length = identify(self.authenticator, scope["headers"])
         charge(self.limiter, user_id, _TOO_MANY)
-        request = await read_json(receive, SyncRequest, declared_length, limit=self.max_body_bytes,
-                                  timeout_s=self.body_read_timeout_s)  # fmt: skip
+        body = await read_body(receive, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s)
+        try:
+            items = parse_request(body)
+        except ValidationError as exc:
+            raise invalid_body(exc) from None
         offline = self.offline  # once: the lifespan may take it away while the items are applied
         if offline is None:
             raise HttpError(503, "offline sync needs the database (DATABASE_URL), or the service is starting")
-        charge(self.items_limiter, user_id, _TOO_MANY, len(request.items))
+        charge(self.items_limiter, user_id, _TOO_MANY, len(items))
         try:
-            outcomes = await offline.apply(user_id, request.items, now_ms=now_ms())
+            outcomes = await offline.apply(user_id, items, now_ms=now_ms())
         except (*REDIS_FAILED, *POSTGRES_FAILED) as exc:
             log.warning("offline sync failed: %s: %s", type(exc).__name__, exc)
             raise HttpError(503, "progress store unavailable, retry later") from exc
-        return json_body({"items": [{"applied": o.applied, "reason": o.reason} for o in outcomes]})
+        return b'{"items":[' + b",".join(map(_outcome_json, outcomes)) + b"]}"

@@ -48,7 +48,7 @@ class LiveHeartbeat(_Heartbeat):
     live_id: ContentId
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # the four below are the only ones: identity is equality, and hashes fast
 class ContentKind:
     name: str  # the content_type of Redis keys and completion events
     path: str

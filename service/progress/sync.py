@@ -1,10 +1,11 @@
 """Positions listened offline, uploaded later: through the same buffer, with the time they were heard.
 
-Each accepted item is one WRITE_SCRIPT call with `listened_at` as its receive time, so the buffer
+Each accepted item is one run of WRITE_SCRIPT with `listened_at` as its receive time, so the buffer
 settles an offline position and a live heartbeat the way it settles two heartbeats: the later one
 stands whichever arrives last, and the furthest position heard still raises the peak that decides
-completion (judged by the flush as for any heartbeat). The whole request is one pipeline (one
-Redis round trip) after one query per content type present.
+completion (judged by the flush as for any heartbeat). The whole request is one Redis round trip
+(one WRITE_MANY_SCRIPT call per shard: its items in the order they are written, all keys in the
+shard's slot) after one query per content type present.
 
 `applied` is true only when the item's position is the one that now stands: written to the buffer
 as no older than its value (the script says so) and no older than the row (`updated_at`), whose
@@ -22,13 +23,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal, NamedTuple, get_args
 
 import asyncpg
+import msgspec
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
-from service.progress.buffer import PositionWriter, write_args
-from service.progress.content import CONTENT_KINDS, ContentId, ContentKind, Position
+from service.progress.buffer import PositionWriter
+from service.progress.content import CONTENT_KINDS, MAX_ID, MAX_POSITION_S, ContentId, ContentKind, Position
 from service.progress.reads import StoredRow, as_ms, fetch_rows
 
 SYNC_MAX_ITEMS = 500
@@ -72,18 +74,88 @@ class SyncRequest(BaseModel):
     items: list[SyncItem] = Field(min_length=1, max_length=SYNC_MAX_ITEMS)
 
 
+class OfflineItem(NamedTuple):
+    """A valid item, as the sync settles it: `listened_ms` is `listened_at` in ms (with its microseconds)."""
+
+    content_type: str
+    content_id: int
+    position: float
+    listened_ms: float
+
+    @classmethod
+    def of(cls, item: SyncItem) -> "OfflineItem":
+        return cls(item.content_type, item.content_id, item.position, as_ms(item.listened_at))
+
+
+class _PlainItem(msgspec.Struct, gc=False):  # strings and numbers only: nothing for the collector to follow
+    content_type: str
+    content_id: int
+    position: float
+    listened_at: str
+
+
+class _PlainRequest(msgspec.Struct, gc=False):
+    items: list[_PlainItem]
+
+
+_PLAIN_REQUEST = msgspec.json.Decoder(_PlainRequest)
+# The common spelling of an aware ISO-8601 time (JavaScript's toISOString, Python's isoformat), which
+# datetime.fromisoformat reads exactly as pydantic does; any other spelling is pydantic's to judge.
+_PLAIN_TIME = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,6})?(?:Z|[+-]\d{2}:\d{2})")
+
+
+def plain_items(body: bytes) -> list[OfflineItem] | None:
+    """The items of a sync body in the shape every app build sends, in one typed decode; None otherwise.
+
+    Only ever what SyncRequest would accept, with the same values (tests/api/test_sync_decoding.py
+    holds the two side by side); for anything else, valid or not, None: SyncRequest decides, with
+    its own error answers.
+    """
+    try:
+        body.decode()  # msgspec skips the unknown fields without checking their UTF-8; pydantic refuses it
+        request = _PLAIN_REQUEST.decode(body)
+    except (UnicodeDecodeError, msgspec.DecodeError):  # msgspec.ValidationError is a DecodeError
+        return None
+    if not 1 <= len(request.items) <= SYNC_MAX_ITEMS:
+        return None
+    items: list[OfflineItem] = []
+    for item in request.items:
+        if item.content_type not in KIND_BY_NAME or not 1 <= item.content_id <= MAX_ID:
+            return None
+        if not 0 <= item.position <= MAX_POSITION_S or not _PLAIN_TIME.fullmatch(item.listened_at):
+            return None
+        try:
+            listened_at = datetime.fromisoformat(item.listened_at)
+        except ValueError:
+            return None
+        items.append(OfflineItem(item.content_type, item.content_id, item.position, as_ms(listened_at)))
+    return items
+
+
+def parse_request(body: bytes) -> list[OfflineItem]:
+    """The items of a sync body; pydantic's ValidationError when SyncRequest refuses it."""
+    items = plain_items(body)
+    if items is None:
+        items = [OfflineItem.of(item) for item in SyncRequest.model_validate_json(body).items]
+    return items
+
+
 @dataclass(frozen=True, slots=True)
 class SyncOutcome:
     applied: bool
     reason: str | None = None
 
 
+_APPLIED = SyncOutcome(True)
+_SUPERSEDED = SyncOutcome(False, SUPERSEDED)
+_OLDER = SyncOutcome(False, OLDER_THAN_STORED)
+_UNKNOWN = SyncOutcome(False, UNKNOWN_CONTENT)
+
 _Rows = dict[tuple[int, int], StoredRow]
 
 
-@dataclass(frozen=True, slots=True)
-class _Accepted:
-    index: int  # in the request
+class _Accepted(NamedTuple):  # a tuple: 500 of them per request cost less to build than dataclasses
+    at: int  # its index in the request
     kind: ContentKind
     content_id: int
     position: float
@@ -119,52 +191,57 @@ class OfflineSync:
 
     def check_time(self, listened_at: datetime, now_ms: int) -> str | None:
         """Why an item's time is refused, or None."""
-        listened_ms = as_ms(listened_at)
+        return self._check_ms(as_ms(listened_at), now_ms)
+
+    def _check_ms(self, listened_ms: float, now_ms: int) -> str | None:
         if listened_ms > now_ms + self._max_skew_ms:
             return f"listened_at is more than {self._max_skew_ms / 1000:g} s in the future"
         return None
 
-    async def apply(self, user_id: int, items: Sequence[SyncItem], *, now_ms: int) -> list[SyncOutcome]:
+    async def apply(self, user_id: int, items: Sequence[OfflineItem | SyncItem], *,
+                    now_ms: int) -> list[SyncOutcome]:  # fmt: skip
         outcomes: list[SyncOutcome | None] = [None] * len(items)
         accepted: list[_Accepted] = []
         for index, item in enumerate(items):
-            refusal = self.check_time(item.listened_at, now_ms)
+            if not isinstance(item, OfflineItem):
+                item = OfflineItem.of(item)
+            told_ms = item.listened_ms
+            refusal = self._check_ms(told_ms, now_ms)
             if refusal is not None:
                 outcomes[index] = SyncOutcome(False, refusal)
                 continue
-            told_ms = as_ms(item.listened_at)
             accepted.append(_Accepted(index, KIND_BY_NAME[item.content_type], item.content_id, item.position,
                                       listened_ms(told_ms, now_ms, self._max_backdate_ms), told_ms))  # fmt: skip
         if not accepted:
             return _all_set(outcomes)
         rows = await self._rows(user_id, accepted)
-        known = [a for a in accepted if (user_id, a.content_id) in rows[a.kind]]
+        known: list[_Accepted] = []
         for a in accepted:
-            if (user_id, a.content_id) not in rows[a.kind]:
-                outcomes[a.index] = SyncOutcome(False, UNKNOWN_CONTENT)  # the flush would drop it
+            if (user_id, a.content_id) in rows[a.kind]:
+                known.append(a)
+            else:
+                outcomes[a.at] = _UNKNOWN  # the flush would drop it
         # oldest first: for one content the later item is written last and stands, the script keeps
         # the furthest position of all of them as the peak (an offline listen to the end completes).
         # Items of one time (or clamped to the same edge or now): the one that stands (latest as the device
         # told it, then last in the request) is written first, as the script keeps the first of equal
         # times, so the item reported as standing is the one stored.
-        known.sort(key=lambda a: (a.listened_ms, -a.told_ms, -a.index))
+        known.sort(key=lambda a: (a.listened_ms, -a.told_ms, -a.at))
         latest: dict[tuple[str, int], _Accepted] = {}
         for a in known:
             kept = latest.get((a.kind.name, a.content_id))
-            if kept is None or (a.listened_ms, a.told_ms, a.index) > (kept.listened_ms, kept.told_ms, kept.index):
+            if kept is None or (a.listened_ms, a.told_ms, a.at) > (kept.listened_ms, kept.told_ms, kept.at):
                 latest[(a.kind.name, a.content_id)] = a
-        written = await self._writer.write_all([
-            write_args(a.kind.name, a.content_id, user_id, a.position, a.listened_ms, self._ttl_s, self._writer.layout)
-            for a in known
-        ])  # fmt: skip
+        written = await self._writer.write_all([(a.kind.name, a.content_id, user_id, a.position, a.listened_ms)
+                                                 for a in known], ttl_s=self._ttl_s)  # fmt: skip
         for a, stored in zip(known, written, strict=True):
             row = rows[a.kind][(user_id, a.content_id)]
             if latest[(a.kind.name, a.content_id)] is not a:
-                outcomes[a.index] = SyncOutcome(False, SUPERSEDED)
+                outcomes[a.at] = _SUPERSEDED
             elif not stored or (row.updated_at is not None and as_ms(row.updated_at) > a.listened_ms):
-                outcomes[a.index] = SyncOutcome(False, OLDER_THAN_STORED)
+                outcomes[a.at] = _OLDER
             else:
-                outcomes[a.index] = SyncOutcome(True)
+                outcomes[a.at] = _APPLIED
         return _all_set(outcomes)
 
     async def _rows(self, user_id: int, accepted: list[_Accepted]) -> dict[ContentKind, _Rows]:

@@ -9,12 +9,14 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from service.api.http import json_body
+from service.api.reads import progress_json
 from service.app import build_flusher
 from service.auth import make_token
 from service.config import Settings
 from service.progress.buffer import decode_value
 from service.progress.flusher import Flusher
-from service.progress.reads import from_ms
+from service.progress.reads import Progress, from_ms
 from tests.helpers import auth, running_app, seed
 
 
@@ -225,3 +227,13 @@ async def test_a_value_nobody_could_read_spoils_no_other_read_of_its_turn(
     answers = await asyncio.gather(*(client.get("/progress/lesson/2", headers=auth(t)) for t in (token, other) * 5))
     assert [a.status_code for a in answers] == [200, 404] * 5
     assert {a.json()["position"] for a in answers[::2]} == {42.0}
+
+
+@pytest.mark.parametrize("position", [0.0, -0.0, 1.5, 1e-05, 2.5e-07, 1 / 3, 86400.0, float("nan"), float("inf")])
+@pytest.mark.parametrize("completed", [False, True])
+def test_an_entry_is_written_as_json_dumps_wrote_its_dict(position: float, completed: bool) -> None:
+    updated_at = datetime(2026, 11, 30, 10, 0, 0, 123456, UTC) if completed else datetime(2026, 11, 30, tzinfo=UTC)
+    progress = Progress(2**63 - 1, position, updated_at, updated_at if completed else None)
+    as_dict = {"content_type": "meditation", "content_id": progress.content_id, "position": position,
+               "updated_at": updated_at.isoformat(), "completed_at": updated_at.isoformat() if completed else None}
+    assert progress_json("meditation", progress).encode() == json_body(as_dict)

@@ -2,7 +2,7 @@
 
 import json
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 
 import asyncpg
 import httpx
@@ -15,18 +15,10 @@ from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.flusher import Flusher
 from service.progress.reads import as_ms
 from service.progress.sync import OLDER_THAN_STORED, SUPERSEDED, UNKNOWN_CONTENT
-from tests.helpers import auth, seed
+from tests.helpers import BAD_SYNCS, ago, auth, seed, sync_body
+from tests.helpers import sync_item as item
 
 VALUE = "progress:latest_position:{}:{}:7"
-
-
-def ago(seconds: float) -> datetime:
-    return datetime.now(UTC) - timedelta(seconds=seconds)
-
-
-def item(content_id: int, position: float, listened_at: datetime, content_type: str = "audio") -> dict[str, object]:
-    return {"content_type": content_type, "content_id": content_id, "position": position,
-            "listened_at": listened_at.isoformat()}  # fmt: skip
 
 
 async def sync(client: httpx.AsyncClient, token: str, *items: dict[str, object]) -> list[tuple[bool, str | None]]:
@@ -198,33 +190,6 @@ async def test_items_clamped_to_the_window_are_ordered_at_its_edge(
     assert abs(decode_value(await redis.get(VALUE.format("audio", 2))).received_ms - stored.received_ms) < 1
 
 
-def _body(items: int) -> bytes:
-    return json.dumps({"items": [item(1, 1.0, ago(5)) for _ in range(items)]}).encode()
-
-
-BAD_SYNCS = [
-    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "content_type": "podcast"}]}).encode(), 422,
-                 "content_type", id="unknown-type"),
-    pytest.param(_body(501), 422, "500", id="501-items"),
-    pytest.param(b'{"items": []}', 422, "items", id="no-items"),
-    pytest.param(b"{}", 422, "items", id="no-items-field"),
-    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "content_id": "1"}]}).encode(), 422,
-                 "content_id", id="id-as-string"),
-    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "content_id": 1.5}]}).encode(), 422,
-                 "content_id", id="id-float"),
-    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "position": -1}]}).encode(), 422,
-                 "position", id="position-negative"),
-    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "listened_at": "2026-01-01T10:00:00"}]}).encode(),
-                 422, "listened_at", id="listened-at-without-zone"),
-    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "listened_at": 1700000000}]}).encode(), 422,
-                 "listened_at", id="listened-at-number"),
-    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "listened_at": "yesterday"}]}).encode(), 422,
-                 "listened_at", id="listened-at-text"),
-    pytest.param(json.dumps({"items": [{**item(1, 1.0, ago(5)), "listened_at": "1796034445"}]}).encode(), 422,
-                 "listened_at", id="listened-at-unix-time-in-a-string"),
-    pytest.param(b'{"items": [', 400, "JSON", id="malformed-json"),
-]  # fmt: skip
-
 
 @pytest.mark.parametrize(("body", "status", "named"), BAD_SYNCS)
 async def test_bad_syncs_get_a_clear_4xx_and_write_nothing(
@@ -242,13 +207,13 @@ async def test_a_sync_needs_a_token_post_and_a_body_within_the_limit(
     client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str
 ) -> None:
     await seed(db, users=7)
-    assert (await client.post("/progress/sync", content=_body(1))).status_code == 401
-    assert (await client.put("/progress/sync", content=_body(1), headers=auth(token))).status_code == 405
+    assert (await client.post("/progress/sync", content=sync_body(1))).status_code == 401
+    assert (await client.put("/progress/sync", content=sync_body(1), headers=auth(token))).status_code == 405
     padded = json.dumps({"items": [item(1, 1.0, ago(5))], "pad": "x" * 300_000}).encode()
     response = await client.post("/progress/sync", content=padded, headers=auth(token))
     assert (response.status_code, "262144" in response.text) == (413, True)
     assert await redis.keys("*") == []
-    assert (await client.post("/progress/sync", content=_body(500), headers=auth(token))).status_code == 200
+    assert (await client.post("/progress/sync", content=sync_body(500), headers=auth(token))).status_code == 200
 
 
 async def test_the_rate_limit_seam_refuses_before_anything_is_written(
@@ -263,8 +228,8 @@ async def test_the_rate_limit_seam_refuses_before_anything_is_written(
             return 2.4 if cost > 1 else None
 
     app.app.state.sync.items_limiter = Limit()
-    response = await client.post("/progress/sync", content=_body(3), headers=auth(token))
+    response = await client.post("/progress/sync", content=sync_body(3), headers=auth(token))
     assert (response.status_code, response.headers["retry-after"]) == (429, "3")  # 2.4 s, rounded up
     assert await redis.keys("*") == []
-    assert (await client.post("/progress/sync", content=_body(1), headers=auth(token))).status_code == 200
+    assert (await client.post("/progress/sync", content=sync_body(1), headers=auth(token))).status_code == 200
     assert calls == [(7, 3), (7, 1)]
