@@ -17,7 +17,7 @@ from service.outbox.outboxes import email_task_id
 from service.trial_emails.batch import send_trial_journey_emails_batch
 from service.trial_emails.queue import CeleryEmailQueue
 from tests.helpers import RELAY_LEASE_S as LEASE_S
-from tests.helpers import Servers, add_trials, limited_broker_user, relay_env, relay_once, running_app
+from tests.helpers import Servers, add_trials, limited_broker_user, relay_env, relay_once, running_app, wait_for
 from tests.monolith.fixtures import Broker, Executions, kwargs_of
 
 pytestmark = pytest.mark.slow  # relay processes and a real Celery worker
@@ -165,7 +165,11 @@ async def test_sigterm_during_run_once_stops_cleanly_and_every_reserved_email_is
     # the second review defect: SIGTERM mid-run left reservations never published and no trace
     await add_trials(db, 5000, started_at=NOW - timedelta(hours=1), ends_at=NOW + timedelta(days=7))
     process = await run_once(servers, broker.url)
-    await asyncio.sleep(1.0)
+
+    async def reserving() -> bool:  # mid-run: its first blocks are reserved (not a guess of the start-up time)
+        return bool(await db.fetchval("SELECT count(*) FROM emails_emaildispatch"))
+
+    await wait_for(reserving, timeout_s=30)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
 
