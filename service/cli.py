@@ -11,6 +11,7 @@ from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -31,7 +32,7 @@ from service.trial_emails.sweep import sweep_journeys
 DEV_JWT_SECRET = "dev-only-secret-not-for-production"
 
 
-def _uvicorn_options(host: str, port: int) -> dict[str, object]:
+def _uvicorn_options(host: str, port: int) -> dict[str, Any]:
     from service.api.http_limits import LimitedHttpToolsProtocol
 
     return {
@@ -58,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     # A graceful stop is a success for the orchestrator: with this handler in place, exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.run("service.app:app_from_environment", factory=True, workers=args.workers,
-                **_uvicorn_options(args.host, args.port))  # type: ignore[arg-type]  # fmt: skip
+                **_uvicorn_options(args.host, args.port))  # fmt: skip
     return 0
 
 
@@ -113,7 +114,7 @@ def _dev(args: argparse.Namespace) -> int:
             flush=True,
         )
         try:
-            uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args.host, args.port))).run()  # type: ignore[arg-type]
+            uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args.host, args.port))).run()
         except KeyboardInterrupt:
             pass  # uvicorn re-raises Ctrl-C after its graceful shutdown; ours follows below
     finally:
