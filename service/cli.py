@@ -23,6 +23,7 @@ from service.logs import configure_logging
 from service.loops import run_until_stopped
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
 from service.outbox.outboxes import Outbox
+from service.outbox.relay import counts_text
 from service.progress.backlog import measure_backlog
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 from service.trial_emails.batch import BatchResult
@@ -307,13 +308,12 @@ async def _list_parked(parts: _Parts, *, args: argparse.Namespace) -> int:
 
 
 async def _redrive_parked(parts: _Parts, *, args: argparse.Namespace) -> int:
-    from service.console import Progress
     from service.outbox.admin import count_parked, redrive_parked
 
     outboxes = _chosen_outboxes(args)
     owed = {outbox.name: await count_parked(parts.pool, outbox, args.ids) for outbox in outboxes}
     if args.dry_run:
-        print(f"would re-drive {sum(owed.values())} parked rows ({_by_outbox(owed)})", flush=True)
+        print(f"would re-drive {sum(owed.values())} parked rows ({counts_text(owed)})", flush=True)
         return 0
     done: dict[str, int] = {}
     with Progress("outbox redrive", total=sum(owed.values()), unit="rows") as progress:
@@ -321,12 +321,8 @@ async def _redrive_parked(parts: _Parts, *, args: argparse.Namespace) -> int:
             done[outbox.name] = await redrive_parked(parts.pool, outbox, ids=args.ids, on_chunk=progress.advance,
                                                      should_stop=parts.stop.is_set)  # fmt: skip
     stopped = " (stopped: run it again for the rest)" if parts.stop.is_set() else ""
-    print(f"re-drove {sum(done.values())} parked rows ({_by_outbox(done)}){stopped}", flush=True)
+    print(f"re-drove {sum(done.values())} parked rows ({counts_text(done)}){stopped}", flush=True)
     return 0
-
-
-def _by_outbox(counts: dict[str, int]) -> str:
-    return ", ".join(f"{name} {count}" for name, count in counts.items())
 
 
 def _ids(value: str) -> list[int]:

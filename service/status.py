@@ -24,8 +24,8 @@ from service.outbox.outboxes import COMPLETIONS, EMAILS, outbox_counts
 from service.progress.backlog import measure_backlog
 from service.progress.content import CONTENT_KINDS
 from service.progress.known_content import count_ids
-from service.progress.redis_memory import memory_by_node
-from service.stores import POSTGRES_FAILED, REDIS_FAILED
+from service.progress.redis_memory import memory_by_node, used_and_max
+from service.stores import POSTGRES_BUSY, POSTGRES_FAILED, REDIS_FAILED
 
 T = TypeVar("T")
 
@@ -84,8 +84,7 @@ async def _read_redis(settings: Settings, status: Status) -> None:
             status.failures.append(f"{where}: {len(backlog.errors)} of the buffer's reads failed, its counts are "
                                    f"partial ({type(error).__name__}: {error})")  # fmt: skip
         by_node = await memory_by_node(redis)
-        nodes = {name: {"used_memory_bytes": int(str(info["used_memory"])),
-                        "maxmemory_bytes": int(str(info.get("maxmemory", 0)))}
+        nodes = {name: dict(zip(("used_memory_bytes", "maxmemory_bytes"), used_and_max(info), strict=True))
                  for name, info in by_node.items()}  # fmt: skip
         memory["used_memory_bytes"] = sum(node["used_memory_bytes"] for node in nodes.values())
         memory["maxmemory_bytes"] = sum(node["maxmemory_bytes"] for node in nodes.values())
@@ -134,7 +133,7 @@ async def _bounded(conn: asyncpg.Connection, status: Status, what: str,
         async with conn.transaction(readonly=True):
             await conn.execute(_LIMITS_SQL)
             return await read(conn, *args)
-    except (asyncpg.QueryCanceledError, asyncpg.LockNotAvailableError) as exc:
+    except POSTGRES_BUSY as exc:
         status.failures.append(f"Postgres: {what} not read within {STATEMENT_TIMEOUT_MS} ms "
                                f"({type(exc).__name__}: {exc})")  # fmt: skip
         return None

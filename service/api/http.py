@@ -88,8 +88,13 @@ def identify(authenticator: Authenticator, headers: Headers) -> tuple[int, int]:
 def charge(limiter: RateLimiter | None, user_id: int, detail: str, cost: float = 1.0) -> None:
     """`cost` against the user's limit; HttpError 429 with Retry-After past it (no limiter: no limit)."""
     if limiter is not None and (retry_after_s := limiter.allow(user_id, cost)) is not None:
-        metrics.REFUSED.labels("rate_limited").inc()
-        raise HttpError(429, detail, [(b"retry-after", retry_after_header(retry_after_s))])
+        raise rate_limited(detail, retry_after_s)
+
+
+def rate_limited(detail: str, retry_after_s: float) -> HttpError:
+    """The 429 of a user over its limit, counted, with Retry-After in whole seconds."""
+    metrics.REFUSED.labels("rate_limited").inc()
+    return HttpError(429, detail, [(b"retry-after", retry_after_header(retry_after_s))])
 
 
 async def read_json(receive: Receive, model: type[Body], declared_length: int, *, limit: int,

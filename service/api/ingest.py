@@ -12,8 +12,8 @@ import time
 from service import metrics
 from service.api.catalog import ContentCatalog, LookupsSaturated
 from service.api.deferred import DeferredHeartbeats
-from service.api.http import ClientGone, HttpError, identify, read_json, send_error
-from service.api.ratelimit import RateLimiter, retry_after_header
+from service.api.http import ClientGone, HttpError, identify, rate_limited, read_json, send_error
+from service.api.ratelimit import RateLimiter
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.buffer import receive_ms
@@ -115,9 +115,7 @@ class ProgressIngest:
         if self.deferred is not None and (catalog is None or catalog.known_in_memory(kind, content_id)):
             self.deferred.keep(kind, content_id=content_id, user_id=user_id, position=position,
                                received_ms=receive_ms())  # fmt: skip
-        metrics.REFUSED.labels("rate_limited").inc()
-        raise HttpError(429, "too many heartbeats from this user, retry later",
-                        [(b"retry-after", retry_after_header(retry_after_s))])  # fmt: skip
+        raise rate_limited("too many heartbeats from this user, retry later", retry_after_s)
 
     def _log_refusal(self, kind: ContentKind, exc: Unavailable) -> None:
         self._refused_since_log += 1

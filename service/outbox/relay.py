@@ -34,6 +34,9 @@ from service.stores import POSTGRES_FAILED
 
 log = logging.getLogger(__name__)
 
+# how stale the owed/parked/oldest gauges may be while no row moves (the lag alert waits minutes)
+COUNTS_INTERVAL_S = 5.0
+
 
 @dataclass(frozen=True, slots=True)
 class Route:
@@ -79,6 +82,7 @@ class Relay:
         self._listen_dsn = listen_dsn
         self._connect_timeout_s = connect_timeout_s
         self._wake = asyncio.Event()
+        self._counted_at: dict[str, float] = {}  # by outbox: when its gauges were last counted
         # Test-only failpoint: SIGKILL itself after a claim (after_claim) or after a batch is published
         # and before it is marked (after_publish), so the crash tests hit the moments they claim to.
         self._failpoint = os.environ.get("PROGRESS_RELAY_FAILPOINT", "")
@@ -98,8 +102,9 @@ class Relay:
                     await self._drain(route, result, stop)
             finally:
                 # the lag must show even when the pass failed: it is what the alert watches
+                changed = bool(result.published[name] or result.retried[name] or result.failed[name])
                 with contextlib.suppress(*POSTGRES_FAILED):
-                    await self._report_counts(route.outbox)
+                    await self._report_counts(route.outbox, changed=changed)
         return result
 
     async def _drain(self, route: Route, result: RelayResult, stop: asyncio.Event | None) -> None:
@@ -198,7 +203,13 @@ class Relay:
                                       self._retry_backoff_s)  # fmt: skip
         return {row["id"] for row in rows if row["parked"]}
 
-    async def _report_counts(self, outbox: Outbox) -> None:
+    async def _report_counts(self, outbox: Outbox, *, changed: bool) -> None:
+        # two indexed counts after a pass that moved rows; otherwise (idle, or the broker down while the
+        # backlog grows and every flush's NOTIFY wakes every pod's relay) at most every COUNTS_INTERVAL_S
+        now = time.monotonic()
+        if not changed and now - self._counted_at.get(outbox.name, -COUNTS_INTERVAL_S) < COUNTS_INTERVAL_S:
+            return
+        self._counted_at[outbox.name] = now
         counts = await outbox_counts(self._pool, outbox)
         metrics.OUTBOX_OLDEST_AGE.labels(outbox.name).set(counts.oldest_owed_age_s or 0.0)
         metrics.OUTBOX_OWED.labels(outbox.name).set(counts.owed)
@@ -214,7 +225,7 @@ class Relay:
                         exc)  # fmt: skip
             return
         if result.did_something():
-            log.info("outbox relay: final pass on shutdown published %s", _counts(result.published),
+            log.info("outbox relay: final pass on shutdown published %s", counts_text(result.published),
                      extra={"count": sum(result.published.values())})  # fmt: skip
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -248,8 +259,8 @@ class Relay:
             return False
         if result.did_something():
             log.info("outbox relay: tasks published %s (republished %s, refused and retried later %s, "
-                     "refused and parked %s)", _counts(result.published), _counts(result.republished),
-                     _counts(result.retried), _counts(result.failed),
+                     "refused and parked %s)", counts_text(result.published), counts_text(result.republished),
+                     counts_text(result.retried), counts_text(result.failed),
                      extra={"count": sum(result.published.values())})  # fmt: skip
         return True
 
@@ -272,5 +283,6 @@ class Relay:
         self._wake.set()
 
 
-def _counts(by_outbox: dict[str, int]) -> str:
+def counts_text(by_outbox: dict[str, int]) -> str:
+    """`completion 3, email 1`: counts by outbox for a log line or a command's summary."""
     return ", ".join(f"{name} {count}" for name, count in by_outbox.items())

@@ -203,7 +203,13 @@ class Flusher:
                         continue
                     try:
                         lease_expired[0] += await self._leases.requeue_expired(shard, now_ms=now_ms())
-                        result.add(await self._drain(conn, kind, shard, quota, stop, failed, on_batch))
+                        drained = await self._drain(conn, kind, shard, quota, stop, failed, on_batch)
+                        if drained is None:
+                            # the cycle's quota is all held by other drains: the shard goes back to them
+                            # (one that claims less than it holds gives the rest back and goes on)
+                            queue.appendleft(shard)
+                            break
+                        result.add(drained)
                     except REDIS_UNAVAILABLE as exc:
                         # that shard's node is down (or failing over): its members wait there, under
                         # lease if claimed; the shards of the other nodes are still flushed
@@ -223,12 +229,13 @@ class Flusher:
 
     async def _drain(self, conn: asyncpg.Connection, kind: ContentKind, shard: Shard, quota: _Quota,
                      stop: asyncio.Event | None, failed: asyncio.Event,
-                     on_batch: OnBatch | None) -> CycleResult:
+                     on_batch: OnBatch | None) -> CycleResult | None:
+        """The shard's batches until it is empty or the quota is; None: no quota left when it began."""
         result = CycleResult()
         while not failed.is_set() and (stop is None or not stop.is_set()):
             rows = quota.take(self._batch_size)
             if not rows:
-                break
+                return None if not result.batches and not result.failed_batches else result
             # the budget first, the claim after: the lease starts when the batch may be written
             await self.budget.reserve(rows)
             claimed = 0

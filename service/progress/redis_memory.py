@@ -17,9 +17,14 @@ log = logging.getLogger(__name__)
 SAMPLE_INTERVAL_S = 15.0
 
 
+def used_and_max(info: dict[str, object]) -> tuple[int, int]:
+    """(used_memory, maxmemory) in bytes from an INFO memory reply; maxmemory 0: no limit."""
+    return int(str(info["used_memory"])), int(str(info.get("maxmemory", 0)))
+
+
 def _fill(info: dict[str, object]) -> float:
-    maxmemory = int(str(info.get("maxmemory", 0)))
-    return int(str(info["used_memory"])) / maxmemory if maxmemory else 0.0
+    used, maxmemory = used_and_max(info)
+    return used / maxmemory if maxmemory else 0.0
 
 
 async def memory_by_node(redis: RedisClient) -> dict[str, dict[str, object]]:
@@ -34,9 +39,9 @@ async def memory_by_node(redis: RedisClient) -> dict[str, dict[str, object]]:
 
 async def sample_redis_memory(redis: RedisClient) -> None:
     # the master nearest to full is the one whose writes are refused first
-    info = max((await memory_by_node(redis)).values(), key=_fill)
-    metrics.REDIS_USED_MEMORY.set(int(str(info["used_memory"])))
-    metrics.REDIS_MAX_MEMORY.set(int(str(info.get("maxmemory", 0))))
+    used, maxmemory = used_and_max(max((await memory_by_node(redis)).values(), key=_fill))
+    metrics.REDIS_USED_MEMORY.set(used)
+    metrics.REDIS_MAX_MEMORY.set(maxmemory)
 
 
 async def run_redis_memory_sampler(

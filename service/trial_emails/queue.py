@@ -5,13 +5,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from service.clients import RedisClient, same_slot_prefix
 from service.config import Settings
 from service.outbox.messages import Message, Publisher, PublishResult
 from service.outbox.outboxes import email_kwargs, email_task_id
+from service.stores import REDIS_FAILED
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +110,7 @@ class StreamPublisher:
                                 message.extra["reserved_at"], kwargs["dispatch_id"])  # fmt: skip
             try:
                 await self._queue.publish(email)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except REDIS_FAILED as exc:  # the stream's Redis is this publisher's broker: down, full, failing over
                 result.unavailable = repr(exc)
                 break
             result.sent.append(message.row_id)
