@@ -14,12 +14,10 @@ from datetime import datetime
 
 import asyncpg
 
-from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox
+from service.outbox.outboxes import NOTIFY_CHANNEL, PARKED, Outbox
 
 # rows per re-drive statement: each is a few milliseconds of row locks on rows no relay wants
 REDRIVE_CHUNK = 500
-
-_PARKED = "publish_failed_at IS NOT NULL AND published_at IS NULL"
 
 # newest first, through the parked index (migrations_ref/006_outbox_counts.sql)
 _LIST_SQL = """
@@ -66,7 +64,7 @@ class ParkedRow:
 
 
 def _sql(template: str, outbox: Outbox) -> str:
-    return template.format(table=outbox.table, key=outbox.key, parked=_PARKED, channel=NOTIFY_CHANNEL)
+    return template.format(table=outbox.table, key=outbox.key, parked=PARKED, channel=NOTIFY_CHANNEL)
 
 
 async def list_parked(conn: asyncpg.Connection | asyncpg.Pool, outboxes: Sequence[Outbox], *, limit: int,

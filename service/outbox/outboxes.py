@@ -45,6 +45,12 @@ class Outbox:
     to_message: Callable[[asyncpg.Record, str, str], Message]  # (row, task name, queue)
 
 
+# The two states of an unpublished row, as the partial indexes of migrations_ref/006_outbox_counts.sql
+# say them: owed (the relay will publish it, perhaps after a lease or a refusal's backoff), and parked
+# (refused OUTBOX_MAX_ATTEMPTS times: waits for `progress-service outbox redrive`).
+OWED = "published_at IS NULL AND publish_failed_at IS NULL"
+PARKED = "publish_failed_at IS NOT NULL AND published_at IS NULL"
+
 # The lease, not an open transaction, keeps other relays off a claimed batch: the claim commits at
 # once, so a slow broker holds no row lock and no PgBouncer server connection. Rows parked
 # (publish_failed_at) are never claimed again; a refused row waits out its backoff in claimed_until.
@@ -54,7 +60,7 @@ UPDATE {table} o
    SET claimed_until = now() + make_interval(secs => $2::float8), publish_attempts = o.publish_attempts + 1
  WHERE o.{key} IN (
         SELECT {key} FROM {table}
-         WHERE published_at IS NULL AND publish_failed_at IS NULL
+         WHERE {owed}
            AND (claimed_until IS NULL OR claimed_until < now())
          ORDER BY {key}
          LIMIT $1
@@ -86,9 +92,9 @@ RETURNING o.{key} AS id, o.publish_failed_at IS NOT NULL AS parked
 # (migrations_ref/006_outbox_counts.sql): the owed rows by created_at, the parked ones
 _COUNTS_SQL = """
 SELECT owed.count AS owed, owed.oldest_owed_age_s, (
-        SELECT count(*) FROM {table} WHERE publish_failed_at IS NOT NULL AND published_at IS NULL) AS parked
+        SELECT count(*) FROM {table} WHERE {parked}) AS parked
   FROM (SELECT count(*) AS count, extract(epoch FROM now() - min(created_at))::float8 AS oldest_owed_age_s
-          FROM {table} WHERE published_at IS NULL AND publish_failed_at IS NULL) AS owed
+          FROM {table} WHERE {owed}) AS owed
 """
 
 
@@ -109,7 +115,7 @@ async def outbox_counts(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox)
 def _outbox(name: str, *, table: str, key: str, returning: str,
             to_message: Callable[[asyncpg.Record, str, str], Message]) -> Outbox:  # fmt: skip
     """Both outboxes are one shape: a table with a bigint key, published_at, a lease, attempts and a park."""
-    names = {"table": table, "key": key, "returning": returning}
+    names = {"table": table, "key": key, "returning": returning, "owed": OWED, "parked": PARKED}
     return Outbox(name, table, key, _CLAIM_SQL.format(**names), _MARK_SQL.format(**names),
                   _RELEASE_SQL.format(**names), _REFUSE_SQL.format(**names), _COUNTS_SQL.format(**names),
                   to_message)  # fmt: skip
