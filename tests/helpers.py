@@ -55,11 +55,15 @@ class RunningApp(NamedTuple):
 
 
 @asynccontextmanager
-async def running_app(settings: Settings) -> AsyncIterator[RunningApp]:
-    """The app built from `settings`, its lifespan running, and a client that talks to it in-process."""
+async def running_app(settings: Settings, *, raise_app_exceptions: bool = True) -> AsyncIterator[RunningApp]:
+    """The app built from `settings`, its lifespan running, and a client that talks to it in-process.
+
+    `raise_app_exceptions=False`: an exception escaping a request is its 500, as uvicorn would answer.
+    """
     app = create_app(settings)
     async with app.app.router.lifespan_context(app.app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             yield RunningApp(app, client)
 
 
@@ -124,8 +128,15 @@ def degraded_settings(settings: Settings, server: embedded.EmbeddedRedis, **upda
     return settings.model_copy(update={"redis_url": server.url, "degraded_redis_retry_seconds": 0.2, **update})
 
 
+def clean_environment() -> dict[str, str]:
+    """This process's environment less every variable the service reads: a service subprocess of a test
+    gets only the settings the test gives it, whatever the developer's shell exports."""
+    names = {name.upper() for name in Settings.model_fields}
+    return {k: v for k, v in os.environ.items() if k.upper() not in names and k != "PROMETHEUS_MULTIPROC_DIR"}
+
+
 def flusher_env(servers: Servers, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROGRESS_", "REDIS_", "DATABASE_"))}
+    env = clean_environment()
     env.update(REDIS_URL=servers.redis_url, DATABASE_URL=servers.database_url, LOG_LEVEL="WARNING",
                PROGRESS_FLUSH_LEASE_SECONDS=str(FLUSH_LEASE_S), PROGRESS_FLUSH_BATCH_SIZE="100",
                PROGRESS_FLUSH_CONCURRENCY="2")  # fmt: skip
@@ -267,7 +278,7 @@ async def add_events(db: asyncpg.Pool, count: int) -> None:
 
 
 def relay_env(servers: Servers, broker: Broker, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PROGRESS_", "REDIS_", "DATABASE_", "RELAY_"))}
+    env = clean_environment()
     env.update(REDIS_URL=servers.redis_url, DATABASE_URL=servers.database_url, CELERY_BROKER_URL=broker.url,
                LOG_LEVEL="WARNING", RELAY_LEASE_SECONDS=str(RELAY_LEASE_S), CELERY_PUBLISH_TIMEOUT_SECONDS="2",
                RELAY_BATCH_SIZE="50")  # fmt: skip

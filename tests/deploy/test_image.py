@@ -23,7 +23,7 @@ from service.auth import make_token
 from service.config import Settings
 from service.embedded import free_port
 from tests.deploy.files import VENV_BIN, image
-from tests.helpers import TEST_JWT_SECRET, Servers, auth, seed
+from tests.helpers import TEST_JWT_SECRET, Servers, auth, clean_environment, seed
 
 pytestmark = pytest.mark.slow  # runs the image's command as a process
 
@@ -33,8 +33,7 @@ IMAGE_VENV = "/opt/venv/bin"
 
 def image_environment(servers: Servers, port: int) -> dict[str, str]:
     """The image's ENV (its virtualenv swapped for ours), then what the README tells ops to set."""
-    settings_names = {name.upper() for name in Settings.model_fields}
-    env = {k: v for k, v in os.environ.items() if k.upper() not in settings_names}
+    env = clean_environment()
     for name, value in image().env.items():
         env[name] = value.replace(IMAGE_VENV, str(VENV_BIN)).replace("$PATH", os.environ.get("PATH", ""))
     env.update(

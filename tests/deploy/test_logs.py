@@ -3,7 +3,6 @@
 import io
 import json
 import logging
-import os
 import subprocess
 from collections.abc import Iterator, Sequence
 
@@ -19,15 +18,14 @@ from service.embedded import free_port
 from service.logs import JsonFormatter, RequestIdMiddleware
 from service.outbox.messages import Message, PublishResult
 from tests.deploy.files import VENV_BIN
-from tests.helpers import Servers, auth, seed
+from tests.helpers import Servers, auth, clean_environment, seed
 
 DOCUMENTED_FIELDS = {"time", "level", "message", "logger"}
 
 
 def _flush_once(servers: Servers, **overrides: str) -> tuple[int, list[dict[str, object]]]:
     """`progress-service flush --once` in its own process; its stderr parsed line by line."""
-    settings_names = {name.upper() for name in Settings.model_fields}
-    env = {k: v for k, v in os.environ.items() if k.upper() not in settings_names}
+    env = clean_environment()
     env.update({"REDIS_URL": servers.redis_url, "DATABASE_URL": servers.database_url, **overrides})
     done = subprocess.run([str(VENV_BIN / "progress-service"), "flush", "--once"], env=env, capture_output=True,
                           text=True, timeout=60, check=False)  # fmt: skip

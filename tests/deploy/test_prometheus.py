@@ -4,7 +4,6 @@ expression is evaluated through Prometheus' HTTP API. None may fail; the traffic
 must show data. The server also loads alerts.yml and must evaluate every rule without error."""
 
 import asyncio
-import os
 import signal
 import subprocess
 import time
@@ -21,7 +20,7 @@ from service.auth import make_token
 from service.config import Settings
 from service.embedded import _die_with_parent, free_port
 from tests.deploy.files import ALERTS_FILE, VENV_BIN, alert_rules, dashboard_queries
-from tests.helpers import TEST_JWT_SECRET, Servers, auth, seed
+from tests.helpers import TEST_JWT_SECRET, Servers, auth, clean_environment, seed
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +36,7 @@ ROWS_WITH_DATA = {"Traffic", "Flush"}
 
 
 def _service_env(servers: Servers, port: int) -> dict[str, str]:
-    names = {name.upper() for name in Settings.model_fields}
-    env = {k: v for k, v in os.environ.items() if k.upper() not in names and k != "PROMETHEUS_MULTIPROC_DIR"}
+    env = clean_environment()
     env.update(
         HOST="127.0.0.1",
         PORT=str(port),

@@ -9,7 +9,6 @@ of every 201.
 import argparse
 import asyncio
 import json
-import os
 import random
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from redis.asyncio import Redis
 
 from service import embedded
 from tests.faults.loadgen import DURATION_S, position
+from tests.helpers import clean_environment
 
 SECRET = "fault-suite-secret-0123456789abcdef0123"
 SCENARIOS = ("steady", "sigkill", "redis_outage", "postgres_outage")
@@ -107,7 +107,7 @@ class Cluster:
         await conn.close()
 
     def start_service(self, i: int) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PROGRESS_", "REDIS_", "DATABASE_"))}
+        env = clean_environment()
         env.update(REDIS_URL=self.redis.url, DATABASE_URL=self.database_url, JWT_SECRET=SECRET,
                    LOG_LEVEL="WARNING", PROGRESS_FLUSH_INTERVAL_SECONDS="1", PROGRESS_FLUSH_LEASE_SECONDS="3",
                    PROGRESS_SHUTDOWN_TIMEOUT_SECONDS="5", DEGRADED_REDIS_RETRY_SECONDS="0.5",

@@ -315,36 +315,34 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
     degraded_before = _degraded_writes()
     killed_at = 0.0
     failed_over_at = 0  # the step after which the cluster was seen failed over
-    app = create_app(settings)
     try:
-        async with app.app.router.lifespan_context(app.app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
-                deadline = time.monotonic() + 60
-                step = 0
-                # the load runs through the failover, and on to 10 steps on the promoted replica (and at
-                # least 100 steps): the kill and the promotion are both under load, however fast or slow
-                while step < 100 or not failed_over_at or step < failed_over_at + 10:
-                    step += 1
-                    assert time.monotonic() < deadline, f"no failover seen by step {step}"
-                    if step == 20:
-                        assert await cluster_state() == "ok"
-                        victim.kill()  # SIGKILL, mid-stream and (interval 0.2 s) around a flush
-                        killed_at = time.monotonic()
-                    # positions rise with each step; the keys cross the completion margin (90 of 100) at step 90
-                    await asyncio.gather(*(post(client, key, float(min(step, 99))) for key in keys))
-                    if step == 20:
-                        # The cluster had not yet marked the victim failed (node timeout: 1 s), so it served
-                        # the other masters' slots all along: only the dead master's heartbeats went to
-                        # Postgres (degraded mode per node). The premise, checked rather than timed:
-                        assert await cluster_state() == "ok", "step 20 outlived the node timeout"
-                        assert 0 < _degraded_writes() - degraded_before <= len(victim_keys)
-                        for key in set(keys) - victim_keys:
-                            raw = await cluster_redis.get(cluster_layout.value_key("lesson", *key))
-                            assert decode_value(raw).position == 20, key
-                    elif step > 20 and not failed_over_at and await failed_over():
-                        failed_over_at = step
-                    await sample()
-                    await asyncio.sleep(0.03)
+        async with running_app(settings) as (_, client):
+            deadline = time.monotonic() + 60
+            step = 0
+            # the load runs through the failover, and on to 10 steps on the promoted replica (and at
+            # least 100 steps): the kill and the promotion are both under load, however fast or slow
+            while step < 100 or not failed_over_at or step < failed_over_at + 10:
+                step += 1
+                assert time.monotonic() < deadline, f"no failover seen by step {step}"
+                if step == 20:
+                    assert await cluster_state() == "ok"
+                    victim.kill()  # SIGKILL, mid-stream and (interval 0.2 s) around a flush
+                    killed_at = time.monotonic()
+                # positions rise with each step; the keys cross the completion margin (90 of 100) at step 90
+                await asyncio.gather(*(post(client, key, float(min(step, 99))) for key in keys))
+                if step == 20:
+                    # The cluster had not yet marked the victim failed (node timeout: 1 s), so it served
+                    # the other masters' slots all along: only the dead master's heartbeats went to
+                    # Postgres (degraded mode per node). The premise, checked rather than timed:
+                    assert await cluster_state() == "ok", "step 20 outlived the node timeout"
+                    assert 0 < _degraded_writes() - degraded_before <= len(victim_keys)
+                    for key in set(keys) - victim_keys:
+                        raw = await cluster_redis.get(cluster_layout.value_key("lesson", *key))
+                        assert decode_value(raw).position == 20, key
+                elif step > 20 and not failed_over_at and await failed_over():
+                    failed_over_at = step
+                await sample()
+                await asyncio.sleep(0.03)
         valkey_cluster.wait_until_healthy(timeout_s=30)  # every replica in sync with its master
         async with RedisCluster.from_url(valkey_cluster.url, decode_responses=True) as fresh:
             masters_now = set((await master_of_slot(fresh)).values())

@@ -6,7 +6,6 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -17,27 +16,16 @@ from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 
 from service import embedded
-from service.api.ingest import ProgressIngest
-from service.app import create_app
 from service.auth import make_token
 from service.clients import RedisClient, connect_redis, execute_by_node
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.keys import STANDALONE, KeyLayout
 from service.stores import REDIS_UNAVAILABLE
-from tests.helpers import auth, seed
+from tests.helpers import auth, running_app, seed
 
 LESSON_PATH = "/engagements/progress/lesson"
 T = TypeVar("T")
-
-
-@asynccontextmanager
-async def serving(app: ProgressIngest) -> AsyncIterator[httpx.AsyncClient]:
-    """The app with its lifespan; an exception escaping a request is its 500, as uvicorn would answer."""
-    async with app.app.router.lifespan_context(app.app):
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            yield client
 
 
 async def heartbeat(client: httpx.AsyncClient, token: str, position: float) -> int:
@@ -84,8 +72,7 @@ async def test_a_connection_closed_under_a_heartbeat_write_is_retried_not_a_500(
 ) -> None:
     """Before the boundary: AttributeError: 'NoneType' object has no attribute 'writelines', a 500."""
     await seed(db, users=7, contents=1)
-    app = create_app(settings)
-    async with serving(app) as client:
+    async with running_app(settings, raise_app_exceptions=False) as (app, client):
         assert await heartbeat(client, token, 10) == 201
         redis_client: Redis = app.app.state.redis
         assert await closed_under_its_write(redis_client, heartbeat(client, token, 20)) == 201
@@ -144,8 +131,7 @@ async def test_idle_connections_killed_by_the_server_between_two_heartbeats_cost
     settings: Settings, redis: Redis, db: asyncpg.Pool, token: str
 ) -> None:
     await seed(db, users=7, contents=1)
-    app = create_app(settings)
-    async with serving(app) as client:
+    async with running_app(settings, raise_app_exceptions=False) as (_, client):
         assert await heartbeat(client, token, 10) == 201
         killed = await redis.execute_command("CLIENT KILL", "TYPE", "normal", "SKIPME", "yes")
         assert killed >= 1  # the app's pooled connection, idle
@@ -158,8 +144,8 @@ async def test_idle_cluster_connections_killed_by_the_servers_between_two_heartb
     cluster_settings: Settings, cluster_redis: RedisCluster, cluster_layout: KeyLayout, db: asyncpg.Pool, token: str
 ) -> None:
     await seed(db, users=7, contents=1)
-    app = create_app(cluster_settings.model_copy(update={"degraded_redis_retry_seconds": 0.2}))
-    async with serving(app) as client:
+    quick_retry = cluster_settings.model_copy(update={"degraded_redis_retry_seconds": 0.2})
+    async with running_app(quick_retry, raise_app_exceptions=False) as (_, client):
         assert await heartbeat(client, token, 10) == 201
         await cluster_redis.execute_command("CLIENT KILL", "TYPE", "normal", "SKIPME", "yes",
                                             target_nodes=RedisCluster.ALL_NODES)  # fmt: skip
@@ -224,7 +210,10 @@ async def test_redis_and_postgres_stopped_together_under_load_answer_201_or_503_
             if status == 503:
                 refused[user_id].add(position)
 
-    async with serving(create_app(pod)) as one, serving(create_app(pod)) as two:
+    async with (
+        running_app(pod, raise_app_exceptions=False) as (_, one),
+        running_app(pod, raise_app_exceptions=False) as (_, two),
+    ):
         load = [asyncio.create_task(listener(one if user_id % 2 else two, user_id)) for user_id in range(1, 49)]
         try:
             deadline = time.monotonic() + 10
