@@ -33,8 +33,9 @@ from service.clients import connect_redis, create_db_pool
 from service.config import Settings
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
 from service.outbox.relay import Relay
+from service.progress.buffer import WRITE_SCRIPT, now_ms, write_args
 from service.progress.flusher import CycleResult
-from service.progress.keys import KeyLayout
+from service.progress.keys import STANDALONE, KeyLayout
 from service.progress.leases import Leases
 
 BENCH = Path(__file__).resolve().parent
@@ -293,6 +294,19 @@ async def seed(database_url: str, *, users: int, contents: int, duration_s: int 
         await conn.execute("ANALYZE")
     finally:
         await conn.close()
+
+
+async def fill(redis: Any, keys: int, position: Callable[[int], float], *, lessons: int = 10,
+               layout: KeyLayout = STANDALONE) -> None:  # fmt: skip
+    """One heartbeat for each of `keys` keys, by the request path's own script, pipelined as it sends them: key i is
+    lesson i % lessons + 1 of user i // lessons + 1, at position(i)."""
+    await redis.script_load(WRITE_SCRIPT)
+    for first in range(0, keys, 1000):
+        async with redis.pipeline(transaction=False) as pipe:
+            for i in range(first, min(first + 1000, keys)):
+                pipe.execute_command(*write_args("lesson", i % lessons + 1, i // lessons + 1, position(i), now_ms(),
+                                                 3600, layout))  # fmt: skip
+            await pipe.execute()
 
 
 def tokens(work: Path, users: int) -> Path:
