@@ -109,17 +109,13 @@ async def phase(s: harness.Servers, args: Namespace, db: asyncpg.Pool, pool: asy
 
 async def run(s: harness.Servers, args: Namespace) -> dict[str, list[Any]]:
     users = -(-args.keys // LESSONS)
-    await harness.seed(s.database_url, users=users, contents=LESSONS, duration_s=3600)
+    # the rows exist already (the monolith's listeners have listened before): the flush updates them
+    await harness.seed(s.database_url, users=users, contents=LESSONS, duration_s=3600, rows=True)
     db = await asyncpg.create_pool(s.database_url, min_size=1, max_size=2)
     pool = await asyncpg.create_pool(s.database_url, min_size=4, max_size=4,
                                      server_settings={"application_name": STAND_IN})  # fmt: skip
     redis = Redis.from_url(s.redis_url)
     try:
-        # the rows exist already (the monolith's listeners have listened before): the flush updates them
-        await db.execute("INSERT INTO engagements_lessonprogress (user_id, lesson_id, position, created_at, "
-                         "updated_at) SELECT u, l, 1, now() - interval '1 day', now() - interval '1 day' "
-                         "FROM generate_series(1, $1) u, generate_series(1, $2) l", users, LESSONS)  # fmt: skip
-        await db.execute("VACUUM ANALYZE engagements_lessonprogress")
         await db.execute(WRITE_LOG)
         harness.say(f"seeded {users} users x {LESSONS} lessons, their rows in place")
         phases = {"idle": await phase(s, args, db, pool, users, None)}

@@ -40,7 +40,11 @@ from service.progress.leases import Leases
 
 BENCH = Path(__file__).resolve().parent
 JWT_SECRET = "bench-secret-0123456789-abcdefghijklmnopqrstuvwxyz"
-CONTENT_TABLES = ("courses_lesson", "audios_audio", "audios_meditation", "lives_live")
+# each content table, its progress table and that table's content id column
+CONTENT_TABLES = {"courses_lesson": ("engagements_lessonprogress", "lesson_id"),
+                  "audios_audio": ("audios_audioprogress", "audio_id"),
+                  "audios_meditation": ("audios_meditationprogress", "meditation_id"),
+                  "lives_live": ("lives_liveprogress", "live_id")}  # fmt: skip
 # what `serve` runs with in a benchmark unless a scenario says otherwise: the request path alone, door off
 SERVICE_ENV = {"LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1", "JWT_SECRET": JWT_SECRET,
                "PROGRESS_FLUSHER_ENABLED": "false", "TRIAL_JOURNEY_INTERVAL_SECONDS": "0", "RELAY_ENABLED": "false",
@@ -281,17 +285,23 @@ def redis_db(url: str, db: int) -> str:
     return url.rsplit("/", 1)[0] + f"/{db}"
 
 
-async def seed(database_url: str, *, users: int, contents: int, duration_s: int = 600) -> None:
-    """Users 1..users and content ids 1..contents of every type (each lasting duration_s), nothing else."""
+async def seed(database_url: str, *, users: int, contents: int, duration_s: int = 600, rows: bool = False) -> None:
+    """Users 1..users and content ids 1..contents of every type (each lasting duration_s), nothing else; rows: and a
+    progress row for every (user, content) of every type, two hours old, one in five completed."""
     conn = await asyncpg.connect(database_url)
     try:
         await conn.execute(f"TRUNCATE users_user, {', '.join(CONTENT_TABLES)} RESTART IDENTITY CASCADE")
         await conn.execute("INSERT INTO users_user (id, email) SELECT i, 'u' || i || '@example.com' "
                            "FROM generate_series(1, $1) i", users)  # fmt: skip
-        for name in CONTENT_TABLES:
+        for name, (progress, column) in CONTENT_TABLES.items():
             await conn.execute(f"INSERT INTO {name} (id, title, duration) SELECT i, 'c' || i, $2 "
                                "FROM generate_series(1, $1) i", contents, duration_s)  # fmt: skip
-        await conn.execute("ANALYZE")
+            await conn.execute(f"INSERT INTO {progress} (user_id, {column}, position, completed_at, created_at, "
+                               "updated_at) SELECT u, c, (u * 7 + c) % 500, CASE WHEN (u + c) % 5 = 0 THEN now() - "
+                               "interval '3 hours' END, now() - interval '3 hours', now() - interval '2 hours' "
+                               "FROM generate_series(1, $1) u, generate_series(1, $2) c",
+                               users if rows else 0, contents)  # fmt: skip
+        await conn.execute("VACUUM ANALYZE")
     finally:
         await conn.close()
 
