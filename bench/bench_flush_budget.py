@@ -1,10 +1,9 @@
 """Flush under a write budget: what a drain of the buffer costs the monolith's own traffic, with and without one.
 
-Durable Postgres, users x 10 lessons whose progress rows exist (the flush updates them, as in steady state). A
-stand-in of the monolith's traffic on the progress table, from a pool of its own (80 % indexed reads, 20 % single-row
-updates, open loop), measures its latency idle; while P `flush --once` processes drain N pending keys with no budget;
-and while they drain them again sharing a budget of B rows/s. The rows written in any one second are counted by
-Postgres (statement triggers). Target: the stand-in's p99 during the budgeted drain within 1.5x its idle p99.
+Users x 10 lessons with their progress rows (the flush updates them), durable Postgres. A stand-in of the monolith
+(80 % indexed reads, 20 % single-row updates, open loop, a pool of its own) measures its latency idle, while P `flush
+--once` processes drain N pending keys with no budget, and while they drain them again sharing B rows/s. Rows written
+per second counted by Postgres (statement triggers). Target: the budgeted drain's p99 within 1.5x the idle p99.
 
     .venv/bin/python bench/bench_flush_budget.py [--keys 200000] [--flushers 3] [--budget 20000]
         [--load-per-second 500] [--idle-seconds 10] [--no-fsync]
@@ -25,18 +24,12 @@ LESSONS, STAND_IN = 10, "monolith-stand-in"  # the stand-in's application_name: 
 # Every flush statement, logged by Postgres itself: when (clock_timestamp) and how many rows.
 WRITE_LOG = """
 CREATE TABLE bench_write_log (at timestamptz NOT NULL, rows bigint NOT NULL);
-CREATE FUNCTION bench_log_writes() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
+CREATE FUNCTION bench_log_writes() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
     IF current_setting('application_name') <> 'monolith-stand-in' THEN
         INSERT INTO bench_write_log SELECT clock_timestamp(), count(*) FROM changed;
-    END IF;
-    RETURN NULL;
-END $$;
-CREATE TRIGGER bench_log_inserts AFTER INSERT ON engagements_lessonprogress
-    REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION bench_log_writes();
-CREATE TRIGGER bench_log_updates AFTER UPDATE ON engagements_lessonprogress
-    REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION bench_log_writes();
-"""
+    END IF; RETURN NULL; END $$;
+""" + "".join(f"CREATE TRIGGER bench_log_{event} AFTER {event} ON engagements_lessonprogress REFERENCING NEW TABLE "
+             "AS changed FOR EACH STATEMENT EXECUTE FUNCTION bench_log_writes();" for event in ("INSERT", "UPDATE"))
 QUERIES = ("SELECT position, completed_at FROM engagements_lessonprogress WHERE user_id = $1 AND lesson_id = $2",
            "UPDATE engagements_lessonprogress SET position = position + 1 WHERE user_id = $1 AND lesson_id = $2")
 
