@@ -18,7 +18,7 @@ from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio import RedisCluster as AsyncRedisCluster
 
 from service.embedded import EmbeddedCluster
-from service.progress.buffer import WRITE_SCRIPT, now_ms, write_args
+from service.progress.buffer import now_ms
 from service.progress.keys import KeyLayout
 
 HEARTBEAT_EVERY_S, FLUSH_INTERVAL_S, MASTER_BUSY = 5.0, 60.0, 0.5
@@ -36,15 +36,9 @@ async def write_and_flush(redis: Any, layout: KeyLayout, keys: int, rounds: int,
                           nodes: list[Redis]) -> tuple[float, float]:  # fmt: skip
     """(µs per heartbeat, µs per flushed key): `rounds` heartbeats for each of `keys` keys, pipelined as the
     request path sends them, then every key claimed and acked in batches of 500."""
-    await redis.script_load(WRITE_SCRIPT)
     evalsha(nodes)
     for round_ in range(rounds):
-        for first in range(0, keys, 1000):
-            async with redis.pipeline(transaction=False) as pipe:
-                for i in range(first, min(first + 1000, keys)):
-                    pipe.execute_command(*write_args("lesson", i % 1000 + 1, i // 1000 + 1, float(round_ * 10),
-                                                     now_ms(), 3600, layout))  # fmt: skip
-                await pipe.execute()
+        await harness.fill(redis, keys, lambda _, r=round_: float(r * 10), lessons=1000, layout=layout)
     calls, usec = evalsha(nodes)
     leases, flushed = harness.leases(redis), 0
     for shard in layout.shards_of("lesson"):

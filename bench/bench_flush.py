@@ -19,10 +19,10 @@ import asyncpg
 import harness
 from redis.asyncio import Redis
 
-from service.progress.buffer import WRITE_SCRIPT, decode_value, now_ms, write_args
+from service.progress.buffer import decode_value
 from service.progress.keys import in_flight_key, latest_position_key, parse_member, pending_flush_key
 
-LESSONS, DURATION_S, TTL_S, MARGIN_S = 10, 600, 3600, 10.0  # key i is lesson i % 10 + 1 of user i // 10 + 1
+LESSONS, DURATION_S, MARGIN_S = 10, 600, 10.0  # harness.fill: key i is lesson i % 10 + 1 of user i // 10 + 1
 TABLES = "engagements_lessonprogress, audios_audioprogress, audios_meditationprogress, lives_liveprogress"
 # One statement per entry, committed on its own, doing what the service's batch does for one row (known
 # content only, monotonic upsert, completion event once): one statement where save_progress needed several.
@@ -91,16 +91,9 @@ class Bench:
         """An empty buffer and tables, then `keys` pending keys of `heartbeats` request-path writes each."""
         await self.redis.flushdb()
         await self.sql(f"TRUNCATE {TABLES}, progress_completion_event RESTART IDENTITY")
-        await self.redis.script_load(WRITE_SCRIPT)
         self.epoch += 1
-        for round_ in range(heartbeats):  # 10 s apart, ending at last_position
-            for start in range(0, keys, 10_000):
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for i in range(start, min(keys, start + 10_000)):
-                        position = max(0.0, last_position(i, self.epoch) - 10.0 * (heartbeats - 1 - round_))
-                        pipe.execute_command(*write_args("lesson", i % LESSONS + 1, i // LESSONS + 1, position,
-                                                         now_ms(), TTL_S))  # fmt: skip
-                    await pipe.execute()
+        for back in range(heartbeats - 1, -1, -1):  # 10 s apart, ending at last_position
+            await harness.fill(self.redis, keys, lambda i, b=back: max(0.0, last_position(i, self.epoch) - 10.0 * b))
         self.expected = {(i % LESSONS + 1, i // LESSONS + 1): last_position(i, self.epoch) for i in range(keys)}
         if await self.redis.scard(pending_flush_key("lesson")) != keys:
             raise RuntimeError(f"fill: not {keys} pending members")

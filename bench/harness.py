@@ -33,13 +33,18 @@ from service.clients import connect_redis, create_db_pool
 from service.config import Settings
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
 from service.outbox.relay import Relay
+from service.progress.buffer import WRITE_SCRIPT, now_ms, write_args
 from service.progress.flusher import CycleResult
-from service.progress.keys import KeyLayout
+from service.progress.keys import STANDALONE, KeyLayout
 from service.progress.leases import Leases
 
 BENCH = Path(__file__).resolve().parent
 JWT_SECRET = "bench-secret-0123456789-abcdefghijklmnopqrstuvwxyz"
-CONTENT_TABLES = ("courses_lesson", "audios_audio", "audios_meditation", "lives_live")
+# each content table, its progress table and that table's content id column
+CONTENT_TABLES = {"courses_lesson": ("engagements_lessonprogress", "lesson_id"),
+                  "audios_audio": ("audios_audioprogress", "audio_id"),
+                  "audios_meditation": ("audios_meditationprogress", "meditation_id"),
+                  "lives_live": ("lives_liveprogress", "live_id")}  # fmt: skip
 # what `serve` runs with in a benchmark unless a scenario says otherwise: the request path alone, door off
 SERVICE_ENV = {"LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1", "JWT_SECRET": JWT_SECRET,
                "PROGRESS_FLUSHER_ENABLED": "false", "TRIAL_JOURNEY_INTERVAL_SECONDS": "0", "RELAY_ENABLED": "false",
@@ -280,19 +285,38 @@ def redis_db(url: str, db: int) -> str:
     return url.rsplit("/", 1)[0] + f"/{db}"
 
 
-async def seed(database_url: str, *, users: int, contents: int, duration_s: int = 600) -> None:
-    """Users 1..users and content ids 1..contents of every type (each lasting duration_s), nothing else."""
+async def seed(database_url: str, *, users: int, contents: int, duration_s: int = 600, rows: bool = False) -> None:
+    """Users 1..users and content ids 1..contents of every type (each lasting duration_s), nothing else; rows: and a
+    progress row for every (user, content) of every type, two hours old, one in five completed."""
     conn = await asyncpg.connect(database_url)
     try:
         await conn.execute(f"TRUNCATE users_user, {', '.join(CONTENT_TABLES)} RESTART IDENTITY CASCADE")
         await conn.execute("INSERT INTO users_user (id, email) SELECT i, 'u' || i || '@example.com' "
                            "FROM generate_series(1, $1) i", users)  # fmt: skip
-        for name in CONTENT_TABLES:
+        for name, (progress, column) in CONTENT_TABLES.items():
             await conn.execute(f"INSERT INTO {name} (id, title, duration) SELECT i, 'c' || i, $2 "
                                "FROM generate_series(1, $1) i", contents, duration_s)  # fmt: skip
-        await conn.execute("ANALYZE")
+            await conn.execute(f"INSERT INTO {progress} (user_id, {column}, position, completed_at, created_at, "
+                               "updated_at) SELECT u, c, (u * 7 + c) % 500, CASE WHEN (u + c) % 5 = 0 THEN now() - "
+                               "interval '3 hours' END, now() - interval '3 hours', now() - interval '2 hours' "
+                               "FROM generate_series(1, $1) u, generate_series(1, $2) c",
+                               users if rows else 0, contents)  # fmt: skip
+        await conn.execute("VACUUM ANALYZE")
     finally:
         await conn.close()
+
+
+async def fill(redis: Any, keys: int, position: Callable[[int], float], *, lessons: int = 10,
+               layout: KeyLayout = STANDALONE) -> None:  # fmt: skip
+    """One heartbeat for each of `keys` keys, by the request path's own script, pipelined as it sends them: key i is
+    lesson i % lessons + 1 of user i // lessons + 1, at position(i)."""
+    await redis.script_load(WRITE_SCRIPT)
+    for first in range(0, keys, 1000):
+        async with redis.pipeline(transaction=False) as pipe:
+            for i in range(first, min(first + 1000, keys)):
+                pipe.execute_command(*write_args("lesson", i % lessons + 1, i // lessons + 1, position(i), now_ms(),
+                                                 3600, layout))  # fmt: skip
+            await pipe.execute()
 
 
 def tokens(work: Path, users: int) -> Path:
