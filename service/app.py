@@ -144,6 +144,9 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             log.warning("Redis not reachable at start-up (%s); /health/ready will say so", exc)
         api.state.redis = redis
         api.state.db_pool = pool = None
+        # readiness probes left waiting on a hung store (service/api/health.py): cancelled before the pools close
+        api.state.readiness_checks = checks = dict[str, asyncio.Task[object]]()
+        resources.push_async_callback(_cancel_all, checks)
         background = BackgroundTasks()
         api.state.background = background
         if settings.database_url:
@@ -266,3 +269,9 @@ def app_from_environment() -> ProgressIngest:
     settings = load_settings()
     configure_logging(settings.log_level)
     return create_app(settings)
+
+
+async def _cancel_all(tasks: dict[str, "asyncio.Task[object]"]) -> None:
+    for task in tasks.values():
+        task.cancel()
+    await asyncio.gather(*tasks.values(), return_exceptions=True)

@@ -19,6 +19,7 @@ import asyncpg
 from service.clients import RedisClient, connect_redis, create_db_pool
 from service.config import ConfigError, Settings, load_settings
 from service.console import Progress
+from service.embedded import EmbeddedServerError
 from service.logs import configure_logging
 from service.loops import run_until_stopped
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
@@ -136,12 +137,14 @@ class _Parts:
     stop: asyncio.Event
 
 
-def _run_command(check: Callable[[Settings], bool], body: Callable[[_Parts], Awaitable[int]]) -> int:
-    """The skeleton of flush, relay and trial-emails run-once: settings, JSON logs, the stores, the exit code.
+def _run_command(name: str, check: Callable[[Settings], bool], body: Callable[[_Parts], Awaitable[int]]) -> int:
+    """The skeleton of flush, relay, trial-emails run-once and outbox: settings, JSON logs, the stores, the exit code.
 
     `check` raises ConfigError for what the command cannot run without, and says whether it publishes
     with Celery. The stores are opened in order (publisher, Postgres, Redis) and closed in reverse;
     SIGTERM or Ctrl-C sets `stop`, the body finishes what it has in hand and its code is the exit code.
+    A store that cannot be reached is one line on stderr and exit 1 (whatever it could not do waits in
+    the store for the next run: nothing is lost), not a traceback.
     """
     settings = load_settings()
     configure_logging(settings.log_level)
@@ -160,7 +163,11 @@ def _run_command(check: Callable[[Settings], bool], body: Callable[[_Parts], Awa
             stores.push_async_callback(redis.aclose)
             return await body(_Parts(settings, redis, pool, publisher, stop))
 
-    return run_until_stopped(main)
+    try:
+        return run_until_stopped(main)
+    except (*POSTGRES_FAILED, *REDIS_FAILED) as exc:
+        print(f"progress-service {name} failed: a store is unavailable: {exc!r}", file=sys.stderr)
+        return 1
 
 
 def _flush(args: argparse.Namespace) -> int:
@@ -169,7 +176,7 @@ def _flush(args: argparse.Namespace) -> int:
             raise ConfigError("flush needs DATABASE_URL (postgresql://...)")
         return False
 
-    return _run_command(check, partial(_run_flusher, once=args.once))
+    return _run_command("flush --once" if args.once else "flush", check, partial(_run_flusher, once=args.once))
 
 
 async def _run_flusher(parts: _Parts, *, once: bool) -> int:
@@ -196,7 +203,7 @@ def _relay(args: argparse.Namespace) -> int:
             raise ConfigError("relay needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or amqp://)")
         return True
 
-    return _run_command(check, partial(_run_relay, once=args.once))
+    return _run_command("relay --once" if args.once else "relay", check, partial(_run_relay, once=args.once))
 
 
 async def _run_relay(parts: _Parts, *, once: bool) -> int:
@@ -228,11 +235,7 @@ def _trial_emails_run_once(args: argparse.Namespace) -> int:
             settings.check_celery_broker()
         return publishes_with_celery
 
-    try:
-        return _run_command(check, _sweep_once)
-    except (*POSTGRES_FAILED, *REDIS_FAILED) as exc:
-        print(f"trial-emails run-once failed: {exc!r}", file=sys.stderr)
-        return 1
+    return _run_command("trial-emails run-once", check, _sweep_once)
 
 
 async def _sweep_once(parts: _Parts) -> int:
@@ -277,11 +280,7 @@ def _outbox_command(args: argparse.Namespace) -> int:
         return False
 
     body = _list_parked if args.outbox_action == "list" else _redrive_parked
-    try:
-        return _run_command(check, partial(body, args=args))
-    except POSTGRES_FAILED as exc:
-        print(f"outbox {args.outbox_action} failed: {exc!r}", file=sys.stderr)
-        return 1
+    return _run_command(f"outbox {args.outbox_action}", check, partial(body, args=args))
 
 
 def _chosen_outboxes(args: argparse.Namespace) -> list[Outbox]:
@@ -302,7 +301,8 @@ async def _list_parked(parts: _Parts, *, args: argparse.Namespace) -> int:
         return 0
     print(f"{'outbox':<10}  {'id':>12}  {'attempts':>8}  {'failed_at':<32}  error")
     for row in rows:
-        error = (row.error or "").replace("\n", " ")
+        # the broker's words as they came, its control bytes shown escaped rather than sent to the terminal
+        error = "".join(c if c.isprintable() else repr(c)[1:-1] for c in row.error or "")
         print(f"{row.outbox:<10}  {row.id:>12}  {row.attempts:>8}  {row.failed_at.isoformat():<32}  {error}")
     return 0
 
@@ -336,9 +336,12 @@ def _ids(value: str) -> list[int]:
 
 
 def _positive(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"a positive whole number, not {value!r}")
+    if not value.isdigit() or not 1 <= int(value) <= _MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"a whole number from 1 to {_MAX_COUNT:,}, not {value!r}")
     return int(value)
+
+
+_MAX_COUNT = 1_000_000  # rows a listing may ask for
 
 
 def _openapi(args: argparse.Namespace) -> int:
@@ -428,5 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"progress-service: configuration error: {exc}", file=sys.stderr)
         return 2
+    except EmbeddedServerError as exc:  # dev's own Valkey or Postgres could not start
+        print(f"progress-service: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130

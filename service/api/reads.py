@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl
 from prometheus_client import Counter
 
 from service import metrics
-from service.api.http import HttpError, charge, identify, send_error, send_json
+from service.api.http import HttpError, as_http_error, charge, identify, send_error, send_json
 from service.api.ratelimit import RateLimiter
 from service.api.sync import SYNC_ROUTE
 from service.asgi import ASGIApp, Receive, Scope, Send
@@ -109,7 +109,8 @@ class ProgressReads:
         route, parts = found
         try:
             body = await self._handle(route, parts, scope)
-        except HttpError as error:
+        except Exception as exc:
+            error = as_http_error(exc, route)
             await send_error(send, error, _NO_STORE)
             self._counter(route, error.status).inc()
             return

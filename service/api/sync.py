@@ -16,6 +16,7 @@ from service import metrics
 from service.api.http import (
     ClientGone,
     HttpError,
+    as_http_error,
     charge,
     identify,
     invalid_body,
@@ -62,11 +63,12 @@ class ProgressSync:
             return
         try:
             body = await self._handle(scope, receive)
-        except HttpError as error:
+        except ClientGone:
+            return
+        except Exception as exc:
+            error = as_http_error(exc, SYNC_ROUTE)
             await send_error(send, error)
             metrics.HTTP_REQUESTS.labels(SYNC_ROUTE, str(error.status)).inc()
-            return
-        except ClientGone:
             return
         await send_json(send, 200, body, ())
         metrics.HTTP_REQUESTS.labels(SYNC_ROUTE, "200").inc()

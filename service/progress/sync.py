@@ -114,7 +114,9 @@ def plain_items(body: bytes) -> list[OfflineItem] | None:
     try:
         body.decode()  # msgspec skips the unknown fields without checking their UTF-8; pydantic refuses it
         request = _PLAIN_REQUEST.decode(body)
-    except (UnicodeDecodeError, msgspec.DecodeError):  # msgspec.ValidationError is a DecodeError
+    # msgspec.ValidationError is a DecodeError; RecursionError: a body nested past the C stack it allows,
+    # which pydantic refuses with its own 400 (recursion limit exceeded)
+    except (UnicodeDecodeError, msgspec.DecodeError, RecursionError):
         return None
     if not 1 <= len(request.items) <= SYNC_MAX_ITEMS:
         return None

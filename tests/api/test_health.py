@@ -1,13 +1,18 @@
 """Probes, metrics and the lifespan, against real servers."""
 
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import httpx
+import pytest
 from redis.asyncio import Redis
 
 from service import embedded
 from service.config import Settings
-from tests.helpers import auth, running_app
+from tests.helpers import auth, running_app, wait_for
 
 
 async def test_live_is_always_ok(client: httpx.AsyncClient) -> None:
@@ -65,3 +70,41 @@ async def test_metrics_count_requests_by_route_and_status(client: httpx.AsyncCli
     assert count(after, "/audios/progress", "201") == count(before, "/audios/progress", "201") + 1
     assert count(after, "/audios/progress", "422") == count(before, "/audios/progress", "422") + 1
     assert "progress_redis_write_seconds_bucket" in after
+
+
+@pytest.mark.slow  # a Postgres of its own, frozen
+@pytest.mark.regression
+async def test_a_hung_postgres_does_not_hold_readiness_past_its_probe(settings: Settings, tmp_path: Path) -> None:
+    """Found by an outside attack: with Postgres frozen (SIGSTOP), /health/ready took 31 s, so the load
+    balancer's 2 s probe would have pulled every pod while Redis still took every heartbeat."""
+    pg = embedded.EmbeddedPostgres(tmp_path / "postgres", None, durable=False)
+    pg.start()
+    frozen: list[int] = []
+    try:
+        async with running_app(settings.model_copy(update={"database_url": pg.url()})) as (_, client):
+            assert (await client.get("/health/ready")).json()["checks"]["postgres"] == "ok"
+            postmaster = int((pg.pgdata / "postmaster.pid").read_text().split()[0])
+            children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(postmaster)], capture_output=True,
+                                      text=True, check=True).stdout.split()  # fmt: skip
+            frozen = [postmaster, *map(int, children)]
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            for _ in range(3):  # the first probe, and those that find it still waiting
+                started = time.monotonic()
+                response = await client.get("/health/ready")
+                assert time.monotonic() - started < 2.0
+                body = response.json()
+                assert (response.status_code, body["mode"]) == (200, "normal")  # Redis still keeps heartbeats
+                assert body["checks"]["postgres"].startswith("unreachable")
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+            frozen = []
+            await wait_for(lambda: _postgres_ok(client), timeout_s=40)
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+        pg.stop()
+
+
+async def _postgres_ok(client: httpx.AsyncClient) -> bool:
+    return bool((await client.get("/health/ready")).json()["checks"]["postgres"] == "ok")

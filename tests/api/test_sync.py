@@ -9,13 +9,14 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from service.api.ingest import ProgressIngest
 from service.app import build_flusher
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.flusher import Flusher
 from service.progress.reads import as_ms
 from service.progress.sync import OLDER_THAN_STORED, SUPERSEDED, UNKNOWN_CONTENT
-from tests.helpers import BAD_SYNCS, ago, auth, seed, sync_body
+from tests.helpers import BAD_SYNCS, ago, auth, metric, seed, sync_body
 from tests.helpers import sync_item as item
 
 VALUE = "progress:latest_position:{}:{}:7"
@@ -233,3 +234,33 @@ async def test_the_rate_limit_seam_refuses_before_anything_is_written(
     assert await redis.keys("*") == []
     assert (await client.post("/progress/sync", content=sync_body(1), headers=auth(token))).status_code == 200
     assert calls == [(7, 3), (7, 1)]
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize("depth", [1000, 5000, 40000])
+async def test_a_body_nested_past_the_decoders_stack_is_a_400_not_a_500(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, depth: int
+) -> None:
+    """Found by an outside attack: msgspec's RecursionError escaped the route as the server's bare 500."""
+    await seed(db, users=7)
+    nested = b'{"a":' * depth + b"1" + b"}" * depth
+    for body in (b'{"items":[{"x":' + nested + b"}]}", b'{"items":[' + nested + b"]}"):
+        response = await client.post("/progress/sync", content=body, headers=auth(token))
+        assert (response.status_code, "recursion" in response.text) == (400, True)
+    assert await redis.keys("*") == []
+
+
+async def test_a_bug_in_a_route_is_a_json_500_counted_and_logged(
+    app: ProgressIngest, client: httpx.AsyncClient, db: asyncpg.Pool, token: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    await seed(db, users=7)
+
+    async def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("a bug")
+
+    app.app.state.sync.offline.apply = broken
+    before = metric("progress_http_requests_total", route="/progress/sync", status="500")
+    response = await client.post("/progress/sync", content=sync_body(1), headers=auth(token))
+    assert (response.status_code, response.json()) == (500, {"detail": "internal error, retry later"})
+    assert metric("progress_http_requests_total", route="/progress/sync", status="500") == before + 1
+    assert any(r.exc_info and "a bug" in str(r.exc_info[1]) for r in caplog.records)

@@ -1,0 +1,20 @@
+"""The embedded servers of `dev` and the tests are the service's own, or none."""
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from service import embedded
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize("server", [embedded.EmbeddedRedis, embedded.EmbeddedPostgres])
+def test_a_port_another_server_holds_is_refused_not_silently_shared(server: type, tmp_path: Path) -> None:
+    """Found by an outside attack: `dev` printed "ready" on top of a foreign Valkey that held its port."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(embedded.EmbeddedServerError, match=f"port {port} is already in use"):
+            server(tmp_path / "data", port).start()
