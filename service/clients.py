@@ -286,6 +286,47 @@ def statement_timeouts(*, statement_timeout_s: float, lock_timeout_s: float) -> 
     return {name: f"{max(1, round(seconds * 1000))}" for name, seconds in wanted.items() if seconds > 0}
 
 
+class _PoolConnection(asyncpg.Connection):  # type: ignore[misc]  # asyncpg ships no types here
+    """A pooled connection that can go back to the pool without the reset query, when told its use took no state."""
+
+    __slots__ = ("_stateless_use",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._stateless_use = False
+
+    def took_no_session_state(self) -> None:
+        self._stateless_use = True
+
+    def reset_needed(self) -> bool:
+        needed, self._stateless_use = not self._stateless_use, False
+        return needed
+
+
+async def _reset_session(conn: asyncpg.Connection) -> None:
+    # asyncpg has rolled back an open transaction before this runs; the reset query (advisory locks,
+    # LISTEN, cursors, SET) is a second round trip, skipped only after fetch_stateless
+    if isinstance(conn, _PoolConnection) and not conn.reset_needed():
+        return
+    query = conn.get_reset_query()  # empty on a server without any of those (asyncpg's own check)
+    if query:
+        await conn.execute(query)
+
+
+async def fetch_stateless(pool: asyncpg.Pool, query: str, *args: object) -> list[asyncpg.Record]:
+    """pool.fetch for a statement that leaves no session state behind (no SET, LISTEN, cursor or lock).
+
+    Its connection goes back without the reset query: one round trip per read instead of two. Any
+    other use of the pool, an error here included, still resets the session on release.
+    """
+    async with pool.acquire() as conn:
+        records: list[asyncpg.Record] = await conn.fetch(query, *args)
+        mark = getattr(conn, "took_no_session_state", None)  # a pool not made by create_db_pool: reset as usual
+        if mark is not None:
+            mark()
+    return records
+
+
 async def create_db_pool(settings: Settings) -> asyncpg.Pool:
     # Startup parameters hold for every statement of every connection. PgBouncer in transaction mode
     # refuses them ("unsupported startup parameter"): there DATABASE_TIMEOUTS_AT_CONNECT=false and the
@@ -301,4 +342,6 @@ async def create_db_pool(settings: Settings) -> asyncpg.Pool:
         timeout=settings.database_connect_timeout_seconds,
         statement_cache_size=settings.database_statement_cache_size,
         server_settings=server_settings,
+        connection_class=_PoolConnection,
+        reset=_reset_session,
     )

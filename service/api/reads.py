@@ -9,6 +9,7 @@ as `ingest.py`, and documented in the OpenAPI document by `service/api/openapi.p
 import json
 import logging
 import math
+from datetime import timedelta
 from urllib.parse import parse_qsl
 
 from prometheus_client import Counter
@@ -20,7 +21,7 @@ from service.api.sync import SYNC_ROUTE
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.content import MAX_ID, ContentKind
-from service.progress.reads import Progress, ProgressReader
+from service.progress.reads import EPOCH, Progress, ProgressReader
 from service.progress.sync import KIND_BY_NAME
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
@@ -79,16 +80,36 @@ def _ids(query_string: bytes) -> list[int]:
     return list(dict.fromkeys(_content_id(text, "query", "ids") for text in texts))
 
 
+_DAY_TEXT: dict[int, str] = {}  # days since the epoch -> "YYYY-MM-DDT"; a few hundred at most in practice
+
+
+def iso_utc(us: int) -> str:
+    """datetime.isoformat() of the UTC time `us` µs after the epoch, byte for byte, in half its time."""
+    seconds, micro = divmod(us, 1_000_000)
+    days, seconds = divmod(seconds, 86_400)
+    day = _DAY_TEXT.get(days)
+    if day is None:
+        day = (EPOCH + timedelta(days=days)).date().isoformat() + "T"
+        if len(_DAY_TEXT) < 100_000:
+            _DAY_TEXT[days] = day
+    hours, seconds = divmod(seconds, 3600)
+    minutes, seconds = divmod(seconds, 60)
+    if micro:
+        return f"{day}{hours:02d}:{minutes:02d}:{seconds:02d}.{micro:06d}+00:00"
+    return f"{day}{hours:02d}:{minutes:02d}:{seconds:02d}+00:00"
+
+
 def progress_json(content_type: str, progress: Progress) -> str:
     """One entry of a read's answer: the text json_body would make of its dict, in a fraction of the time.
 
     A read of 100 ids answers 100 of these; the fields are numbers and ISO-8601 times (ASCII, nothing
     to escape), and a finite float's JSON is its repr, as json.dumps writes it.
     """
-    position = repr(progress.position) if math.isfinite(progress.position) else json.dumps(progress.position)
-    completed_at = "null" if progress.completed_at is None else f'"{progress.completed_at.isoformat()}"'
-    return (f'{{"content_type":"{content_type}","content_id":{progress.content_id},"position":{position},'
-            f'"updated_at":"{progress.updated_at.isoformat()}","completed_at":{completed_at}}}')  # fmt: skip
+    content_id, position, updated_us, completed_us = progress
+    position_text = repr(position) if math.isfinite(position) else json.dumps(position)
+    completed_at = "null" if completed_us is None else f'"{iso_utc(completed_us)}"'
+    return (f'{{"content_type":"{content_type}","content_id":{content_id},"position":{position_text},'
+            f'"updated_at":"{iso_utc(updated_us)}","completed_at":{completed_at}}}')  # fmt: skip
 
 
 class ProgressReads:

@@ -15,35 +15,35 @@ import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import asyncpg
 from redis.exceptions import RedisError
 
-from service.clients import RedisClient, get_many
+from service.clients import RedisClient, fetch_stateless, get_many
 from service.progress.batching import TurnBatcher
-from service.progress.buffer import StoredPosition, decode_value
+from service.progress.buffer import decode_value
 from service.progress.content import ContentKind
 from service.progress.keys import STANDALONE, KeyLayout
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_ONE_US = timedelta(microseconds=1)
 
-
-# tuples, not dataclasses: a read of 100 ids builds 100 of each, and a tuple costs a fraction to build
-class StoredRow(NamedTuple):
-    """What Postgres knows of one (user, content): its duration, and the progress row if there is one."""
-
-    duration_s: int
-    position: float | None
-    updated_at: datetime | None
-    completed_at: datetime | None
+# Plain tuples, not NamedTuples: a read of 100 ids builds 100 of each, and a NamedTuple's __new__ costs
+# several times a tuple's. Times are whole microseconds since the epoch (exact: the rows and the buffer
+# both keep microseconds), so comparing them costs nothing and the answer's text is made from them once.
+StoredRow: TypeAlias = tuple[int, float | None, datetime | None, datetime | None]
+"""What Postgres knows of one (user, content): its duration (s), and the progress row's position,
+updated_at and completed_at, or Nones when there is no row."""
+Buffered: TypeAlias = tuple[float, int, float]
+"""A buffered value as decode_value reads it: position, receive time (µs since the epoch), peak."""
 
 
 class Progress(NamedTuple):
     content_id: int
     position: float
-    updated_at: datetime
-    completed_at: datetime | None
+    updated_us: int  # µs since the epoch, UTC
+    completed_us: int | None
 
 
 # One row per asked (user, content) that exists, with its progress row if any. Inner joins on the
@@ -71,46 +71,64 @@ def value_keys(
     return [layout.value_key(kind.name, content_id, user_id) for content_id in content_ids]
 
 
+def as_us(moment: datetime) -> int:
+    return (moment - EPOCH) // _ONE_US
+
+
 def as_ms(moment: datetime) -> float:
-    # with the microseconds: receive times are ms with a microsecond fraction (buffer.receive_ms)
-    return (moment - EPOCH) / timedelta(milliseconds=1)
+    # with the microseconds: receive times are ms with a microsecond fraction (buffer.receive_ms); an
+    # int's true division is correctly rounded, as timedelta's was, in a third of its time
+    return as_us(moment) / 1000
 
 
 def from_ms(ms: float) -> datetime:
     return EPOCH + timedelta(milliseconds=ms)
 
 
-async def fetch_rows(
-    db: asyncpg.Pool | asyncpg.Connection, kind: ContentKind, pairs: Sequence[tuple[int, int]]
-) -> dict[tuple[int, int], StoredRow]:
+async def fetch_rows(pool: asyncpg.Pool, kind: ContentKind,
+                     pairs: Sequence[tuple[int, int]]) -> dict[tuple[int, int], StoredRow]:  # fmt: skip
     """(user_id, content_id) -> what Postgres has, for the pairs whose user and content exist."""
-    records = await db.fetch(rows_sql(kind), [user_id for user_id, _ in pairs], [cid for _, cid in pairs])
-    # by position, in _ROWS_SQL's order: user_id, content_id, duration, position, updated_at, completed_at
-    return {(r[0], r[1]): StoredRow(r[2], r[3], r[4], r[5]) for r in records}
+    records = await fetch_stateless(pool, rows_sql(kind), [user_id for user_id, _ in pairs],
+                                    [cid for _, cid in pairs])  # fmt: skip
+    # by position, in _ROWS_SQL's order: user_id, content_id, then the StoredRow (a slice of a record is a tuple)
+    return {(r[0], r[1]): r[2:] for r in records}
 
 
-def decode_values(raw_values: Sequence[bytes | str | None]) -> list[StoredPosition | None]:
-    decoded: list[StoredPosition | None] = []
+def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | None]:
+    """Each value as decode_value reads it (None for one it refuses), without building a StoredPosition."""
+    decoded: list[Buffered | None] = []
     for raw in raw_values:
+        if raw is None:
+            decoded.append(None)
+            continue
         try:
-            decoded.append(decode_value(raw) if raw is not None else None)
-        except ValueError:
+            fields = (raw.decode() if isinstance(raw, bytes) else raw).split(":")
+            if len(fields) == 4:  # what this service writes: position:ms:peak:µs
+                decoded.append((float(fields[0]), int(fields[1]) * 1000 + int(fields[3]), float(fields[2])))
+                continue
+            value = decode_value(raw)  # an older release's value: two or three fields
+            decoded.append((value.position, round(value.received_ms * 1000), value.peak))
+        except ValueError:  # UnicodeDecodeError is a ValueError
             decoded.append(None)  # not written by this service's script: the flush drops it too
     return decoded
 
 
-def freshest(content_id: int, buffered: StoredPosition | None, row: StoredRow | None, *,
+def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, *,
              margin_s: float) -> Progress | None:  # fmt: skip
     if row is None:
         return None  # unknown content or user: nothing the flush would keep
-    completed_at = row.completed_at
-    if completed_at is None and buffered is not None and buffered.peak >= row.duration_s - margin_s:
-        completed_at = from_ms(buffered.received_ms)  # the time the flush will set
-    if buffered is not None and (row.updated_at is None or buffered.received_ms > as_ms(row.updated_at)):
-        return Progress(content_id, buffered.position, from_ms(buffered.received_ms), completed_at)
-    if row.updated_at is None or row.position is None:
+    duration_s, position, updated_at, completed_at = row
+    updated_us = None if updated_at is None else as_us(updated_at)
+    completed_us = None if completed_at is None else as_us(completed_at)
+    if buffered is not None:
+        buffered_position, received_us, peak = buffered
+        if completed_us is None and peak >= duration_s - margin_s:
+            completed_us = received_us  # the time the flush will set
+        if updated_us is None or received_us > updated_us:
+            return Progress(content_id, buffered_position, received_us, completed_us)
+    if updated_us is None or position is None:
         return None
-    return Progress(content_id, row.position, row.updated_at, completed_at)
+    return Progress(content_id, position, updated_us, completed_us)
 
 
 @dataclass(slots=True)

@@ -237,10 +237,10 @@ class OfflineSync:
         written = await self._writer.write_all([(a.kind.name, a.content_id, user_id, a.position, a.listened_ms)
                                                  for a in known], ttl_s=self._ttl_s)  # fmt: skip
         for a, stored in zip(known, written, strict=True):
-            row = rows[a.kind][(user_id, a.content_id)]
+            updated_at = rows[a.kind][(user_id, a.content_id)][2]
             if latest[(a.kind.name, a.content_id)] is not a:
                 outcomes[a.at] = _SUPERSEDED
-            elif not stored or (row.updated_at is not None and as_ms(row.updated_at) > a.listened_ms):
+            elif not stored or (updated_at is not None and as_ms(updated_at) > a.listened_ms):
                 outcomes[a.at] = _OLDER
             else:
                 outcomes[a.at] = _APPLIED

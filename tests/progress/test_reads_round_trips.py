@@ -11,6 +11,8 @@ import pytest
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.connection import Connection
 
+from service.clients import create_db_pool, fetch_stateless
+from service.config import Settings
 from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
 from service.progress.content import CONTENT_KINDS
 from service.progress.reads import ProgressReader, rows_sql
@@ -124,3 +126,21 @@ async def test_500_items_in_one_sync_are_one_redis_round_trip(counted: Counted, 
     assert sorted(statements) == sorted(rows_sql(kind) for kind in CONTENT_KINDS)  # one query per type present
     for kind in CONTENT_KINDS:
         assert await redis.scard(f"progress:pending_flush:{kind.name}") == 125
+
+
+async def test_a_stateless_fetch_skips_the_reset_on_release_and_every_other_use_keeps_it(settings: Settings) -> None:
+    """The reads' query goes back to the pool without the reset's round trip; the pool's other users
+    (the sweep's advisory lock among them) still get a clean session. Session state left on purpose
+    shows which release reset the connection: one connection, so every call gets the same one."""
+    pool = await create_db_pool(settings.model_copy(update={"database_pool_min_size": 1,
+                                                             "database_pool_max_size": 1}))  # fmt: skip
+    try:
+        await fetch_stateless(pool, "SELECT set_config('application_name', 'left-behind', false)")
+        assert await pool.fetchval("SHOW application_name") == "left-behind"  # not reset after the stateless fetch
+        assert await pool.fetchval("SHOW application_name") != "left-behind"  # reset after an ordinary use
+        async with pool.acquire() as conn:
+            await conn.execute("SELECT pg_advisory_lock(7431999)")
+        await fetch_stateless(pool, "SELECT 1")
+        assert await pool.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 7431999") == 0
+    finally:
+        await pool.close()
