@@ -286,6 +286,13 @@ def statement_timeouts(*, statement_timeout_s: float, lock_timeout_s: float) -> 
     return {name: f"{max(1, round(seconds * 1000))}" for name, seconds in wanted.items() if seconds > 0}
 
 
+def local_timeouts_sql(*, statement_timeout_s: float, lock_timeout_s: float) -> str:
+    """SET LOCAL of both timeouts, for the transaction of one statement: it holds behind PgBouncer in
+    transaction mode too, where startup parameters are refused and a session SET would stay behind."""
+    timeouts = statement_timeouts(statement_timeout_s=statement_timeout_s, lock_timeout_s=lock_timeout_s)
+    return "; ".join(f"SET LOCAL {name} = {ms}" for name, ms in timeouts.items())
+
+
 class _PoolConnection(asyncpg.Connection):  # type: ignore[misc]  # asyncpg ships no types here
     """A pooled connection that can go back to the pool without the reset query, when told its use took no state."""
 

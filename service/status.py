@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from service.app import build_key_layout
-from service.clients import connect_redis, create_db_pool
+from service.clients import connect_redis, create_db_pool, local_timeouts_sql
 from service.config import Settings
 from service.outbox.outboxes import COMPLETIONS, EMAILS, outbox_counts
 from service.progress.backlog import measure_backlog
@@ -29,10 +29,10 @@ from service.stores import POSTGRES_BUSY, POSTGRES_FAILED, REDIS_FAILED
 
 T = TypeVar("T")
 
-STATEMENT_TIMEOUT_MS = 5_000
+STATEMENT_TIMEOUT_S = 5.0
 # a migration holding a table's lock must not make status wait, nor queue the flush behind both
-LOCK_TIMEOUT_MS = 1_000
-_LIMITS_SQL = f"SET LOCAL statement_timeout = {STATEMENT_TIMEOUT_MS}; SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}"
+LOCK_TIMEOUT_S = 1.0
+_LIMITS_SQL = local_timeouts_sql(statement_timeout_s=STATEMENT_TIMEOUT_S, lock_timeout_s=LOCK_TIMEOUT_S)
 
 Report = dict[str, Any]
 
@@ -134,7 +134,7 @@ async def _bounded(conn: asyncpg.Connection, status: Status, what: str,
             await conn.execute(_LIMITS_SQL)
             return await read(conn, *args)
     except POSTGRES_BUSY as exc:
-        status.failures.append(f"Postgres: {what} not read within {STATEMENT_TIMEOUT_MS} ms "
+        status.failures.append(f"Postgres: {what} not read within {STATEMENT_TIMEOUT_S:g} s "
                                f"({type(exc).__name__}: {exc})")  # fmt: skip
         return None
 

@@ -26,7 +26,7 @@ from functools import partial
 import asyncpg
 
 from service import metrics
-from service.clients import RedisClient, node_name
+from service.clients import RedisClient, local_timeouts_sql, node_name
 from service.loops import Backoff, every
 from service.progress.backlog import measure_backlog
 from service.progress.budget import FlushBudget
@@ -35,7 +35,7 @@ from service.progress.concurrency import AdaptiveLimit
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import KeyLayout, Shard, parse_member
 from service.progress.leases import Claim, Leases
-from service.progress.store import BatchResult, Heartbeat, local_timeouts_sql, persist_batch, report_batch
+from service.progress.store import BatchResult, Heartbeat, persist_batch, report_batch
 from service.stores import (
     POSTGRES_BUSY,
     POSTGRES_FAILED,

@@ -6,7 +6,6 @@ from dataclasses import dataclass, replace
 import asyncpg
 
 from service import metrics
-from service.clients import statement_timeouts
 from service.outbox.outboxes import NOTIFY_CHANNEL
 from service.progress.content import ContentKind
 
@@ -77,13 +76,6 @@ SELECT
         WHERE NOT EXISTS (SELECT 1 FROM known k WHERE k.content_id = h.content_id AND k.user_id = h.user_id)
     ) AS dropped
 """
-
-
-def local_timeouts_sql(*, statement_timeout_s: float, lock_timeout_s: float) -> str:
-    """SET LOCAL of both timeouts, for the transaction of one statement: it holds behind PgBouncer in
-    transaction mode too, where startup parameters are refused and a session SET would stay behind."""
-    timeouts = statement_timeouts(statement_timeout_s=statement_timeout_s, lock_timeout_s=lock_timeout_s)
-    return "; ".join(f"SET LOCAL {name} = {ms}" for name, ms in timeouts.items())
 
 
 def upsert_sql(kind: ContentKind) -> str:
