@@ -72,9 +72,7 @@ class Bench:
         # the flush's own speed, with no write budget (bench_flush_budget.py measures it with one)
         self.env = {"PROGRESS_FLUSH_BATCH_SIZE": str(args.batch_size),
                     "PROGRESS_FLUSH_CONCURRENCY": str(args.concurrency), "PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0"}
-        self.settings = harness.settings(s, progress_flush_batch_size=args.batch_size,
-                                         progress_flush_concurrency=args.concurrency,
-                                         progress_flush_max_rows_per_second=0)  # fmt: skip
+        self.settings = harness.settings(s, **self.env)
         self.redis = Redis.from_url(s.redis_url)
         self.expected: dict[tuple[int, int], float] = {}
 

@@ -389,12 +389,9 @@ def wrk(url: str, tokens_file: Path, *, duration_s: float, mode: str = "heartbea
 # --- service parts built in-process: the one place to adapt when their constructors change ---
 
 
-def settings(s: Servers, **values: Any) -> Settings:
-    """The service's settings for an in-process part: these servers, the request path alone, door off."""
-    return Settings(**{"redis_url": s.redis_url or "redis://127.0.0.1:6379/0", "database_url": s.database_url,
-                       "jwt_secret": JWT_SECRET, "log_level": "WARNING", "progress_flusher_enabled": False,
-                       "trial_journey_interval_seconds": 0, "relay_enabled": False, "email_publisher": "redis-stream",
-                       "content_catalog_enabled": False, "rate_limit_per_user_per_second": 0, **values})  # fmt: skip
+def settings(s: Servers, **env: str | None) -> Settings:
+    """The settings `s.service(**env)` would run with, for a part built in this process (names as in service_env)."""
+    return Settings(**{name.lower(): value for name, value in s.service_env(**env).items() if value})
 
 
 async def flush_cycle(config: Settings) -> CycleResult:
