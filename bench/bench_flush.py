@@ -72,7 +72,6 @@ class Bench:
         # the flush's own speed, with no write budget (bench_flush_budget.py measures it with one)
         self.env = {"PROGRESS_FLUSH_BATCH_SIZE": str(args.batch_size),
                     "PROGRESS_FLUSH_CONCURRENCY": str(args.concurrency), "PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0"}
-        self.settings = harness.settings(s, **self.env)
         self.redis = Redis.from_url(s.redis_url)
         self.expected: dict[tuple[int, int], float] = {}
 
@@ -100,7 +99,7 @@ class Bench:
             statements = await self.baseline()
         else:
             result = (await asyncio.to_thread(self.s.command, "flush", "--once", **self.env) if how == "process"
-                      else vars(await harness.flush_cycle(self.settings)))  # fmt: skip
+                      else vars(await harness.flush_cycle(harness.settings(self.s, **self.env))))  # fmt: skip
             if result["written"] != keys or result["failed_batches"] or result["dropped"] or result["expired"]:
                 raise RuntimeError(f"{how}: {result}, expected {keys} written")
             statements = result["batches"]  # one upsert statement per batch

@@ -92,8 +92,7 @@ def main() -> int:
 
         async def measure() -> tuple[dict[str, list[float]], tuple[list[float], ...]]:
             await harness.seed(s.database_url, users=int(args.rate * args.seconds), contents=1)
-            pool = await asyncpg.create_pool(s.database_url, min_size=2, max_size=4)
-            try:
+            async with asyncpg.create_pool(s.database_url, min_size=2, max_size=4) as pool:
                 await pool.execute(CREATE_TABLE_SQL)
                 runs: dict[str, list[float]] = {"bare `send_task` loop": [], "relay draining the outbox": []}
                 for _ in range(args.repeats):  # interleaved: the machine's load moves both alike
@@ -104,8 +103,6 @@ def main() -> int:
                 harness.say(f"latency: {args.rate} completions/s for {args.seconds:g} s, a real worker consuming")
                 latency = settings.model_copy(update={"celery_broker_url": broker})
                 return runs, await steady_latency(latency, pool, args.rate, args.seconds)
-            finally:
-                await pool.close()
 
         runs, (ran, marked) = asyncio.run(measure())
     bare, relay = (harness.median(seconds) for seconds in runs.values())

@@ -396,12 +396,8 @@ def settings(s: Servers, **env: str | None) -> Settings:
 
 async def flush_cycle(config: Settings) -> CycleResult:
     """One cycle of the service's flusher in this process, on its own connections."""
-    redis, pool = connect_redis(config), await create_db_pool(config)
-    try:
+    async with await create_db_pool(config) as pool, connect_redis(config) as redis:
         return await build_flusher(config, redis, pool).flush_cycle()
-    finally:
-        await pool.close()
-        await redis.aclose()
 
 
 def publisher(config: Settings) -> CeleryPublisher:
