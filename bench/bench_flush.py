@@ -67,30 +67,18 @@ class Drain:
 
 
 class Bench:
-    def __init__(self, s: harness.Servers, args: argparse.Namespace) -> None:
-        self.s, self.args, self.epoch = s, args, 0
+    def __init__(self, s: harness.Servers, args: argparse.Namespace, db: asyncpg.Connection) -> None:
+        self.s, self.db, self.epoch = s, db, 0
         # the flush's own speed, with no write budget (bench_flush_budget.py measures it with one)
         self.env = {"PROGRESS_FLUSH_BATCH_SIZE": str(args.batch_size),
                     "PROGRESS_FLUSH_CONCURRENCY": str(args.concurrency), "PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0"}
-        self.settings = harness.settings(s, progress_flush_batch_size=args.batch_size,
-                                         progress_flush_concurrency=args.concurrency,
-                                         progress_flush_max_rows_per_second=0)  # fmt: skip
         self.redis = Redis.from_url(s.redis_url)
         self.expected: dict[tuple[int, int], float] = {}
-
-    async def sql(self, *statements: str) -> list[asyncpg.Record]:
-        conn = await asyncpg.connect(self.s.database_url)
-        try:
-            for statement in statements[:-1]:
-                await conn.execute(statement)
-            return list(await conn.fetch(statements[-1]))
-        finally:
-            await conn.close()
 
     async def fill(self, keys: int, heartbeats: int) -> None:
         """An empty buffer and tables, then `keys` pending keys of `heartbeats` request-path writes each."""
         await self.redis.flushdb()
-        await self.sql(f"TRUNCATE {TABLES}, progress_completion_event RESTART IDENTITY")
+        await self.db.execute(f"TRUNCATE {TABLES}, progress_completion_event RESTART IDENTITY")
         self.epoch += 1
         for back in range(heartbeats - 1, -1, -1):  # 10 s apart, ending at last_position
             await harness.fill(self.redis, keys, lambda i, b=back: max(0.0, last_position(i, self.epoch) - 10.0 * b))
@@ -100,7 +88,7 @@ class Bench:
 
     async def drain(self, how: str, keys: int, heartbeats: int) -> Drain:
         await self.fill(keys, heartbeats)
-        await self.sql("CHECKPOINT", "SELECT 1")  # none lands in a drain by chance
+        await self.db.execute("CHECKPOINT")  # none lands in a drain by chance
         for _ in range(1200):  # a rewrite of the append-only file forks Redis: none during a drain
             if not (await self.redis.info("persistence")).get("aof_rewrite_in_progress"):
                 break
@@ -111,7 +99,7 @@ class Bench:
             statements = await self.baseline()
         else:
             result = (await asyncio.to_thread(self.s.command, "flush", "--once", **self.env) if how == "process"
-                      else vars(await harness.flush_cycle(self.settings)))  # fmt: skip
+                      else vars(await harness.flush_cycle(harness.settings(self.s, **self.env))))  # fmt: skip
             if result["written"] != keys or result["failed_batches"] or result["dropped"] or result["expired"]:
                 raise RuntimeError(f"{how}: {result}, expected {keys} written")
             statements = result["batches"]  # one upsert statement per batch
@@ -121,27 +109,23 @@ class Bench:
         return drain
 
     async def baseline(self) -> int:
-        conn = await asyncpg.connect(self.s.database_url)
         statements = 0
-        try:
-            while members := await self.redis.spop(pending_flush_key("lesson"), 500):
-                for member in members:
-                    lesson_id, user_id = parse_member(member.decode())
-                    if (raw := await self.redis.get(latest_position_key("lesson", lesson_id, user_id))) is not None:
-                        stored = decode_value(raw)
-                        received_at = datetime.fromtimestamp(stored.received_ms / 1000, UTC)
-                        await conn.execute(BASELINE_SQL, user_id, lesson_id, stored.position, received_at, MARGIN_S)
-                        statements += 1
-        finally:
-            await conn.close()
+        while members := await self.redis.spop(pending_flush_key("lesson"), 500):
+            for member in members:
+                lesson_id, user_id = parse_member(member.decode())
+                if (raw := await self.redis.get(latest_position_key("lesson", lesson_id, user_id))) is not None:
+                    stored = decode_value(raw)
+                    received_at = datetime.fromtimestamp(stored.received_ms / 1000, UTC)
+                    await self.db.execute(BASELINE_SQL, user_id, lesson_id, stored.position, received_at, MARGIN_S)
+                    statements += 1
         return statements
 
     async def verify(self, how: str) -> None:
         """Every key a row with its last position, one event per completed key, nothing left in Redis."""
         left = [await self.redis.scard(pending_flush_key(t)) + await self.redis.zcard(in_flight_key(t))
                 for t in ("lesson", "audio", "meditation", "live")]  # fmt: skip
-        rows = await self.sql("SELECT lesson_id, user_id, position, completed_at FROM engagements_lessonprogress")
-        events = await self.sql("SELECT content_id, user_id FROM progress_completion_event")
+        rows = await self.db.fetch("SELECT lesson_id, user_id, position, completed_at FROM engagements_lessonprogress")
+        events = await self.db.fetch("SELECT content_id, user_id FROM progress_completion_event")
         found = {(r["lesson_id"], r["user_id"]): r["position"] for r in rows}
         completed = {key for key, position in self.expected.items() if position >= DURATION_S - MARGIN_S}
         event_keys = sorted((r["content_id"], r["user_id"]) for r in events)
@@ -153,7 +137,7 @@ class Bench:
 
 
 async def run(s: harness.Servers, args: argparse.Namespace) -> bool:
-    bench = Bench(s, args)
+    bench = Bench(s, args, await asyncpg.connect(s.database_url))  # the checks' and the baseline's connection
     keys, hb = args.keys, args.heartbeats_per_key
     await harness.seed(s.database_url, users=math.ceil(max(keys, args.baseline_keys) / LESSONS), contents=LESSONS,
                        duration_s=DURATION_S)  # fmt: skip
@@ -167,17 +151,16 @@ async def run(s: harness.Servers, args: argparse.Namespace) -> bool:
     by_beats = [{how: await bench.drain(how, keys, beats) for how in ("process", "in-process")} for beats in (1, 5)]
     baseline = await bench.drain("baseline", args.baseline_keys, hb)
     await bench.redis.aclose()
+    await bench.db.close()
 
     main, flush = scaling[-1]["process"], scaling[-1]["in-process"]
     print(f"\n{keys:,} pending keys x {hb} heartbeats, verified row by row; "
           f"{'median of ' + str(args.repeat) + ' drains' if args.repeat > 1 else 'one drain'}")  # fmt: skip
     harness.table(["", "keys", "seconds", "rows/s", "statements"], [
-        ["`flush --once`, end to end (process start included)", main.keys, main.seconds, main.rows_per_s,
-         f"{main.statements} upserts"],
-        ["the same drain in-process (`Flusher.flush_cycle`)", flush.keys, flush.seconds, flush.rows_per_s,
-         f"{flush.statements} upserts"],
-        ["baseline, one statement per entry", baseline.keys, baseline.seconds, baseline.rows_per_s,
-         baseline.statements],
+        *([name, d.keys, d.seconds, d.rows_per_s, d.statements if d is baseline else f"{d.statements} upserts"]
+          for name, d in (("`flush --once`, end to end (process start included)", main),
+                          ("the same drain in-process (`Flusher.flush_cycle`)", flush),
+                          ("baseline, one statement per entry", baseline))),
         ["ratio", "", "", f"**{main.rows_per_s / baseline.rows_per_s:.1f}x**", ""]])  # fmt: skip
     print(f"`flush --once` with nothing pending (the process's fixed cost): {startup.seconds:.2f} s")
     harness.table(["CPU µs per key", "flusher", "Postgres", "Redis", "wall", "cores busy"], [

@@ -10,6 +10,7 @@ real Celery worker (bench/monolith_worker.py) while the flush commits --rate com
 import asyncio
 import time
 import uuid
+from contextlib import closing
 
 import asyncpg
 import harness
@@ -24,34 +25,27 @@ LESSON = next(kind for kind in CONTENT_KINDS if kind.name == "lesson")
 
 def bare_loop(settings: Settings, count: int) -> float:
     """Seconds for `count` send_task calls, one thread, one producer: nothing but Celery's client."""
-    publisher = harness.publisher(settings)
-    try:
-        with publisher.app.producer_or_acquire() as producer:  # connected before the clock starts
-            publisher.app.send_task("bench.warmup", kwargs={}, queue="bench-bare", producer=producer)
-            started = time.perf_counter()
-            for i in range(count):
-                publisher.app.send_task(settings.completion_task_name, queue="bench-bare", serializer="json",
-                                        task_id=str(uuid.uuid4()), producer=producer,
-                                        kwargs={"user_id": i, "content_type": "lesson", "content_id": 1,
-                                                "completed_at": "2026-01-01T00:00:00+00:00"})  # fmt: skip
-            return time.perf_counter() - started
-    finally:
-        publisher.close()
+    with closing(harness.publisher(settings)) as publisher, publisher.app.producer_or_acquire() as producer:
+        publisher.app.send_task("bench.warmup", kwargs={}, queue="bench-bare", producer=producer)
+        started = time.perf_counter()  # the producer connected before the clock starts
+        for i in range(count):
+            publisher.app.send_task(settings.completion_task_name, queue="bench-bare", serializer="json",
+                                    task_id=str(uuid.uuid4()), producer=producer,
+                                    kwargs={"user_id": i, "content_type": "lesson", "content_id": 1,
+                                            "completed_at": "2026-01-01T00:00:00+00:00"})  # fmt: skip
+        return time.perf_counter() - started
 
 
 async def relay_drain(settings: Settings, pool: asyncpg.Pool, count: int) -> float:
     await pool.execute("TRUNCATE progress_completion_event")
     await pool.execute("INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
                        "SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i", count)  # fmt: skip
-    publisher = harness.publisher(settings)
-    try:
+    with closing(harness.publisher(settings)) as publisher:
         relay = harness.completion_relay(pool, publisher, settings)
         await publisher.publish([])  # nothing: the thread pool exists before the clock starts
         started = time.perf_counter()
         result = await relay.relay_once()
         elapsed = time.perf_counter() - started
-    finally:
-        publisher.close()
     if result.published["completion"] != count:
         raise RuntimeError(f"the relay published {result}, not {count}")
     return elapsed
@@ -93,13 +87,12 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
 def main() -> int:
     args = harness.arguments(__doc__, events=10_000, rate=200, seconds=15.0, repeats=3, worker_threads=4).parse_args()
     with harness.servers("relay", postgres=True, durable=True) as s:
-        settings = harness.settings(s, celery_broker_url=s.redis_url, relay_batch_size=500,
-                                    relay_poll_interval_seconds=1.0)  # fmt: skip
+        settings = harness.settings(s, CELERY_BROKER_URL=s.redis_url, RELAY_BATCH_SIZE="500",
+                                    RELAY_POLL_INTERVAL_SECONDS="1")  # fmt: skip
 
         async def measure() -> tuple[dict[str, list[float]], tuple[list[float], ...]]:
             await harness.seed(s.database_url, users=int(args.rate * args.seconds), contents=1)
-            pool = await asyncpg.create_pool(s.database_url, min_size=2, max_size=4)
-            try:
+            async with asyncpg.create_pool(s.database_url, min_size=2, max_size=4) as pool:
                 await pool.execute(CREATE_TABLE_SQL)
                 runs: dict[str, list[float]] = {"bare `send_task` loop": [], "relay draining the outbox": []}
                 for _ in range(args.repeats):  # interleaved: the machine's load moves both alike
@@ -110,8 +103,6 @@ def main() -> int:
                 harness.say(f"latency: {args.rate} completions/s for {args.seconds:g} s, a real worker consuming")
                 latency = settings.model_copy(update={"celery_broker_url": broker})
                 return runs, await steady_latency(latency, pool, args.rate, args.seconds)
-            finally:
-                await pool.close()
 
         runs, (ran, marked) = asyncio.run(measure())
     bare, relay = (harness.median(seconds) for seconds in runs.values())

@@ -1,7 +1,7 @@
 """The benchmarks' one harness: servers, the service as a subprocess, wrk, a CPU meter, rounds and tables.
 
 Each bench/bench_*.py is a short scenario on top of it; everything runs on 127.0.0.1, in embedded servers. The
-service parts a scenario builds in-process (flusher, relay, leases, the ASGI app) are built here only, at the end.
+service parts a scenario builds in-process (flusher, relay, leases) are built here only, at the end.
 """
 
 import argparse
@@ -18,8 +18,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import ExitStack, asynccontextmanager, contextmanager, suppress
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,7 +28,7 @@ import asyncpg
 import jwt
 
 from service import embedded
-from service.app import build_flusher, build_key_layout, build_relay, completion_route, create_app
+from service.app import build_flusher, build_key_layout, build_relay, completion_route
 from service.clients import connect_redis, create_db_pool
 from service.config import Settings
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
@@ -389,22 +389,15 @@ def wrk(url: str, tokens_file: Path, *, duration_s: float, mode: str = "heartbea
 # --- service parts built in-process: the one place to adapt when their constructors change ---
 
 
-def settings(s: Servers, **values: Any) -> Settings:
-    """The service's settings for an in-process part: these servers, the request path alone, door off."""
-    return Settings(**{"redis_url": s.redis_url or "redis://127.0.0.1:6379/0", "database_url": s.database_url,
-                       "jwt_secret": JWT_SECRET, "log_level": "WARNING", "progress_flusher_enabled": False,
-                       "trial_journey_interval_seconds": 0, "relay_enabled": False, "email_publisher": "redis-stream",
-                       "content_catalog_enabled": False, "rate_limit_per_user_per_second": 0, **values})  # fmt: skip
+def settings(s: Servers, **env: str | None) -> Settings:
+    """The settings `s.service(**env)` would run with, for a part built in this process (names as in service_env)."""
+    return Settings(**{name.lower(): value for name, value in s.service_env(**env).items() if value})
 
 
 async def flush_cycle(config: Settings) -> CycleResult:
     """One cycle of the service's flusher in this process, on its own connections."""
-    redis, pool = connect_redis(config), await create_db_pool(config)
-    try:
+    async with await create_db_pool(config) as pool, connect_redis(config) as redis:
         return await build_flusher(config, redis, pool).flush_cycle()
-    finally:
-        await pool.close()
-        await redis.aclose()
 
 
 def publisher(config: Settings) -> CeleryPublisher:
@@ -422,28 +415,3 @@ def leases(redis: Any) -> Leases:
 def layout(*, cluster: bool) -> KeyLayout:
     return build_key_layout(Settings(redis_cluster=cluster))
 
-
-@asynccontextmanager
-async def app_in_process(config: Settings) -> AsyncIterator[Any]:
-    """The ASGI app `serve` runs, started (lifespan) in this process."""
-    app = create_app(config)
-    async with app.app.router.lifespan_context(app.app):
-        yield app
-
-
-async def asgi(app: Any, method: str, path: str, authorization: bytes, body: bytes = b"") -> int:
-    """One request straight through the ASGI app (no HTTP, no socket); its status."""
-    scope = {"type": "http", "method": method, "path": path, "query_string": b"",
-             "headers": [(b"authorization", authorization), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode())]}  # fmt: skip
-    statuses: list[int] = []
-
-    async def receive() -> dict[str, object]:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            statuses.append(int(message["status"]))
-
-    await app(scope, receive, send)
-    return statuses[0]
