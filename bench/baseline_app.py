@@ -53,8 +53,11 @@ def route(content_type: str) -> Callable[..., Awaitable[dict[str, bool]]]:
     field = f"{content_type}_id"
     model: type[BaseModel] = create_model(f"{content_type.title()}Progress", **{field: ContentId, "position": Position})
 
-    async def endpoint(body: model, user_id: Annotated[int, Depends(current_user)],  # type: ignore[valid-type]
-                       request: Request) -> dict[str, bool]:  # fmt: skip
+    async def endpoint(
+        body: model,
+        user_id: Annotated[int, Depends(current_user)],  # type: ignore[valid-type]
+        request: Request,
+    ) -> dict[str, bool]:
         redis: Redis = request.app.state.redis
         content_id, received_ms = getattr(body, field), time.time_ns() // 1_000_000
         key = f"progress:latest_position:{content_type}:{content_id}:{user_id}"
@@ -81,5 +84,14 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if len(JWT_SECRET) < 32:
         parser.error("set JWT_SECRET (at least 32 characters) in the environment")
-    uvicorn.run(app, host=args.host, port=args.port, workers=1, loop="uvloop", http="httptools",
-                access_log=False, log_level="warning", server_header=False)  # fmt: skip
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        workers=1,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_level="warning",
+        server_header=False,
+    )

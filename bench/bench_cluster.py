@@ -32,8 +32,9 @@ def evalsha(nodes: list[Redis]) -> tuple[int, int]:
     return sum(int(s.get("calls", 0)) for s in stats), sum(int(s.get("usec", 0)) for s in stats)
 
 
-async def write_and_flush(redis: Any, layout: KeyLayout, keys: int, rounds: int,
-                          nodes: list[Redis]) -> tuple[float, float]:  # fmt: skip
+async def write_and_flush(
+    redis: Any, layout: KeyLayout, keys: int, rounds: int, nodes: list[Redis]
+) -> tuple[float, float]:
     """(µs per heartbeat, µs per flushed key): `rounds` heartbeats for each of `keys` keys, pipelined as the
     request path sends them, then every key claimed and acked in batches of 500."""
     evalsha(nodes)
@@ -51,15 +52,18 @@ async def write_and_flush(redis: Any, layout: KeyLayout, keys: int, rounds: int,
 
 
 def main() -> None:
-    args = harness.arguments(__doc__, keys=100_000, rounds=3, duration=10.0, warmup=3.0, users=10_000, repeat=2,
-                             wait_idle=60.0).parse_args()  # fmt: skip
+    args = harness.arguments(
+        __doc__, keys=100_000, rounds=3, duration=10.0, warmup=3.0, users=10_000, repeat=2, wait_idle=60.0
+    ).parse_args()
     with harness.servers("cluster") as s:
         cluster = EmbeddedCluster(s.work / "cluster", masters=3)
         harness.say("starting a 3-master, 3-replica Valkey Cluster")
         s.stack.callback(cluster.stop)
         cluster.start()
-        masters = [Redis(host=n.host, port=n.port) for n in s.stack.enter_context(RedisCluster.from_url(cluster.url))
-                   .get_primaries()]  # fmt: skip
+        masters = [
+            Redis(host=n.host, port=n.port)
+            for n in s.stack.enter_context(RedisCluster.from_url(cluster.url)).get_primaries()
+        ]
         standalone = s.stack.enter_context(Redis.from_url(s.redis_url))
         setups: dict[str, tuple[Callable[[], Any], KeyLayout, list[Redis]]] = {
             "standalone": (lambda: AsyncRedis.from_url(s.redis_url), KeyLayout(), [standalone]),
@@ -77,8 +81,11 @@ def main() -> None:
 
         tokens = harness.tokens(s.work, args.users)
         on_cluster = {"REDIS_URL": cluster.url, "REDIS_CLUSTER": "true"}
-        configurations = {"standalone": {"REDIS_URL": s.redis_url}, "cluster": on_cluster,
-                          "cluster+WAIT": {**on_cluster, "REDIS_WAIT_REPLICAS": "1"}}
+        configurations = {
+            "standalone": {"REDIS_URL": s.redis_url},
+            "cluster": on_cluster,
+            "cluster+WAIT": {**on_cluster, "REDIS_WAIT_REPLICAS": "1"},
+        }
         http: dict[str, harness.WrkResult] = {}
         for round_ in range(args.repeat):  # interleaved, the best of each: other load hits them alike
             for name, env in configurations.items():
@@ -91,20 +98,36 @@ def main() -> None:
                     http[name] = result
 
     per_flush = FLUSH_INTERVAL_S / HEARTBEAT_EVERY_S  # heartbeats of a listener per flush of its key
-    print(f"\nRedis CPU from INFO commandstats ({args.keys:,} keys x {args.rounds} heartbeats, claim + ack in batches "
-          f"of 500, lowest of {args.repeat}); per heartbeat = write + flush / {per_flush:.0f}")
+    print(
+        f"\nRedis CPU from INFO commandstats ({args.keys:,} keys x {args.rounds} heartbeats, claim + ack in batches "
+        f"of 500, lowest of {args.repeat}); per heartbeat = write + flush / {per_flush:.0f}"
+    )
     rows = []
     for name, (write_us, flush_us) in figures.items():
         per_core = 1e6 / (write_us + flush_us / per_flush)
         masters = [math.ceil(n / HEARTBEAT_EVERY_S / (per_core * MASTER_BUSY)) for n in (1_000_000, 10_000_000)]
         rows.append([name, write_us, flush_us, 1e6 / per_core, per_core, *masters])
-    harness.table(["", "write µs / heartbeat", "claim + ack µs / key", "µs / heartbeat", "heartbeats/s per Redis core",
-                   "masters for 1M listeners (200k/s)", "for 10M (2M/s)"], rows)  # fmt: skip
-    print(f"\nHTTP, one worker, wrk 64 connections, {args.duration:.0f}s after {args.warmup:.0f}s warm-up, "
-          f"best of {args.repeat} interleaved runs")  # fmt: skip
+    harness.table(
+        [
+            "",
+            "write µs / heartbeat",
+            "claim + ack µs / key",
+            "µs / heartbeat",
+            "heartbeats/s per Redis core",
+            "masters for 1M listeners (200k/s)",
+            "for 10M (2M/s)",
+        ],
+        rows,
+    )
+    print(
+        f"\nHTTP, one worker, wrk 64 connections, {args.duration:.0f}s after {args.warmup:.0f}s warm-up, "
+        f"best of {args.repeat} interleaved runs"
+    )
     base = http["standalone"].rps
-    harness.table(["", "req/s", "p50 ms", "p99 ms", "share"],
-                  [[name, r.rps, r.p50_ms, r.p99_ms, f"{r.rps / base:.0%}"] for name, r in http.items()])  # fmt: skip
+    harness.table(
+        ["", "req/s", "p50 ms", "p99 ms", "share"],
+        [[name, r.rps, r.p50_ms, r.p99_ms, f"{r.rps / base:.0%}"] for name, r in http.items()],
+    )
     share = http["cluster"].rps / base
     harness.target("cluster request path >= 85% of standalone", f"{share:.0%}", share >= 0.85)
 

@@ -70,8 +70,11 @@ class Bench:
     def __init__(self, s: harness.Servers, args: argparse.Namespace, db: asyncpg.Connection) -> None:
         self.s, self.db, self.epoch = s, db, 0
         # the flush's own speed, with no write budget (bench_flush_budget.py measures it with one)
-        self.env = {"PROGRESS_FLUSH_BATCH_SIZE": str(args.batch_size),
-                    "PROGRESS_FLUSH_CONCURRENCY": str(args.concurrency), "PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0"}
+        self.env = {
+            "PROGRESS_FLUSH_BATCH_SIZE": str(args.batch_size),
+            "PROGRESS_FLUSH_CONCURRENCY": str(args.concurrency),
+            "PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0",
+        }
         self.redis = Redis.from_url(s.redis_url)
         self.expected: dict[tuple[int, int], float] = {}
 
@@ -98,8 +101,11 @@ class Bench:
         if how == "baseline":
             statements = await self.baseline()
         else:
-            result = (await asyncio.to_thread(self.s.command, "flush", "--once", **self.env) if how == "process"
-                      else vars(await harness.flush_cycle(harness.settings(self.s, **self.env))))  # fmt: skip
+            result = (
+                await asyncio.to_thread(self.s.command, "flush", "--once", **self.env)
+                if how == "process"
+                else vars(await harness.flush_cycle(harness.settings(self.s, **self.env)))
+            )
             if result["written"] != keys or result["failed_batches"] or result["dropped"] or result["expired"]:
                 raise RuntimeError(f"{how}: {result}, expected {keys} written")
             statements = result["batches"]  # one upsert statement per batch
@@ -122,8 +128,10 @@ class Bench:
 
     async def verify(self, how: str) -> None:
         """Every key a row with its last position, one event per completed key, nothing left in Redis."""
-        left = [await self.redis.scard(pending_flush_key(t)) + await self.redis.zcard(in_flight_key(t))
-                for t in ("lesson", "audio", "meditation", "live")]  # fmt: skip
+        left = [
+            await self.redis.scard(pending_flush_key(t)) + await self.redis.zcard(in_flight_key(t))
+            for t in ("lesson", "audio", "meditation", "live")
+        ]
         rows = await self.db.fetch("SELECT lesson_id, user_id, position, completed_at FROM engagements_lessonprogress")
         events = await self.db.fetch("SELECT content_id, user_id FROM progress_completion_event")
         found = {(r["lesson_id"], r["user_id"]): r["position"] for r in rows}
@@ -131,22 +139,30 @@ class Bench:
         event_keys = sorted((r["content_id"], r["user_id"]) for r in events)
         completed_rows = {(r["lesson_id"], r["user_id"]) for r in rows if r["completed_at"]}
         if any(left) or found != self.expected or event_keys != sorted(completed) or completed_rows != completed:
-            raise RuntimeError(f"{how}: {len(found)} rows ({len(self.expected)} expected, positions "
-                               f"{'right' if found == self.expected else 'WRONG'}), {len(events)} events "
-                               f"({len(completed)} expected), {sum(left)} members left in Redis")  # fmt: skip
+            raise RuntimeError(
+                f"{how}: {len(found)} rows ({len(self.expected)} expected, positions "
+                f"{'right' if found == self.expected else 'WRONG'}), {len(events)} events "
+                f"({len(completed)} expected), {sum(left)} members left in Redis"
+            )
 
 
 async def run(s: harness.Servers, args: argparse.Namespace) -> bool:
     bench = Bench(s, args, await asyncpg.connect(s.database_url))  # the checks' and the baseline's connection
     keys, hb = args.keys, args.heartbeats_per_key
-    await harness.seed(s.database_url, users=math.ceil(max(keys, args.baseline_keys) / LESSONS), contents=LESSONS,
-                       duration_s=DURATION_S)  # fmt: skip
+    await harness.seed(
+        s.database_url,
+        users=math.ceil(max(keys, args.baseline_keys) / LESSONS),
+        contents=LESSONS,
+        duration_s=DURATION_S,
+    )
     await bench.drain("process", 0, 0)  # warm-up: file cache, bytecode
     startup = await bench.drain("process", 0, 0)
     scaling: list[dict[str, Drain]] = []
     for size in [n for n in (10_000, 30_000) if n < keys] + [keys]:
-        runs = {how: [await bench.drain(how, size, hb) for _ in range(args.repeat if size == keys else 1)]
-                for how in ("process", "in-process")}  # fmt: skip
+        runs = {
+            how: [await bench.drain(how, size, hb) for _ in range(args.repeat if size == keys else 1)]
+            for how in ("process", "in-process")
+        }
         scaling.append({how: sorted(drains, key=lambda d: d.seconds)[len(drains) // 2] for how, drains in runs.items()})
     by_beats = [{how: await bench.drain(how, keys, beats) for how in ("process", "in-process")} for beats in (1, 5)]
     baseline = await bench.drain("baseline", args.baseline_keys, hb)
@@ -154,39 +170,78 @@ async def run(s: harness.Servers, args: argparse.Namespace) -> bool:
     await bench.db.close()
 
     main, flush = scaling[-1]["process"], scaling[-1]["in-process"]
-    print(f"\n{keys:,} pending keys x {hb} heartbeats, verified row by row; "
-          f"{'median of ' + str(args.repeat) + ' drains' if args.repeat > 1 else 'one drain'}")  # fmt: skip
-    harness.table(["", "keys", "seconds", "rows/s", "statements"], [
-        *([name, d.keys, d.seconds, d.rows_per_s, d.statements if d is baseline else f"{d.statements} upserts"]
-          for name, d in (("`flush --once`, end to end (process start included)", main),
-                          ("the same drain in-process (`Flusher.flush_cycle`)", flush),
-                          ("baseline, one statement per entry", baseline))),
-        ["ratio", "", "", f"**{main.rows_per_s / baseline.rows_per_s:.1f}x**", ""]])  # fmt: skip
+    print(
+        f"\n{keys:,} pending keys x {hb} heartbeats, verified row by row; "
+        f"{'median of ' + str(args.repeat) + ' drains' if args.repeat > 1 else 'one drain'}"
+    )
+    harness.table(
+        ["", "keys", "seconds", "rows/s", "statements"],
+        [
+            *(
+                [name, d.keys, d.seconds, d.rows_per_s, d.statements if d is baseline else f"{d.statements} upserts"]
+                for name, d in (
+                    ("`flush --once`, end to end (process start included)", main),
+                    ("the same drain in-process (`Flusher.flush_cycle`)", flush),
+                    ("baseline, one statement per entry", baseline),
+                )
+            ),
+            ["ratio", "", "", f"**{main.rows_per_s / baseline.rows_per_s:.1f}x**", ""],
+        ],
+    )
     print(f"`flush --once` with nothing pending (the process's fixed cost): {startup.seconds:.2f} s")
-    harness.table(["CPU µs per key", "flusher", "Postgres", "Redis", "wall", "cores busy"], [
-        [name, d.us_per_key(os.getpid()), d.us_per_key(s.postgres_pid), d.us_per_key(s.redis_pid), d.us_per_key(),
-         f"{sum(d.cpu.seconds.values()) / d.seconds / (os.cpu_count() or 1):.0%}"]
-        for name, d in (("`flush --once`", main), ("in-process", flush), ("baseline", baseline))])  # fmt: skip
+    harness.table(
+        ["CPU µs per key", "flusher", "Postgres", "Redis", "wall", "cores busy"],
+        [
+            [
+                name,
+                d.us_per_key(os.getpid()),
+                d.us_per_key(s.postgres_pid),
+                d.us_per_key(s.redis_pid),
+                d.us_per_key(),
+                f"{sum(d.cpu.seconds.values()) / d.seconds / (os.cpu_count() or 1):.0%}",
+            ]
+            for name, d in (("`flush --once`", main), ("in-process", flush), ("baseline", baseline))
+        ],
+    )
     grown = [d["in-process"] for d in scaling]
-    print("\ngrowth, in-process: " + ", ".join(f"{d.keys:,} keys {d.seconds:.2f} s ({d.us_per_key():.1f} µs/key)"
-                                               for d in grown))  # fmt: skip
+    print(
+        "\ngrowth, in-process: "
+        + ", ".join(f"{d.keys:,} keys {d.seconds:.2f} s ({d.us_per_key():.1f} µs/key)" for d in grown)
+    )
     one, five = by_beats
-    print("heartbeats per key, 1 vs 5: " + "; ".join(f"{how} {one[how].seconds:.2f} vs {five[how].seconds:.2f} s"
-                                                    for how in one))  # fmt: skip
+    print(
+        "heartbeats per key, 1 vs 5: "
+        + "; ".join(f"{how} {one[how].seconds:.2f} vs {five[how].seconds:.2f} s" for how in one)
+    )
     growth = flush.us_per_key() / grown[0].us_per_key()
     beats = five["in-process"].seconds / one["in-process"].seconds
-    return all([
-        harness.target("end to end >= 50,000 rows/s", f"{main.rows_per_s:,.0f}", main.rows_per_s >= 50_000),
-        harness.target(">= 20x the per-entry baseline", f"{main.rows_per_s / baseline.rows_per_s:.1f}x",
-                       main.rows_per_s >= 20 * baseline.rows_per_s),
-        harness.target("linear in keys: µs/key at N <= 1.5x that at the smallest", f"{growth:.2f}x", growth <= 1.5),
-        harness.target("not in heartbeats: 5 heartbeats/key <= 1.25x the time of 1", f"{beats:.2f}x", beats <= 1.25),
-    ])  # fmt: skip
+    return all(
+        [
+            harness.target("end to end >= 50,000 rows/s", f"{main.rows_per_s:,.0f}", main.rows_per_s >= 50_000),
+            harness.target(
+                ">= 20x the per-entry baseline",
+                f"{main.rows_per_s / baseline.rows_per_s:.1f}x",
+                main.rows_per_s >= 20 * baseline.rows_per_s,
+            ),
+            harness.target("linear in keys: µs/key at N <= 1.5x that at the smallest", f"{growth:.2f}x", growth <= 1.5),
+            harness.target(
+                "not in heartbeats: 5 heartbeats/key <= 1.25x the time of 1", f"{beats:.2f}x", beats <= 1.25
+            ),
+        ]
+    )
 
 
 def main() -> int:
-    args = harness.arguments(__doc__, keys=100_000, baseline_keys=0, heartbeats_per_key=3, batch_size=500,
-                             concurrency=4, repeat=3, no_fsync=False).parse_args()  # fmt: skip
+    args = harness.arguments(
+        __doc__,
+        keys=100_000,
+        baseline_keys=0,
+        heartbeats_per_key=3,
+        batch_size=500,
+        concurrency=4,
+        repeat=3,
+        no_fsync=False,
+    ).parse_args()
     args.baseline_keys = args.baseline_keys or args.keys
     with harness.servers("flush", postgres=True, durable=not args.no_fsync) as s:
         return 0 if asyncio.run(run(s, args)) else 1

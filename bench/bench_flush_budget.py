@@ -28,10 +28,15 @@ CREATE FUNCTION bench_log_writes() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
     IF current_setting('application_name') <> 'monolith-stand-in' THEN
         INSERT INTO bench_write_log SELECT clock_timestamp(), count(*) FROM changed;
     END IF; RETURN NULL; END $$;
-""" + "".join(f"CREATE TRIGGER bench_log_{event} AFTER {event} ON engagements_lessonprogress REFERENCING NEW TABLE "
-             "AS changed FOR EACH STATEMENT EXECUTE FUNCTION bench_log_writes();" for event in ("INSERT", "UPDATE"))
-QUERIES = ("SELECT position, completed_at FROM engagements_lessonprogress WHERE user_id = $1 AND lesson_id = $2",
-           "UPDATE engagements_lessonprogress SET position = position + 1 WHERE user_id = $1 AND lesson_id = $2")
+""" + "".join(
+    f"CREATE TRIGGER bench_log_{event} AFTER {event} ON engagements_lessonprogress REFERENCING NEW TABLE "
+    "AS changed FOR EACH STATEMENT EXECUTE FUNCTION bench_log_writes();"
+    for event in ("INSERT", "UPDATE")
+)
+QUERIES = (
+    "SELECT position, completed_at FROM engagements_lessonprogress WHERE user_id = $1 AND lesson_id = $2",
+    "UPDATE engagements_lessonprogress SET position = position + 1 WHERE user_id = $1 AND lesson_id = $2",
+)
 
 
 async def stand_in(pool: asyncpg.Pool, users: int, per_second: float, stop: asyncio.Event) -> list[tuple[float, float]]:
@@ -46,8 +51,9 @@ async def stand_in(pool: asyncpg.Pool, users: int, per_second: float, stop: asyn
     next_at = time.perf_counter()
     while not stop.is_set():
         next_at += 1 / per_second
-        task = asyncio.create_task(one(QUERIES[rng.random() < 0.2], rng.randrange(users) + 1,
-                                       rng.randrange(LESSONS) + 1))  # fmt: skip
+        task = asyncio.create_task(
+            one(QUERIES[rng.random() < 0.2], rng.randrange(users) + 1, rng.randrange(LESSONS) + 1)
+        )
         tasks.add(task)
         task.add_done_callback(tasks.discard)
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
@@ -71,8 +77,9 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-async def phase(s: harness.Servers, args: Namespace, db: asyncpg.Pool, pool: asyncpg.Pool, users: int,
-                budget: int | None) -> list[Any]:  # fmt: skip
+async def phase(
+    s: harness.Servers, args: Namespace, db: asyncpg.Pool, pool: asyncpg.Pool, users: int, budget: int | None
+) -> list[Any]:
     """[p50, p99, drain time (writing), peak rows/s] of the stand-in idle (budget None) or during a drain."""
     await db.execute("TRUNCATE bench_write_log")
     stop = asyncio.Event()
@@ -81,9 +88,12 @@ async def phase(s: harness.Servers, args: Namespace, db: asyncpg.Pool, pool: asy
     if budget is None:
         await asyncio.sleep(args.idle_seconds)
     else:
-        done = await asyncio.gather(*(asyncio.to_thread(s.command, "flush", "--once",
-                                                        PROGRESS_FLUSH_MAX_ROWS_PER_SECOND=str(budget))
-                                      for _ in range(args.flushers)))  # fmt: skip
+        done = await asyncio.gather(
+            *(
+                asyncio.to_thread(s.command, "flush", "--once", PROGRESS_FLUSH_MAX_ROWS_PER_SECOND=str(budget))
+                for _ in range(args.flushers)
+            )
+        )
     drain_s = time.perf_counter() - started
     stop.set()
     samples = await load
@@ -91,8 +101,10 @@ async def phase(s: harness.Servers, args: Namespace, db: asyncpg.Pool, pool: asy
         return [quantile([ms for _, ms in samples], 0.5), quantile([ms for _, ms in samples], 0.99), "—", "—"]
     if (written := sum(d["written"] for d in done)) < args.keys:
         raise RuntimeError(f"{written} rows written of {args.keys}")
-    log = [(r["at"], r["rows"]) for r in await db.fetch("SELECT extract(epoch FROM at)::float8 AS at, rows "
-                                                       "FROM bench_write_log ORDER BY at")]  # fmt: skip
+    log = [
+        (r["at"], r["rows"])
+        for r in await db.fetch("SELECT extract(epoch FROM at)::float8 AS at, rows FROM bench_write_log ORDER BY at")
+    ]
     # the queries sent while the flush wrote (first to last statement, by Postgres' clock), not those of the
     # flushers' interpreters starting, which on a small machine would be most of the noise
     during = [ms for at, ms in samples if log[0][0] <= at <= log[-1][0]]
@@ -105,8 +117,9 @@ async def run(s: harness.Servers, args: Namespace) -> dict[str, list[Any]]:
     # the rows exist already (the monolith's listeners have listened before): the flush updates them
     await harness.seed(s.database_url, users=users, contents=LESSONS, duration_s=3600, rows=True)
     db = await asyncpg.create_pool(s.database_url, min_size=1, max_size=2)
-    pool = await asyncpg.create_pool(s.database_url, min_size=4, max_size=4,
-                                     server_settings={"application_name": STAND_IN})  # fmt: skip
+    pool = await asyncpg.create_pool(
+        s.database_url, min_size=4, max_size=4, server_settings={"application_name": STAND_IN}
+    )
     redis = Redis.from_url(s.redis_url)
     try:
         await db.execute(WRITE_LOG)
@@ -128,18 +141,27 @@ async def run(s: harness.Servers, args: Namespace) -> dict[str, list[Any]]:
 
 
 def main() -> int:
-    args = harness.arguments(__doc__, keys=200_000, flushers=3, budget=20_000, load_per_second=500.0,
-                             idle_seconds=10.0, no_fsync=False).parse_args()  # fmt: skip
+    args = harness.arguments(
+        __doc__, keys=200_000, flushers=3, budget=20_000, load_per_second=500.0, idle_seconds=10.0, no_fsync=False
+    ).parse_args()
     with harness.servers("flush-budget", postgres=True, durable=not args.no_fsync) as s:
         phases = asyncio.run(run(s, args))
-    print(f"\n{args.keys:,} pending keys, {args.flushers} `flush --once` processes; stand-in: {args.load_per_second:g} "
-          "queries/s (80 % reads, 20 % updates) from a pool of its own")
-    harness.table(["phase", "stand-in p50", "stand-in p99", "drain time (writing)",
-                   "peak rows/s, any 1 s (counted by Postgres)"],
-                  [[name, f"{p50:.2f} ms", f"{p99:.2f} ms", *rest] for name, (p50, p99, *rest) in phases.items()])
+    print(
+        f"\n{args.keys:,} pending keys, {args.flushers} `flush --once` processes; stand-in: {args.load_per_second:g} "
+        "queries/s (80 % reads, 20 % updates) from a pool of its own"
+    )
+    harness.table(
+        ["phase", "stand-in p50", "stand-in p99", "drain time (writing)", "peak rows/s, any 1 s (counted by Postgres)"],
+        [[name, f"{p50:.2f} ms", f"{p99:.2f} ms", *rest] for name, (p50, p99, *rest) in phases.items()],
+    )
     idle, budgeted = phases["idle"][1], list(phases.values())[-1][1]
-    return 0 if harness.target("stand-in p99, budgeted drain within 1.5x idle", f"{budgeted / idle:.2f}x",
-                               budgeted / idle <= 1.5) else 1  # fmt: skip
+    return (
+        0
+        if harness.target(
+            "stand-in p99, budgeted drain within 1.5x idle", f"{budgeted / idle:.2f}x", budgeted / idle <= 1.5
+        )
+        else 1
+    )
 
 
 if __name__ == "__main__":

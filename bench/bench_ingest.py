@@ -44,16 +44,39 @@ def check_writes(redis: Redis, name: str) -> None:
 
 
 def main() -> None:
-    parser = harness.arguments(__doc__, duration=20.0, warmup=10.0, connections=64, users=10_000, contents=2000,
-                               door=False, rounds=3, wait_idle=120.0)  # fmt: skip
+    parser = harness.arguments(
+        __doc__,
+        duration=20.0,
+        warmup=10.0,
+        connections=64,
+        users=10_000,
+        contents=2000,
+        door=False,
+        rounds=3,
+        wait_idle=120.0,
+    )
     parser.add_argument("--million", type=int, nargs="?", const=1_000_000, metavar="N")
     args = parser.parse_args()
     served: dict[str, int] = {}
 
-    def load(s: Servers, name: str, child: Child, seconds: float, tokens: Path, ids: tuple[int, int] | None = None,
-             expect: tuple[int, ...] = (201,)) -> WrkResult:  # fmt: skip
-        result = harness.wrk(child.url, tokens, duration_s=seconds, ids=ids or (1, args.contents), expect=expect,
-                             connections=args.connections, pids=(child.pid, s.redis_pid))  # fmt: skip
+    def load(
+        s: Servers,
+        name: str,
+        child: Child,
+        seconds: float,
+        tokens: Path,
+        ids: tuple[int, int] | None = None,
+        expect: tuple[int, ...] = (201,),
+    ) -> WrkResult:
+        result = harness.wrk(
+            child.url,
+            tokens,
+            duration_s=seconds,
+            ids=ids or (1, args.contents),
+            expect=expect,
+            connections=args.connections,
+            pids=(child.pid, s.redis_pid),
+        )
         served[name] = served.get(name, 0) + result.requests
         return result
 
@@ -66,13 +89,19 @@ def main() -> None:
 
     with harness.servers("ingest", postgres=args.door) as s:
         tokens = harness.tokens(s.work, args.users)
-        port, env = harness.embedded.free_port(), {"JWT_SECRET": harness.JWT_SECRET,
-                                                   "REDIS_URL": harness.redis_db(s.redis_url, 1)}  # fmt: skip
+        port, env = (
+            harness.embedded.free_port(),
+            {"JWT_SECRET": harness.JWT_SECRET, "REDIS_URL": harness.redis_db(s.redis_url, 1)},
+        )
         app = [sys.executable, str(harness.BENCH / "baseline_app.py"), "--port", str(port)]
-        children = {"service": s.service("service", REDIS_URL=harness.redis_db(s.redis_url, 0), DATABASE_URL=""),
-                    "baseline": s.child("baseline", app, env, f"http://127.0.0.1:{port}/health/live")}
-        redis = {name: s.stack.enter_context(Redis.from_url(harness.redis_db(s.redis_url, db)))
-                 for db, name in enumerate(("service", "baseline", "service+door"))}  # fmt: skip
+        children = {
+            "service": s.service("service", REDIS_URL=harness.redis_db(s.redis_url, 0), DATABASE_URL=""),
+            "baseline": s.child("baseline", app, env, f"http://127.0.0.1:{port}/health/live"),
+        }
+        redis = {
+            name: s.stack.enter_context(Redis.from_url(harness.redis_db(s.redis_url, db)))
+            for db, name in enumerate(("service", "baseline", "service+door"))
+        }
         service_pid = children["service"].pid
         rss_idle = rss_mib(service_pid)["VmRSS"]
         results = {}
@@ -81,35 +110,68 @@ def main() -> None:
             results[name] = measured(s, name, child, redis[name], tokens)
         service, baseline = results["service"], results["baseline"]
         ratio = service.rps / baseline.rps
-        print(f"\nwrk 2 threads, {args.connections} connections, {args.duration:.0f}s after {args.warmup:.0f}s "
-              f"warm-up; {args.users} users, content ids 1..{args.contents}, 4 routes")  # fmt: skip
-        harness.table(["", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "non-201", "server CPU µs/request"], [
-            *([n, r.rps, r.p50_ms, r.p99_ms, r.p999_ms, 0, r.us_per_request(children[n].pid)]
-              for n, r in results.items()),
-            ["ratio", f"**{ratio:.2f}x**", service.p50_ms / baseline.p50_ms,
-             service.p99_ms / baseline.p99_ms, service.p999_ms / baseline.p999_ms, "", ""],
-        ])  # fmt: skip
-        print(f"service RSS: {rss_idle:.1f} MiB idle, {rss_mib(service_pid)['VmRSS']:.1f} MiB after "
-              f"{served['service']:,} requests")  # fmt: skip
+        print(
+            f"\nwrk 2 threads, {args.connections} connections, {args.duration:.0f}s after {args.warmup:.0f}s "
+            f"warm-up; {args.users} users, content ids 1..{args.contents}, 4 routes"
+        )
+        harness.table(
+            ["", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "non-201", "server CPU µs/request"],
+            [
+                *(
+                    [n, r.rps, r.p50_ms, r.p99_ms, r.p999_ms, 0, r.us_per_request(children[n].pid)]
+                    for n, r in results.items()
+                ),
+                [
+                    "ratio",
+                    f"**{ratio:.2f}x**",
+                    service.p50_ms / baseline.p50_ms,
+                    service.p99_ms / baseline.p99_ms,
+                    service.p999_ms / baseline.p999_ms,
+                    "",
+                    "",
+                ],
+            ],
+        )
+        print(
+            f"service RSS: {rss_idle:.1f} MiB idle, {rss_mib(service_pid)['VmRSS']:.1f} MiB after "
+            f"{served['service']:,} requests"
+        )
         harness.target("service req/s >= 4x baseline", f"{ratio:.2f}x", ratio >= 4)
-        harness.target(f"service p99 < 15 ms at {args.connections} connections", f"{service.p99_ms:.2f} ms",
-                       service.p99_ms < 15)  # fmt: skip
+        harness.target(
+            f"service p99 < 15 ms at {args.connections} connections", f"{service.p99_ms:.2f} ms", service.p99_ms < 15
+        )
 
         if args.door:
             asyncio.run(harness.seed(s.database_url, users=0, contents=args.contents))
             # the catalog on, the rate limit at its defaults
-            door = s.service("service+door", REDIS_URL=harness.redis_db(s.redis_url, 2), CONTENT_CATALOG_ENABLED="true",
-                             RATE_LIMIT_PER_USER_PER_SECOND=None)  # fmt: skip
+            door = s.service(
+                "service+door",
+                REDIS_URL=harness.redis_db(s.redis_url, 2),
+                CONTENT_CATALOG_ENABLED="true",
+                RATE_LIMIT_PER_USER_PER_SECOND=None,
+            )
             load(s, "service+door", door, args.warmup, tokens)
             pair = {"service": children["service"], "service+door": door}
-            runs = harness.rounds({n: partial(measured, s, n, c, redis[n], tokens) for n, c in pair.items()},
-                                  args.rounds)  # fmt: skip
-            print(f"\ndoor: the same load, known ids, {args.rounds} alternating rounds of {args.duration:.0f}s; "
-                  "every answer 201")  # fmt: skip
-            harness.table(["", "median req/s", "runs req/s", "median p99 ms", "server CPU µs/request"], [
-                [n, harness.median([r.rps for r in rs]), ", ".join(f"{r.rps:,.0f}" for r in rs),
-                 harness.median([r.p99_ms for r in rs]), harness.median([r.us_per_request(pair[n].pid) for r in rs])]
-                for n, rs in runs.items()])  # fmt: skip
+            runs = harness.rounds(
+                {n: partial(measured, s, n, c, redis[n], tokens) for n, c in pair.items()}, args.rounds
+            )
+            print(
+                f"\ndoor: the same load, known ids, {args.rounds} alternating rounds of {args.duration:.0f}s; "
+                "every answer 201"
+            )
+            harness.table(
+                ["", "median req/s", "runs req/s", "median p99 ms", "server CPU µs/request"],
+                [
+                    [
+                        n,
+                        harness.median([r.rps for r in rs]),
+                        ", ".join(f"{r.rps:,.0f}" for r in rs),
+                        harness.median([r.p99_ms for r in rs]),
+                        harness.median([r.us_per_request(pair[n].pid) for r in rs]),
+                    ]
+                    for n, rs in runs.items()
+                ],
+            )
             door_rps, plain_rps = (harness.median([r.rps for r in runs[n]]) for n in ("service+door", "service"))
             share = door_rps / plain_rps
             harness.target("throughput with the door >= 95% of without", f"{share:.1%}", share >= 0.95)
@@ -133,11 +195,16 @@ def main() -> None:
             pattern = r'^progress_http_requests_total\{[^}]*status="201"[^}]*\} ([\d.e+]+)$'
             counted = sum(int(float(n)) for n in re.findall(pattern, metrics, re.M))
             after = rss_mib(service_pid)
-            print(f"\nservice memory: VmRSS {before:.1f} MiB before the drive, {after['VmRSS']:.1f} MiB after "
-                  f"{served['service']:,} requests ({counted:,} counted 201 by /metrics), "
-                  f"peak {after['VmHWM']:.1f} MiB")  # fmt: skip
-            harness.target(f"RSS < 150 MB after {args.million:,} requests", f"{after['VmRSS'] * 1.048576:.1f} MB",
-                           after["VmRSS"] * 1.048576 < 150 and counted >= args.million)  # fmt: skip
+            print(
+                f"\nservice memory: VmRSS {before:.1f} MiB before the drive, {after['VmRSS']:.1f} MiB after "
+                f"{served['service']:,} requests ({counted:,} counted 201 by /metrics), "
+                f"peak {after['VmHWM']:.1f} MiB"
+            )
+            harness.target(
+                f"RSS < 150 MB after {args.million:,} requests",
+                f"{after['VmRSS'] * 1.048576:.1f} MB",
+                after["VmRSS"] * 1.048576 < 150 and counted >= args.million,
+            )
             check_writes(redis["service"], "service")
 
 

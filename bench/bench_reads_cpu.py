@@ -21,49 +21,80 @@ KINDS = (("heartbeat POST", "heartbeat", (201,), 1.0), ("GET one", "one", (200,)
 
 
 def main() -> None:
-    args = harness.arguments(__doc__, rounds=5, duration=8.0, warmup=4.0, connections=16, users=2000, contents=100,
-                             wait_idle=5.0).parse_args()  # fmt: skip
+    args = harness.arguments(
+        __doc__, rounds=5, duration=8.0, warmup=4.0, connections=16, users=2000, contents=100, wait_idle=5.0
+    ).parse_args()
     with harness.servers("reads", postgres=True) as s:
         harness.say(f"seeding {args.users} users x {args.contents} contents of each type, a row for every pair")
         asyncio.run(harness.seed(s.database_url, users=args.users, contents=args.contents, rows=True))
         tokens = harness.tokens(s.work, args.users)
         # the catalog on and every request charged to the rate limiter, but none refused: a user's share of a run
         # is dozens of reads and several syncs of 500 items, past the default bursts
-        service = s.service("service", CONTENT_CATALOG_ENABLED=None, RATE_LIMIT_PER_USER_PER_SECOND="1000000",
-                            SYNC_ITEMS_PER_USER_PER_SECOND="1000000")  # fmt: skip
+        service = s.service(
+            "service",
+            CONTENT_CATALOG_ENABLED=None,
+            RATE_LIMIT_PER_USER_PER_SECOND="1000000",
+            SYNC_ITEMS_PER_USER_PER_SECOND="1000000",
+        )
 
         def load(mode: str, expect: tuple[int, ...], seconds: float, idle: float = 0.0) -> harness.WrkResult:
             harness.wait_until_idle(idle)
-            return harness.wrk(service.url, tokens, duration_s=seconds, mode=mode, ids=(1, args.contents),
-                               connections=args.connections, expect=expect, pids=(service.pid,),
-                               timeout_s=30)  # fmt: skip
+            return harness.wrk(
+                service.url,
+                tokens,
+                duration_s=seconds,
+                mode=mode,
+                ids=(1, args.contents),
+                connections=args.connections,
+                expect=expect,
+                pids=(service.pid,),
+                timeout_s=30,
+            )
 
         load("heartbeat", (201,), args.warmup * 2)  # buffered values newer than their rows; each heartbeat run adds
         for _, mode, expect, _ in KINDS:
             load(mode, expect, args.warmup)
-        runs = harness.rounds({label: partial(load, mode, expect, args.duration, args.wait_idle)
-                               for label, mode, expect, _ in KINDS}, args.rounds)  # fmt: skip
+        runs = harness.rounds(
+            {label: partial(load, mode, expect, args.duration, args.wait_idle) for label, mode, expect, _ in KINDS},
+            args.rounds,
+        )
 
     us = {label: [r.us_per_request(service.pid) for r in results] for label, results in runs.items()}
-    ratio = {label: harness.median([a / b for a, b in zip(v, us["heartbeat POST"], strict=True)])
-             for label, v in us.items()}  # fmt: skip
-    print(f"\nserve --workers 1; wrk 2 threads, {args.connections} connections, {args.duration:.0f}s per run, "
-          f"{args.rounds} alternating rounds; {args.users} users x {args.contents} contents of each type, a row for "
-          f"every pair, part buffered; {os.cpu_count()} CPUs shared by wrk, the server, Valkey and Postgres")
-    harness.table(["request", "server CPU µs/request", "x heartbeat", "target", "req/s", "p50 ms", "p99 ms",
-                   "per round (µs)"],
-                  [[label, harness.median(us[label]), ratio[label], f"≤ {goal:g}x" if label != "heartbeat POST" else "",
-                    harness.median([r.rps for r in runs[label]]), harness.median([r.p50_ms for r in runs[label]]),
-                    harness.median([r.p99_ms for r in runs[label]]), " ".join(f"{v:.0f}" for v in us[label])]
-                   for label, _, _, goal in KINDS])  # fmt: skip
+    ratio = {
+        label: harness.median([a / b for a, b in zip(v, us["heartbeat POST"], strict=True)]) for label, v in us.items()
+    }
+    print(
+        f"\nserve --workers 1; wrk 2 threads, {args.connections} connections, {args.duration:.0f}s per run, "
+        f"{args.rounds} alternating rounds; {args.users} users x {args.contents} contents of each type, a row for "
+        f"every pair, part buffered; {os.cpu_count()} CPUs shared by wrk, the server, Valkey and Postgres"
+    )
+    harness.table(
+        ["request", "server CPU µs/request", "x heartbeat", "target", "req/s", "p50 ms", "p99 ms", "per round (µs)"],
+        [
+            [
+                label,
+                harness.median(us[label]),
+                ratio[label],
+                f"≤ {goal:g}x" if label != "heartbeat POST" else "",
+                harness.median([r.rps for r in runs[label]]),
+                harness.median([r.p50_ms for r in runs[label]]),
+                harness.median([r.p99_ms for r in runs[label]]),
+                " ".join(f"{v:.0f}" for v in us[label]),
+            ]
+            for label, _, _, goal in KINDS
+        ],
+    )
     medians = {label: harness.median(v) for label, v in us.items()}
     per_id = (medians["GET 100 ids"] - medians["GET one"]) / 99
     per_item = (medians["sync 500 items"] - medians["heartbeat POST"]) / 500
-    print(f"beyond the request itself: {per_id:.1f} µs per id of GET 100 ids (target < 4), {per_item:.1f} µs per "
-          "synced item beyond a heartbeat (target about 8)")  # fmt: skip
+    print(
+        f"beyond the request itself: {per_id:.1f} µs per id of GET 100 ids (target < 4), {per_item:.1f} µs per "
+        "synced item beyond a heartbeat (target about 8)"
+    )
     for label, _, _, goal in KINDS[1:]:
-        harness.target(f"{label} server CPU ≤ {goal:g}x the heartbeat POST's", f"{ratio[label]:.2f}x",
-                       ratio[label] <= goal)  # fmt: skip
+        harness.target(
+            f"{label} server CPU ≤ {goal:g}x the heartbeat POST's", f"{ratio[label]:.2f}x", ratio[label] <= goal
+        )
     harness.target("GET 100 ids: under 4 µs per id beyond the request itself", f"{per_id:.1f} µs", per_id < 4)
 
 

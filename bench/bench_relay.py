@@ -29,17 +29,29 @@ def bare_loop(settings: Settings, count: int) -> float:
         publisher.app.send_task("bench.warmup", kwargs={}, queue="bench-bare", producer=producer)
         started = time.perf_counter()  # the producer connected before the clock starts
         for i in range(count):
-            publisher.app.send_task(settings.completion_task_name, queue="bench-bare", serializer="json",
-                                    task_id=str(uuid.uuid4()), producer=producer,
-                                    kwargs={"user_id": i, "content_type": "lesson", "content_id": 1,
-                                            "completed_at": "2026-01-01T00:00:00+00:00"})  # fmt: skip
+            publisher.app.send_task(
+                settings.completion_task_name,
+                queue="bench-bare",
+                serializer="json",
+                task_id=str(uuid.uuid4()),
+                producer=producer,
+                kwargs={
+                    "user_id": i,
+                    "content_type": "lesson",
+                    "content_id": 1,
+                    "completed_at": "2026-01-01T00:00:00+00:00",
+                },
+            )
         return time.perf_counter() - started
 
 
 async def relay_drain(settings: Settings, pool: asyncpg.Pool, count: int) -> float:
     await pool.execute("TRUNCATE progress_completion_event")
-    await pool.execute("INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
-                       "SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i", count)  # fmt: skip
+    await pool.execute(
+        "INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
+        "SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i",
+        count,
+    )
     with closing(harness.publisher(settings)) as publisher:
         relay = harness.completion_relay(pool, publisher, settings)
         await publisher.publish([])  # nothing: the thread pool exists before the clock starts
@@ -61,8 +73,10 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
         await asyncio.sleep(1.0)  # LISTEN in place
         per_tick, next_tick = max(1, rate // 10), time.perf_counter()
         for first in range(1, total + 1, per_tick):
-            batch = [Heartbeat(1, user, 595.0, time.time_ns() // 1_000_000, 595.0)
-                     for user in range(first, min(first + per_tick, total + 1))]  # fmt: skip
+            batch = [
+                Heartbeat(1, user, 595.0, time.time_ns() // 1_000_000, 595.0)
+                for user in range(first, min(first + per_tick, total + 1))
+            ]
             await persist_batch(pool, LESSON, batch, margin_s=10.0)
             next_tick += 0.1
             await asyncio.sleep(max(0.0, next_tick - time.perf_counter()))
@@ -87,8 +101,9 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
 def main() -> int:
     args = harness.arguments(__doc__, events=10_000, rate=200, seconds=15.0, repeats=3, worker_threads=4).parse_args()
     with harness.servers("relay", postgres=True, durable=True) as s:
-        settings = harness.settings(s, CELERY_BROKER_URL=s.redis_url, RELAY_BATCH_SIZE="500",
-                                    RELAY_POLL_INTERVAL_SECONDS="1")  # fmt: skip
+        settings = harness.settings(
+            s, CELERY_BROKER_URL=s.redis_url, RELAY_BATCH_SIZE="500", RELAY_POLL_INTERVAL_SECONDS="1"
+        )
 
         async def measure() -> tuple[dict[str, list[float]], tuple[list[float], ...]]:
             await harness.seed(s.database_url, users=int(args.rate * args.seconds), contents=1)
@@ -106,14 +121,19 @@ def main() -> int:
 
         runs, (ran, marked) = asyncio.run(measure())
     bare, relay = (harness.median(seconds) for seconds in runs.values())
-    harness.table(["", "messages", "seconds", "messages/s"],
-                  [*([name, args.events, harness.median(x), args.events / harness.median(x)]
-                     for name, x in runs.items()),
-                   ["ratio", "", "", f"**{bare / relay:.0%}**"]])  # fmt: skip
+    harness.table(
+        ["", "messages", "seconds", "messages/s"],
+        [
+            *([name, args.events, harness.median(x), args.events / harness.median(x)] for name, x in runs.items()),
+            ["ratio", "", "", f"**{bare / relay:.0%}**"],
+        ],
+    )
     p99, p99_marked = (values[int(0.99 * (len(values) - 1))] * 1000 for values in (ran, marked))
-    print(f"\ncommit -> the worker's execution at {args.rate}/s over {len(ran):,} completions: median "
-          f"{harness.median(ran) * 1000:.0f} ms, p99 {p99:.0f} ms, max {ran[-1] * 1000:.0f} ms; commit -> marked "
-          f"published: median {harness.median(marked) * 1000:.0f} ms, p99 {p99_marked:.0f} ms")  # fmt: skip
+    print(
+        f"\ncommit -> the worker's execution at {args.rate}/s over {len(ran):,} completions: median "
+        f"{harness.median(ran) * 1000:.0f} ms, p99 {p99:.0f} ms, max {ran[-1] * 1000:.0f} ms; commit -> marked "
+        f"published: median {harness.median(marked) * 1000:.0f} ms, p99 {p99_marked:.0f} ms"
+    )
     ok = harness.target("relay >= 80% of the bare loop", f"{bare / relay:.0%}", bare / relay >= 0.8)
     return 0 if harness.target("p99 < 2 s", f"{p99:.0f} ms", p99 < 2000) and ok else 1
 

@@ -24,18 +24,34 @@ Reserve = Callable[[asyncpg.Connection, Sequence[Pair]], Awaitable[int]]
 
 
 async def blocks(conn: asyncpg.Connection, pairs: Sequence[Pair]) -> int:
-    return sum([len(await reserve_block(conn, pairs[i : i + BLOCK_SIZE], datetime.now(UTC)))
-                for i in range(0, len(pairs), BLOCK_SIZE)])  # fmt: skip
+    return sum(
+        [
+            len(await reserve_block(conn, pairs[i : i + BLOCK_SIZE], datetime.now(UTC)))
+            for i in range(0, len(pairs), BLOCK_SIZE)
+        ]
+    )
 
 
 async def get_or_create(conn: asyncpg.Connection, pairs: Sequence[Pair]) -> int:
     reserved = 0
     for user_id, email_key in pairs:
-        if await conn.fetchval("SELECT id FROM emails_emaildispatch WHERE user_id = $1 AND source = $2 AND "
-                               "email_key = $3", user_id, SOURCE, email_key) is None:  # fmt: skip
-            await conn.fetchval("INSERT INTO emails_emaildispatch (user_id, source, email_key, sent_at, created_at) "
-                                "VALUES ($1, $2, $3, $4, $4) RETURNING id", user_id, SOURCE, email_key,
-                                datetime.now(UTC))  # fmt: skip
+        if (
+            await conn.fetchval(
+                "SELECT id FROM emails_emaildispatch WHERE user_id = $1 AND source = $2 AND email_key = $3",
+                user_id,
+                SOURCE,
+                email_key,
+            )
+            is None
+        ):
+            await conn.fetchval(
+                "INSERT INTO emails_emaildispatch (user_id, source, email_key, sent_at, created_at) "
+                "VALUES ($1, $2, $3, $4, $4) RETURNING id",
+                user_id,
+                SOURCE,
+                email_key,
+                datetime.now(UTC),
+            )
             reserved += 1
     return reserved
 
@@ -45,11 +61,20 @@ async def measure(dsn: str, repeats: int) -> dict[str, tuple[int, list[float]]]:
     conn = await asyncpg.connect(dsn)
     try:
         now = datetime.now(UTC)
-        await conn.execute("INSERT INTO users_user (id, email) SELECT i, 'bench' || i || '@example.com' "
-                           "FROM generate_series($1::bigint, $2::bigint) i", FIRST_USER, LAST_USER)  # fmt: skip
-        ids = await conn.fetch("INSERT INTO trials_usertrial (user_id, started_at, ends_at) SELECT i, $3, $4 "
-                               "FROM generate_series($1::bigint, $2::bigint) i RETURNING id", FIRST_USER, LAST_USER,
-                               now - timedelta(days=7), now - timedelta(hours=1))  # fmt: skip
+        await conn.execute(
+            "INSERT INTO users_user (id, email) SELECT i, 'bench' || i || '@example.com' "
+            "FROM generate_series($1::bigint, $2::bigint) i",
+            FIRST_USER,
+            LAST_USER,
+        )
+        ids = await conn.fetch(
+            "INSERT INTO trials_usertrial (user_id, started_at, ends_at) SELECT i, $3, $4 "
+            "FROM generate_series($1::bigint, $2::bigint) i RETURNING id",
+            FIRST_USER,
+            LAST_USER,
+            now - timedelta(days=7),
+            now - timedelta(hours=1),
+        )
         trials = await load_trials(conn, [row["id"] for row in ids])
         pairs = pending_reservations(trials, await load_sent_keys(conn, (t.user_id for t in trials)), now)
         harness.say(f"{len(pairs)} pairs to reserve ({TRIALS} trials x 6 emails)")
@@ -89,10 +114,11 @@ def main() -> int:
     speedup = harness.median(baseline_ms) / harness.median(block_ms)
     fsync = "off" if args.no_fsync else "on"
     print(f"\nreservation of {TRIALS * 6:,} pairs, median of {args.repeats} runs, fsync {fsync}")
-    harness.table(["design", "statements", "median ms", "min ms"],
-                  [[name, n, harness.median(ms), min(ms)] for name, (n, ms) in figures.items()]
-                  + [["ratio", f"{baseline_statements / block_statements:.0f}x", f"**{speedup:.1f}x**",
-                      ""]])  # fmt: skip
+    harness.table(
+        ["design", "statements", "median ms", "min ms"],
+        [[name, n, harness.median(ms), min(ms)] for name, (n, ms) in figures.items()]
+        + [["ratio", f"{baseline_statements / block_statements:.0f}x", f"**{speedup:.1f}x**", ""]],
+    )
     ok = harness.target("6 statements", str(block_statements), block_statements == 6)
     return 0 if harness.target(">= 10x wall time", f"{speedup:.1f}x", speedup >= 10) and ok else 1
 

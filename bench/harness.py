@@ -67,8 +67,13 @@ def table(headers: list[str], rows: list[list[Any]]) -> None:
     """A Markdown table, as the README quotes them: floats to 2 decimals below 1,000, else whole."""
 
     def cell(v: object) -> str:
-        return (f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}") if isinstance(v, float) else \
-            f"{v:,}" if isinstance(v, int) else str(v)  # fmt: skip
+        return (
+            (f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}")
+            if isinstance(v, float)
+            else f"{v:,}"
+            if isinstance(v, int)
+            else str(v)
+        )
 
     print("\n| " + " | ".join(headers) + " |\n|" + "---|" * len(headers))
     for row in rows:
@@ -88,8 +93,11 @@ def arguments(doc: str, **flags: float | bool) -> argparse.ArgumentParser:
     """The flags of a script: `wait_idle=60.0` is `--wait-idle`, default 60.0; False is a switch."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in flags.items():
-        kind = {"action": "store_true"} if default is False else {"type": type(default), "default": default,
-                                                                  "help": f"default {default}"}  # fmt: skip
+        kind = (
+            {"action": "store_true"}
+            if default is False
+            else {"type": type(default), "default": default, "help": f"default {default}"}
+        )
         parser.add_argument(f"--{name.replace('_', '-')}", **kind)  # type: ignore[arg-type]
     return parser
 
@@ -181,8 +189,16 @@ class Child:
     def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.name, self.log_path, self.url = name, log_path, ""
         with open(log_path, "ab") as out:
-            self.process = subprocess.Popen(args, cwd=BENCH.parent, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                            stderr=out, start_new_session=True, preexec_fn=_dying_with_us)  # fmt: skip
+            self.process = subprocess.Popen(
+                args,
+                cwd=BENCH.parent,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                preexec_fn=_dying_with_us,
+            )
         self.pid = self.process.pid
 
     def wait_for(self, ready: Callable[[], bool], timeout_s: float = 60.0) -> None:
@@ -233,15 +249,25 @@ class Servers:
     def service(self, name: str, **env: str | None) -> Child:
         """`python -m service serve --workers 1`, as production starts it, with service_env(**env)."""
         port = embedded.free_port()
-        return self.child(name, [sys.executable, "-m", "service", "serve", "--workers", "1", "--host", "127.0.0.1",
-                                 "--port", str(port)], self.service_env(**env),
-                          f"http://127.0.0.1:{port}/health/ready")  # fmt: skip
+        return self.child(
+            name,
+            [sys.executable, "-m", "service", "serve", "--workers", "1", "--host", "127.0.0.1", "--port", str(port)],
+            self.service_env(**env),
+            f"http://127.0.0.1:{port}/health/ready",
+        )
 
     def command(self, *args: str, **env: str | None) -> dict[str, Any]:
         """A one-shot `python -m service ...` (e.g. `flush --once`): its JSON summary, the last line it prints."""
         full_env = {**os.environ, **self.service_env(**env)}
-        done = subprocess.run([sys.executable, "-m", "service", *args], cwd=BENCH.parent, env=full_env,
-                              capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "service", *args],
+            cwd=BENCH.parent,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
         return dict(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -249,10 +275,27 @@ class Servers:
     def monolith_worker(self, broker_url: str, threads: int = 4) -> Child:
         """A real Celery worker of the monolith's completion task (bench/monolith_worker.py)."""
         env = {"PYTHONPATH": str(BENCH), "MONOLITH_BROKER_URL": broker_url, "MONOLITH_DATABASE_URL": self.database_url}
-        worker = self.child("worker", [sys.executable, "-m", "celery", "-A", "monolith_worker", "worker",
-                                       "--pool=threads", f"--concurrency={threads}", "-Q", "onion-progress",
-                                       "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "INFO"],
-                            env)  # fmt: skip
+        worker = self.child(
+            "worker",
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "monolith_worker",
+                "worker",
+                "--pool=threads",
+                f"--concurrency={threads}",
+                "-Q",
+                "onion-progress",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "-l",
+                "INFO",
+            ],
+            env,
+        )
         worker.wait_for(lambda: " ready." in worker.log_path.read_text(errors="replace"))
         return worker
 
@@ -291,31 +334,41 @@ async def seed(database_url: str, *, users: int, contents: int, duration_s: int 
     conn = await asyncpg.connect(database_url)
     try:
         await conn.execute(f"TRUNCATE users_user, {', '.join(CONTENT_TABLES)} RESTART IDENTITY CASCADE")
-        await conn.execute("INSERT INTO users_user (id, email) SELECT i, 'u' || i || '@example.com' "
-                           "FROM generate_series(1, $1) i", users)  # fmt: skip
+        await conn.execute(
+            "INSERT INTO users_user (id, email) SELECT i, 'u' || i || '@example.com' FROM generate_series(1, $1) i",
+            users,
+        )
         for name, (progress, column) in CONTENT_TABLES.items():
-            await conn.execute(f"INSERT INTO {name} (id, title, duration) SELECT i, 'c' || i, $2 "
-                               "FROM generate_series(1, $1) i", contents, duration_s)  # fmt: skip
-            await conn.execute(f"INSERT INTO {progress} (user_id, {column}, position, completed_at, created_at, "
-                               "updated_at) SELECT u, c, (u * 7 + c) % 500, CASE WHEN (u + c) % 5 = 0 THEN now() - "
-                               "interval '3 hours' END, now() - interval '3 hours', now() - interval '2 hours' "
-                               "FROM generate_series(1, $1) u, generate_series(1, $2) c",
-                               users if rows else 0, contents)  # fmt: skip
+            await conn.execute(
+                f"INSERT INTO {name} (id, title, duration) SELECT i, 'c' || i, $2 FROM generate_series(1, $1) i",
+                contents,
+                duration_s,
+            )
+            await conn.execute(
+                f"INSERT INTO {progress} (user_id, {column}, position, completed_at, created_at, "
+                "updated_at) SELECT u, c, (u * 7 + c) % 500, CASE WHEN (u + c) % 5 = 0 THEN now() - "
+                "interval '3 hours' END, now() - interval '3 hours', now() - interval '2 hours' "
+                "FROM generate_series(1, $1) u, generate_series(1, $2) c",
+                users if rows else 0,
+                contents,
+            )
         await conn.execute("VACUUM ANALYZE")
     finally:
         await conn.close()
 
 
-async def fill(redis: Any, keys: int, position: Callable[[int], float], *, lessons: int = 10,
-               layout: KeyLayout = STANDALONE) -> None:  # fmt: skip
+async def fill(
+    redis: Any, keys: int, position: Callable[[int], float], *, lessons: int = 10, layout: KeyLayout = STANDALONE
+) -> None:
     """One heartbeat for each of `keys` keys, by the request path's own script, pipelined as it sends them: key i is
     lesson i % lessons + 1 of user i // lessons + 1, at position(i)."""
     await redis.script_load(WRITE_SCRIPT)
     for first in range(0, keys, 1000):
         async with redis.pipeline(transaction=False) as pipe:
             for i in range(first, min(first + 1000, keys)):
-                pipe.execute_command(*write_args("lesson", i % lessons + 1, i // lessons + 1, position(i), now_ms(),
-                                                 3600, layout))  # fmt: skip
+                pipe.execute_command(
+                    *write_args("lesson", i % lessons + 1, i // lessons + 1, position(i), now_ms(), 3600, layout)
+                )
             await pipe.execute()
 
 
@@ -323,8 +376,12 @@ def tokens(work: Path, users: int) -> Path:
     """A file of one HS256 token per user 1..users, a line each (what bench/requests.lua reads)."""
     expires = int(time.time()) + 7 * 24 * 3600
     path = work / "tokens.txt"
-    path.write_text("".join(jwt.encode({"user_id": u, "exp": expires}, JWT_SECRET, algorithm="HS256") + "\n"
-                            for u in range(1, users + 1)))  # fmt: skip
+    path.write_text(
+        "".join(
+            jwt.encode({"user_id": u, "exp": expires}, JWT_SECRET, algorithm="HS256") + "\n"
+            for u in range(1, users + 1)
+        )
+    )
     return path
 
 
@@ -359,9 +416,18 @@ class WrkResult:
         return self.cpu.of(pid) / self.requests * 1e6
 
 
-def wrk(url: str, tokens_file: Path, *, duration_s: float, mode: str = "heartbeat", ids: tuple[int, int] = (1, 2000),
-        connections: int = 64, expect: tuple[int, ...] = (201,), pids: tuple[int | None, ...] = (),
-        timeout_s: int = 2) -> WrkResult:  # fmt: skip
+def wrk(
+    url: str,
+    tokens_file: Path,
+    *,
+    duration_s: float,
+    mode: str = "heartbeat",
+    ids: tuple[int, int] = (1, 2000),
+    connections: int = 64,
+    expect: tuple[int, ...] = (201,),
+    pids: tuple[int | None, ...] = (),
+    timeout_s: int = 2,
+) -> WrkResult:
     """One wrk run (2 threads) of bench/requests.lua; every answer must be one of `expect`. Meters `pids` meanwhile.
 
     mode: heartbeat (a random route of the four), lesson (the lesson route), one (GET of one lesson), many (100 ids),
@@ -369,11 +435,30 @@ def wrk(url: str, tokens_file: Path, *, duration_s: float, mode: str = "heartbea
     """
     say(f"wrk {mode} {url}: {duration_s:.0f}s, {connections} connections")
     meter = CpuMeter(os.getpid(), *pids)  # wrk is our child: its time is ours once it is reaped
-    done = subprocess.run([ensure_wrk(), "-t2", f"-c{connections}", f"-d{max(1, round(duration_s))}s", "--latency",
-                           "--timeout", f"{timeout_s}s", "-s", str(BENCH / "requests.lua"), url, "--",
-                           str(tokens_file), mode, str(ids[0]), str(ids[1])],
-                          capture_output=True, text=True, timeout=duration_s + 60, check=False,
-                          preexec_fn=_dying_with_us)  # fmt: skip
+    done = subprocess.run(
+        [
+            ensure_wrk(),
+            "-t2",
+            f"-c{connections}",
+            f"-d{max(1, round(duration_s))}s",
+            "--latency",
+            "--timeout",
+            f"{timeout_s}s",
+            "-s",
+            str(BENCH / "requests.lua"),
+            url,
+            "--",
+            str(tokens_file),
+            mode,
+            str(ids[0]),
+            str(ids[1]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=duration_s + 60,
+        check=False,
+        preexec_fn=_dying_with_us,
+    )
     meter.stop()
     match = re.search(r"^BENCH_RESULT (\{.*\})$", done.stdout, re.MULTILINE)
     if done.returncode != 0 or match is None:
@@ -382,8 +467,15 @@ def wrk(url: str, tokens_file: Path, *, duration_s: float, mode: str = "heartbea
     unexpected = {s: n for s, n in data["statuses"].items() if int(s) not in expect}
     if unexpected or data["socket_errors"]:
         raise RuntimeError(f"{url} {mode}: unexpected answers {unexpected}, {data['socket_errors']} socket errors")
-    return WrkResult(data["requests"], data["duration_us"] / 1e6, data["p50_us"] / 1000, data["p99_us"] / 1000,
-                     data["p999_us"] / 1000, data["statuses"], meter)  # fmt: skip
+    return WrkResult(
+        data["requests"],
+        data["duration_us"] / 1e6,
+        data["p50_us"] / 1000,
+        data["p99_us"] / 1000,
+        data["p999_us"] / 1000,
+        data["statuses"],
+        meter,
+    )
 
 
 # --- service parts built in-process: the one place to adapt when their constructors change ---
@@ -414,4 +506,3 @@ def leases(redis: Any) -> Leases:
 
 def layout(*, cluster: bool) -> KeyLayout:
     return build_key_layout(Settings(redis_cluster=cluster))
-

@@ -96,12 +96,15 @@ class Authenticator:
     def _verify(self, token: bytes) -> int:
         try:
             claims = jwt.decode(
-                token, self._key, algorithms=self._algorithms, audience=self._audience,
+                token,
+                self._key,
+                algorithms=self._algorithms,
+                audience=self._audience,
                 issuer=self._issuer,
                 # an `aud` is checked when JWT_AUDIENCE names one; without it, the monolith's tokens
                 # may carry any (PyJWT would refuse every token that has one)
                 options={"require": ["exp"], "verify_aud": self._audience is not None},
-            )  # fmt: skip
+            )
         except jwt.ExpiredSignatureError:
             raise AuthError("token expired") from None
         except jwt.PyJWTError as exc:

@@ -60,8 +60,9 @@ def _serve(args: argparse.Namespace) -> int:
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it so the process dies "by signal".
     # A graceful stop is a success for the orchestrator: with this handler in place, exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run("service.app:app_from_environment", factory=True, workers=args.workers,
-                **_uvicorn_options(args.host, args.port))  # fmt: skip
+    uvicorn.run(
+        "service.app:app_from_environment", factory=True, workers=args.workers, **_uvicorn_options(args.host, args.port)
+    )
     return 0
 
 
@@ -107,7 +108,7 @@ def _dev(args: argparse.Namespace) -> int:
             f"  curl -i -X POST http://{args.host}:{args.port}/engagements/progress/lesson \\\n"
             f"    -H 'Authorization: Bearer {token}' \\\n"
             "    -H 'Content-Type: application/json' -d '{\"lesson_id\": 1, \"position\": 42.5}'\n\n"
-            "Lesson 1 lasts 600 s: send \"position\": 595 and it completes. After the next flush "
+            'Lesson 1 lasts 600 s: send "position": 595 and it completes. After the next flush '
             f"(every {settings.progress_flush_interval_seconds:g} s) its {settings.completion_task_name} task "
             "waits in the broker:\n"
             f"  python -c \"import redis; print(redis.Redis.from_url('{settings.celery_broker_url}')"
@@ -227,6 +228,7 @@ def _trial_emails_run_once(args: argparse.Namespace) -> int:
     outbox rows written in one statement each, so whatever it could not publish is the relay's), no
     new batch starts, the partial result is printed with "status": "stopped", and the exit code is 0.
     """
+
     def check(settings: Settings) -> bool:
         if not settings.database_url:
             raise ConfigError("DATABASE_URL is required (the primary: reservations never go to a replica)")
@@ -248,9 +250,12 @@ async def _sweep_once(parts: _Parts) -> int:
             progress.advance(batch["user_trials"])
 
         result = await sweep_journeys(
-            pool=parts.pool, queue=build_email_queue(parts.settings, parts.redis, parts.publisher),
-            options=batch_options(parts.settings), on_batch=show, should_stop=parts.stop.is_set,
-        )  # fmt: skip
+            pool=parts.pool,
+            queue=build_email_queue(parts.settings, parts.redis, parts.publisher),
+            options=batch_options(parts.settings),
+            on_batch=show,
+            should_stop=parts.stop.is_set,
+        )
     if parts.stop.is_set():
         result["status"] = "stopped"
     print(json.dumps(result), flush=True)
@@ -274,6 +279,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _outbox_command(args: argparse.Namespace) -> int:
     """`outbox list` and `outbox redrive`: parked rows seen and made owed again, in short statements."""
+
     def check(settings: Settings) -> bool:
         if not settings.database_url:
             raise ConfigError(f"outbox {args.outbox_action} needs DATABASE_URL (postgresql://...)")
@@ -318,8 +324,9 @@ async def _redrive_parked(parts: _Parts, *, args: argparse.Namespace) -> int:
     done: dict[str, int] = {}
     with Progress("outbox redrive", total=sum(owed.values()), unit="rows") as progress:
         for outbox in outboxes:
-            done[outbox.name] = await redrive_parked(parts.pool, outbox, ids=args.ids, on_chunk=progress.advance,
-                                                     should_stop=parts.stop.is_set)  # fmt: skip
+            done[outbox.name] = await redrive_parked(
+                parts.pool, outbox, ids=args.ids, on_chunk=progress.advance, should_stop=parts.stop.is_set
+            )
     stopped = " (stopped: run it again for the rest)" if parts.stop.is_set() else ""
     print(f"re-drove {sum(done.values())} parked rows ({counts_text(done)}){stopped}", flush=True)
     return 0
@@ -351,8 +358,9 @@ def _openapi(args: argparse.Namespace) -> int:
 
     from service.app import create_app
 
-    api = create_app(Settings(jwt_secret=DEV_JWT_SECRET, progress_flusher_enabled=False,
-                              content_catalog_enabled=False)).app
+    api = create_app(
+        Settings(jwt_secret=DEV_JWT_SECRET, progress_flusher_enabled=False, content_catalog_enabled=False)
+    ).app
     assert isinstance(api, FastAPI)
     print(yaml.safe_dump(api.openapi(), sort_keys=False, allow_unicode=True), end="")
     return 0
@@ -386,8 +394,7 @@ def _parser() -> argparse.ArgumentParser:
     trial_emails = commands.add_parser("trial-emails", help="trial-journey emails (reserve once, enqueue)")
     actions = trial_emails.add_subparsers(dest="trial_emails_action", required=True)
     run_once = actions.add_parser(
-        "run-once",
-        help="enqueue the due emails of every trial in its journey, once; print the result as JSON",
+        "run-once", help="enqueue the due emails of every trial in its journey, once; print the result as JSON"
     )
     run_once.set_defaults(run=_trial_emails_run_once)
 
@@ -402,7 +409,8 @@ def _parser() -> argparse.ArgumentParser:
     outbox_actions = outbox.add_subparsers(dest="outbox_action", required=True)
     listing = outbox_actions.add_parser("list", help="list the parked rows, newest first")
     redrive = outbox_actions.add_parser(
-        "redrive", help="make parked rows owed again: the relay publishes them with their same task ids")
+        "redrive", help="make parked rows owed again: the relay publishes them with their same task ids"
+    )
     for action in (listing, redrive):
         action.add_argument("--parked", action="store_true", help="the parked rows (the only ones these commands see)")
         action.add_argument("--outbox", choices=["completion", "email"], help="one outbox only (default: both)")

@@ -60,13 +60,20 @@ class _ClosedTransportIsConnectionError(AbstractConnection):
                 raise
             raise RedisConnectionError(f"connection to {self._host_error()} closed under the write: {exc!r}") from exc
 
-    async def read_response(self, disable_decoding: bool = False, timeout: float | None = None, *,  # noqa: ASYNC109 (redis-py's)
-                            disconnect_on_error: bool = True, push_request: bool | None = False) -> Any:  # fmt: skip
+    async def read_response(
+        self,
+        disable_decoding: bool = False,
+        timeout: float | None = None,  # noqa: ASYNC109 (redis-py's signature)
+        *,
+        disconnect_on_error: bool = True,
+        push_request: bool | None = False,
+    ) -> Any:
         writer = self._writer
         try:
             # redis-py would disconnect before we can tell whether the transport was closed: we do it after
-            return await super().read_response(disable_decoding, timeout, disconnect_on_error=False,
-                                               push_request=push_request)  # fmt: skip
+            return await super().read_response(
+                disable_decoding, timeout, disconnect_on_error=False, push_request=push_request
+            )
         except ResponseError:
             raise  # the server's answer to the command: the connection is sound
         except BaseException as exc:
@@ -74,8 +81,9 @@ class _ClosedTransportIsConnectionError(AbstractConnection):
             if disconnect_on_error:
                 await self.disconnect(nowait=True)
             if closed:
-                raise RedisConnectionError(f"connection to {self._host_error()} closed under the read: {exc!r}") \
-                    from exc
+                raise RedisConnectionError(
+                    f"connection to {self._host_error()} closed under the read: {exc!r}"
+                ) from exc
             raise
 
 
@@ -115,8 +123,9 @@ def connect_redis(settings: Settings) -> RedisClient:
         # No retry: redis-py retries a cluster pipeline by closing every connection of every node,
         # which fails the healthy nodes' writes in flight too. A failed node's writes go to degraded
         # mode instead, and the topology is re-read before the next command (execute_by_node).
-        cluster = RedisCluster.from_url(settings.redis_url, max_connections=settings.redis_max_connections,
-                                        retry=Retry(NoBackoff(), 0), **common)  # fmt: skip
+        cluster = RedisCluster.from_url(
+            settings.redis_url, max_connections=settings.redis_max_connections, retry=Retry(NoBackoff(), 0), **common
+        )
         # RedisCluster takes no connection class: it passes its own (plain or SSL) to every node it
         # makes, from one dict of node arguments; the node the URL names exists already
         guarded = _GUARDED_NODE[cluster.connection_kwargs["connection_class"]]
@@ -145,9 +154,13 @@ class NotReplicated(RedisError):
 
 
 async def execute_by_node(
-    redis: RedisClient, commands: Sequence[tuple[object, ...]], *, key_index: int,
-    wait_replicas: int = 0, wait_timeout_ms: int = 0,
-) -> list[object]:  # fmt: skip
+    redis: RedisClient,
+    commands: Sequence[tuple[object, ...]],
+    *,
+    key_index: int,
+    wait_replicas: int = 0,
+    wait_timeout_ms: int = 0,
+) -> list[object]:
     """Send commands in one round trip per node; each result is its reply or its own exception.
 
     On a cluster, a pipeline per node rather than one cluster pipeline: redis-py fails a whole cluster
@@ -169,10 +182,12 @@ async def execute_by_node(
             raise RedisConnectionError(f"Redis Cluster unavailable: {exc}") from exc
         groups = list(by_node.values())
     sent = await asyncio.gather(
-        *(_pipeline(redis, [commands[i] for i in group], node, wait_replicas, wait_timeout_ms)
-          for node, group in groups),
+        *(
+            _pipeline(redis, [commands[i] for i in group], node, wait_replicas, wait_timeout_ms)
+            for node, group in groups
+        ),
         return_exceptions=True,
-    )  # fmt: skip
+    )
     results: list[object] = [None] * len(commands)
     for (_, group), outcome in zip(groups, sent, strict=True):
         if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
@@ -259,8 +274,13 @@ def _node_of(redis: RedisCluster, key: object) -> ClusterNode:
     return node
 
 
-async def _pipeline(redis: RedisClient, commands: Sequence[tuple[object, ...]], node: ClusterNode | None,
-                    wait_replicas: int, wait_timeout_ms: int) -> list[object]:  # fmt: skip
+async def _pipeline(
+    redis: RedisClient,
+    commands: Sequence[tuple[object, ...]],
+    node: ClusterNode | None,
+    wait_replicas: int,
+    wait_timeout_ms: int,
+) -> list[object]:
     # WAIT counts the replicas that have every write of its connection: it goes last, on the same one
     wait = [("WAIT", wait_replicas, wait_timeout_ms)] if wait_replicas else []
     results: list[object]
@@ -338,8 +358,10 @@ async def create_db_pool(settings: Settings) -> asyncpg.Pool:
     # Startup parameters hold for every statement of every connection. PgBouncer in transaction mode
     # refuses them ("unsupported startup parameter"): there DATABASE_TIMEOUTS_AT_CONNECT=false and the
     # role carries them (ALTER ROLE ... SET statement_timeout ...); the flush sets its own per transaction.
-    timeouts = statement_timeouts(statement_timeout_s=settings.database_statement_timeout_seconds,
-                                  lock_timeout_s=settings.database_lock_timeout_seconds)  # fmt: skip
+    timeouts = statement_timeouts(
+        statement_timeout_s=settings.database_statement_timeout_seconds,
+        lock_timeout_s=settings.database_lock_timeout_seconds,
+    )
     server_settings = timeouts if settings.database_timeouts_at_connect else None
     return await asyncpg.create_pool(
         settings.database_url,

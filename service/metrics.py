@@ -33,7 +33,8 @@ REDIS_WRITE_ERRORS = Counter(
     "progress_redis_write_errors_total", "Heartbeats whose Redis write failed.", ["content_type"]
 )
 DEGRADED_MODE = Gauge(
-    "progress_degraded_mode", "1 while heartbeats go straight to Postgres because Redis is unreachable.",
+    "progress_degraded_mode",
+    "1 while heartbeats go straight to Postgres because Redis is unreachable.",
     multiprocess_mode="max",
 )
 DEGRADED_WRITES = Counter(
@@ -43,8 +44,7 @@ DEGRADED_WRITES = Counter(
 # the door: unknown content, rate limit, slow bodies (service/api/catalog.py, ratelimit.py, ingest.py)
 REFUSED = Counter(
     "progress_refused_total",
-    "Heartbeats refused at the door before any write: unknown_content (404), rate_limited (429), "
-    "body_timeout (408).",
+    "Heartbeats refused at the door before any write: unknown_content (404), rate_limited (429), body_timeout (408).",
     ["reason"],
 )
 DEFERRED_SHED = Counter(
@@ -57,62 +57,79 @@ CATALOG_UNVERIFIED = Counter(
     "Heartbeats for an id not in the catalog snapshot, accepted unchecked because Postgres could not be asked.",
     ["content_type"],
 )
-CATALOG_KNOWN_IDS = Gauge("progress_catalog_known_ids", "Content ids in the catalog snapshot.", ["content_type"],
-                          multiprocess_mode="max")  # fmt: skip
+CATALOG_KNOWN_IDS = Gauge(
+    "progress_catalog_known_ids", "Content ids in the catalog snapshot.", ["content_type"], multiprocess_mode="max"
+)
 CATALOG_LAST_REFRESH = Gauge(
-    "progress_catalog_last_refresh_timestamp_seconds", "When the catalog snapshot was last loaded.",
+    "progress_catalog_last_refresh_timestamp_seconds",
+    "When the catalog snapshot was last loaded.",
     multiprocess_mode="max",
 )
-REDIS_USED_MEMORY = Gauge("progress_redis_used_memory_bytes", "Redis used_memory (INFO memory), sampled.",
-                          multiprocess_mode="max")  # fmt: skip
-REDIS_MAX_MEMORY = Gauge("progress_redis_maxmemory_bytes", "Redis maxmemory (0: no limit), sampled.",
-                         multiprocess_mode="max")  # fmt: skip
+REDIS_USED_MEMORY = Gauge(
+    "progress_redis_used_memory_bytes", "Redis used_memory (INFO memory), sampled.", multiprocess_mode="max"
+)
+REDIS_MAX_MEMORY = Gauge(
+    "progress_redis_maxmemory_bytes", "Redis maxmemory (0: no limit), sampled.", multiprocess_mode="max"
+)
 
 # flusher
-PENDING_ENTRIES = Gauge("progress_pending_entries", "Members waiting in a pending set.", ["content_type"],
-                        multiprocess_mode="max")  # fmt: skip
-IN_FLIGHT_ENTRIES = Gauge("progress_in_flight_entries", "Members claimed by a flusher, not yet acked.",
-                          ["content_type"], multiprocess_mode="max")  # fmt: skip
+PENDING_ENTRIES = Gauge(
+    "progress_pending_entries", "Members waiting in a pending set.", ["content_type"], multiprocess_mode="max"
+)
+IN_FLIGHT_ENTRIES = Gauge(
+    "progress_in_flight_entries",
+    "Members claimed by a flusher, not yet acked.",
+    ["content_type"],
+    multiprocess_mode="max",
+)
 FLUSH_ROWS = Counter("progress_flush_rows_total", "Progress rows inserted or moved forward.", ["content_type"])
 FLUSH_COMPLETIONS = Counter("progress_flush_completions_total", "Completion events created.", ["content_type"])
 FLUSH_DROPPED = Counter(
     "progress_flush_dropped_total", "Heartbeats dropped: unknown user or content.", ["content_type"]
 )
 FLUSH_EXPIRED = Counter(
-    "progress_flush_expired_total", "Pending entries whose value expired before a flush (lost positions).",
+    "progress_flush_expired_total",
+    "Pending entries whose value expired before a flush (lost positions).",
     ["content_type"],
 )
 FLUSH_REQUEUED = Counter(
     "progress_flush_requeued_total", "Entries put back in a pending set (database outage or expired lease)."
 )
 FLUSH_FAILURES = Counter(
-    "progress_flush_failed_batches_total", "Batches not persisted because the database was unavailable.",
+    "progress_flush_failed_batches_total",
+    "Batches not persisted because the database was unavailable.",
     ["content_type"],
 )
 FLUSH_CYCLE_ERRORS = Counter(
     "progress_flush_cycle_errors_total", "Flush cycles ended by an unexpected error (a bug: see the logs)."
 )
 FLUSH_BATCH_SECONDS = Histogram(
-    "progress_flush_batch_seconds", "Time to persist one batch.", ["content_type"],
+    "progress_flush_batch_seconds",
+    "Time to persist one batch.",
+    ["content_type"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 FLUSH_LAG_SECONDS = Histogram(
-    "progress_flush_lag_seconds", "Per batch: flush time minus the receive time of its oldest heartbeat.",
+    "progress_flush_lag_seconds",
+    "Per batch: flush time minus the receive time of its oldest heartbeat.",
     buckets=(1, 5, 15, 30, 60, 90, 120, 180, 300, 600, 1800, 3600),
 )
 FLUSH_BUDGET_WAIT_SECONDS = Counter(
     "progress_flush_budget_wait_seconds_total", "Seconds the flush drains spent waiting for the fleet's write budget."
 )
 FLUSH_CONCURRENCY_LIMIT = Gauge(
-    "progress_flush_concurrency_limit", "Statements the flush may run at once now (adapts to their latency).",
+    "progress_flush_concurrency_limit",
+    "Statements the flush may run at once now (adapts to their latency).",
     multiprocess_mode="max",
 )
 FLUSH_DRAIN_SECONDS = Gauge(
-    "progress_flush_drain_seconds", "Estimated time to write the backlog: pending entries / the rate they drain at.",
+    "progress_flush_drain_seconds",
+    "Estimated time to write the backlog: pending entries / the rate they drain at.",
     multiprocess_mode="max",
 )
 FLUSH_LAST_SUCCESS = Gauge(
-    "progress_flush_last_success_timestamp_seconds", "When a flush cycle last finished with no failed batch.",
+    "progress_flush_last_success_timestamp_seconds",
+    "When a flush cycle last finished with no failed batch.",
     multiprocess_mode="max",
 )
 
@@ -166,22 +183,27 @@ OUTBOX_RETRIED = Counter(
     ["outbox"],
 )
 OUTBOX_BROKER_UNAVAILABLE = Counter(
-    "progress_outbox_broker_unavailable_total", "Relay batches stopped because the broker was unreachable.",
-    ["outbox"],
+    "progress_outbox_broker_unavailable_total", "Relay batches stopped because the broker was unreachable.", ["outbox"]
 )
 OUTBOX_RELAY_ERRORS = Counter(
     "progress_outbox_relay_errors_total", "Relay passes ended by an unexpected error (a bug: see the log)."
 )
 OUTBOX_OLDEST_AGE = Gauge(
-    "progress_outbox_oldest_unpublished_age_seconds", "Age of the oldest outbox row still owed to the broker.",
-    ["outbox"], multiprocess_mode="max",
+    "progress_outbox_oldest_unpublished_age_seconds",
+    "Age of the oldest outbox row still owed to the broker.",
+    ["outbox"],
+    multiprocess_mode="max",
 )
 # counted by every relay pass, next to the age above; every pod counts the same rows: max, not sum
 OUTBOX_OWED = Gauge(
-    "progress_outbox_owed_messages", "Outbox rows still owed to the broker (not published, not parked).",
-    ["outbox"], multiprocess_mode="max",
+    "progress_outbox_owed_messages",
+    "Outbox rows still owed to the broker (not published, not parked).",
+    ["outbox"],
+    multiprocess_mode="max",
 )
 OUTBOX_PARKED = Gauge(
-    "progress_outbox_parked_messages", "Outbox rows parked after OUTBOX_MAX_ATTEMPTS refusals, waiting for a re-drive.",
-    ["outbox"], multiprocess_mode="max",
+    "progress_outbox_parked_messages",
+    "Outbox rows parked after OUTBOX_MAX_ATTEMPTS refusals, waiting for a re-drive.",
+    ["outbox"],
+    multiprocess_mode="max",
 )

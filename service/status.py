@@ -45,17 +45,25 @@ class Status:
 
 async def gather_status(settings: Settings) -> Status:
     types = [kind.name for kind in CONTENT_KINDS]
-    status = Status({
-        "time": datetime.now(UTC).isoformat(timespec="seconds"),
-        "buffer": {"pending": dict.fromkeys(types), "in_flight": dict.fromkeys(types),
-                   "in_flight_expired": dict.fromkeys(types), "oldest_claim_age_seconds": dict.fromkeys(types),
-                   "shards_per_type": build_key_layout(settings).shards},
-        "outbox": {outbox.name: {"owed": None, "parked": None, "oldest_owed_age_seconds": None}
-                   for outbox in (COMPLETIONS, EMAILS)},
-        "redis": {"ok": False, "used_memory_bytes": None, "maxmemory_bytes": None},
-        "postgres": {"ok": False},
-        "catalog": dict.fromkeys(types),
-    })  # fmt: skip
+    status = Status(
+        {
+            "time": datetime.now(UTC).isoformat(timespec="seconds"),
+            "buffer": {
+                "pending": dict.fromkeys(types),
+                "in_flight": dict.fromkeys(types),
+                "in_flight_expired": dict.fromkeys(types),
+                "oldest_claim_age_seconds": dict.fromkeys(types),
+                "shards_per_type": build_key_layout(settings).shards,
+            },
+            "outbox": {
+                outbox.name: {"owed": None, "parked": None, "oldest_owed_age_seconds": None}
+                for outbox in (COMPLETIONS, EMAILS)
+            },
+            "redis": {"ok": False, "used_memory_bytes": None, "maxmemory_bytes": None},
+            "postgres": {"ok": False},
+            "catalog": dict.fromkeys(types),
+        }
+    )
     await asyncio.gather(_read_redis(settings, status), _read_postgres(settings, status))
     return status
 
@@ -81,11 +89,15 @@ async def _read_redis(settings: Settings, status: Status) -> None:
                 buffer["oldest_claim_age_seconds"][content_type] = round(max(0.0, now_ms - claimed_ms) / 1000, 1)
         if backlog.errors:
             error = backlog.errors[0]
-            status.failures.append(f"{where}: {len(backlog.errors)} of the buffer's reads failed, its counts are "
-                                   f"partial ({type(error).__name__}: {error})")  # fmt: skip
+            status.failures.append(
+                f"{where}: {len(backlog.errors)} of the buffer's reads failed, its counts are "
+                f"partial ({type(error).__name__}: {error})"
+            )
         by_node = await memory_by_node(redis)
-        nodes = {name: dict(zip(("used_memory_bytes", "maxmemory_bytes"), used_and_max(info), strict=True))
-                 for name, info in by_node.items()}  # fmt: skip
+        nodes = {
+            name: dict(zip(("used_memory_bytes", "maxmemory_bytes"), used_and_max(info), strict=True))
+            for name, info in by_node.items()
+        }
         memory["used_memory_bytes"] = sum(node["used_memory_bytes"] for node in nodes.values())
         memory["maxmemory_bytes"] = sum(node["maxmemory_bytes"] for node in nodes.values())
         if settings.redis_cluster:
@@ -100,8 +112,7 @@ async def _read_redis(settings: Settings, status: Status) -> None:
 async def _read_postgres(settings: Settings, status: Status) -> None:
     where = f"Postgres at {_address(settings.database_url)}"
     # one connection, whatever the pool size `serve` is given
-    pool = await create_db_pool(settings.model_copy(update={"database_pool_min_size": 0,
-                                                            "database_pool_max_size": 1}))  # fmt: skip
+    pool = await create_db_pool(settings.model_copy(update={"database_pool_min_size": 0, "database_pool_max_size": 1}))
     try:
         async with pool.acquire() as conn:
             await conn.fetchval("SELECT 1")
@@ -111,22 +122,26 @@ async def _read_postgres(settings: Settings, status: Status) -> None:
                 if counts is not None:
                     age_s = counts.oldest_owed_age_s
                     status.report["outbox"][outbox.name] = {
-                        "owed": counts.owed, "parked": counts.parked,
+                        "owed": counts.owed,
+                        "parked": counts.parked,
                         "oldest_owed_age_seconds": None if age_s is None else round(age_s, 1),
-                    }  # fmt: skip
+                    }
             for kind in CONTENT_KINDS:
-                status.report["catalog"][kind.name] = await _bounded(conn, status, f"the {kind.name} catalog's size",
-                                                                     count_ids, kind)  # fmt: skip
+                status.report["catalog"][kind.name] = await _bounded(
+                    conn, status, f"the {kind.name} catalog's size", count_ids, kind
+                )
     except POSTGRES_FAILED as exc:
         reached = status.report["postgres"]["ok"]
-        status.failures.append(f"{where} {'answered with an error' if reached else 'unavailable'} "
-                               f"({type(exc).__name__}: {exc})")  # fmt: skip
+        status.failures.append(
+            f"{where} {'answered with an error' if reached else 'unavailable'} ({type(exc).__name__}: {exc})"
+        )
     finally:
         await pool.close()
 
 
-async def _bounded(conn: asyncpg.Connection, status: Status, what: str,
-                   read: Callable[..., Awaitable[T]], *args: object) -> T | None:  # fmt: skip
+async def _bounded(
+    conn: asyncpg.Connection, status: Status, what: str, read: Callable[..., Awaitable[T]], *args: object
+) -> T | None:
     """`read` in a read-only transaction of its own, within the limits; None (and a failure) past them."""
     try:
         # SET LOCAL: the limits end with the transaction, so a pooled (PgBouncer) server connection keeps none
@@ -134,8 +149,9 @@ async def _bounded(conn: asyncpg.Connection, status: Status, what: str,
             await conn.execute(_LIMITS_SQL)
             return await read(conn, *args)
     except POSTGRES_BUSY as exc:
-        status.failures.append(f"Postgres: {what} not read within {STATEMENT_TIMEOUT_S:g} s "
-                               f"({type(exc).__name__}: {exc})")  # fmt: skip
+        status.failures.append(
+            f"Postgres: {what} not read within {STATEMENT_TIMEOUT_S:g} s ({type(exc).__name__}: {exc})"
+        )
         return None
 
 
@@ -155,15 +171,21 @@ def render(report: Report) -> str:
     lines = [f"progress-service status at {report['time']}", ""]
     lines.append(f"{'Buffer':<14}{'pending':>12}{'in flight':>12}{'expired':>10}{'oldest claim':>15}")
     for content_type, pending in buffer["pending"].items():
-        lines.append(f"  {content_type:<12}{_n(pending):>12}{_n(buffer['in_flight'][content_type]):>12}"
-                     f"{_n(buffer['in_flight_expired'][content_type]):>10}"
-                     f"{_age(buffer['oldest_claim_age_seconds'][content_type]):>15}")  # fmt: skip
-    lines.append(f"  {buffer['shards_per_type']} shard(s) per type; the oldest pending age is not known cheaply "
-                 "(a set keeps no order): see progress_flush_lag_seconds")  # fmt: skip
+        lines.append(
+            f"  {content_type:<12}{_n(pending):>12}{_n(buffer['in_flight'][content_type]):>12}"
+            f"{_n(buffer['in_flight_expired'][content_type]):>10}"
+            f"{_age(buffer['oldest_claim_age_seconds'][content_type]):>15}"
+        )
+    lines.append(
+        f"  {buffer['shards_per_type']} shard(s) per type; the oldest pending age is not known cheaply "
+        "(a set keeps no order): see progress_flush_lag_seconds"
+    )
     lines += ["", f"{'Outbox':<14}{'owed':>12}{'parked':>12}{'oldest owed':>15}"]
     for name, counts in outboxes.items():
-        lines.append(f"  {name:<12}{_n(counts['owed']):>12}{_n(counts['parked']):>12}"
-                     f"{_age(counts['oldest_owed_age_seconds']):>15}")  # fmt: skip
+        lines.append(
+            f"  {name:<12}{_n(counts['owed']):>12}{_n(counts['parked']):>12}"
+            f"{_age(counts['oldest_owed_age_seconds']):>15}"
+        )
     memory = _memory(redis["used_memory_bytes"], redis["maxmemory_bytes"])
     if not redis["ok"]:
         memory = "NOT REACHABLE" if redis["used_memory_bytes"] is None else f"NOT OK (partly read): {memory}"

@@ -71,9 +71,7 @@ def auth(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-async def seed(
-    db: asyncpg.Pool, *, users: int = 3, contents: int = 3, duration_s: int = 600
-) -> None:
+async def seed(db: asyncpg.Pool, *, users: int = 3, contents: int = 3, duration_s: int = 600) -> None:
     """Users 1..users and content 1..contents of every kind, each `duration_s` long."""
     await db.execute(
         "INSERT INTO users_user (id, email) SELECT i, 'user' || i || '@example.com' FROM generate_series(1, $1) i",
@@ -82,8 +80,9 @@ async def seed(
     for table in ("courses_lesson", "audios_audio", "audios_meditation", "lives_live"):
         await db.execute(
             f"INSERT INTO {table} (id, title, duration) SELECT i, 'content ' || i, $2 FROM generate_series(1, $1) i",
-            contents, duration_s,
-        )  # fmt: skip
+            contents,
+            duration_s,
+        )
 
 
 async def wait_for(condition: Callable[[], Awaitable[object]], timeout_s: float = 5.0) -> None:
@@ -103,14 +102,20 @@ def metric(name: str, **labels: str) -> float:
 FLUSH_LEASE_S = 1.0  # the lease of the flusher processes the crash tests start
 
 
-async def write(redis: RedisClient, content_type: str, content_id: int, user_id: int, position: float,
-                received_ms: float | None = None, ttl_s: int = 3600,
-                layout: KeyLayout = STANDALONE) -> float:  # fmt: skip
+async def write(
+    redis: RedisClient,
+    content_type: str,
+    content_id: int,
+    user_id: int,
+    position: float,
+    received_ms: float | None = None,
+    ttl_s: int = 3600,
+    layout: KeyLayout = STANDALONE,
+) -> float:
     """What the request path writes, through the same script (receive times strictly increasing, as there)."""
     received_ms = received_ms if received_ms is not None else receive_ms()
     await redis.script_load(WRITE_SCRIPT)
-    await redis.execute_command(*write_args(content_type, content_id, user_id, position, received_ms, ttl_s,
-                                            layout))  # type: ignore[arg-type]  # fmt: skip
+    await redis.execute_command(*write_args(content_type, content_id, user_id, position, received_ms, ttl_s, layout))  # type: ignore[arg-type]
     return received_ms
 
 
@@ -137,20 +142,31 @@ def clean_environment() -> dict[str, str]:
 
 def flusher_env(servers: Servers, **extra: str) -> dict[str, str]:
     env = clean_environment()
-    env.update(REDIS_URL=servers.redis_url, DATABASE_URL=servers.database_url, LOG_LEVEL="WARNING",
-               PROGRESS_FLUSH_LEASE_SECONDS=str(FLUSH_LEASE_S), PROGRESS_FLUSH_BATCH_SIZE="100",
-               PROGRESS_FLUSH_CONCURRENCY="2")  # fmt: skip
+    env.update(
+        REDIS_URL=servers.redis_url,
+        DATABASE_URL=servers.database_url,
+        LOG_LEVEL="WARNING",
+        PROGRESS_FLUSH_LEASE_SECONDS=str(FLUSH_LEASE_S),
+        PROGRESS_FLUSH_BATCH_SIZE="100",
+        PROGRESS_FLUSH_CONCURRENCY="2",
+    )
     env.update(extra)
     return env
 
 
 def flush_once(servers: Servers, **extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "service", "flush", "--once"], env=flusher_env(servers, **extra),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "service", "flush", "--once"],
+        env=flusher_env(servers, **extra),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-async def fill(redis: RedisClient, db: asyncpg.Pool, keys: int,
-               layout: KeyLayout = STANDALONE) -> dict[tuple[int, int], float]:  # fmt: skip
+async def fill(
+    redis: RedisClient, db: asyncpg.Pool, keys: int, layout: KeyLayout = STANDALONE
+) -> dict[tuple[int, int], float]:
     """`keys` lessons-by-user, each with a few heartbeats; returns the last position of each."""
     await seed(db, users=keys // 10, contents=10)
     last = {}
@@ -178,8 +194,9 @@ async def backlog(redis: RedisClient, layout: KeyLayout = STANDALONE) -> tuple[i
     return pending, in_flight
 
 
-async def assert_all_persisted(redis: RedisClient, db: asyncpg.Pool, last: dict[tuple[int, int], float],
-                               layout: KeyLayout = STANDALONE) -> None:  # fmt: skip
+async def assert_all_persisted(
+    redis: RedisClient, db: asyncpg.Pool, last: dict[tuple[int, int], float], layout: KeyLayout = STANDALONE
+) -> None:
     rows = await lesson_rows(db)
     missing = [key for key in last if key not in rows]
     wrong = [key for key, position in last.items() if key in rows and rows[key]["position"] != position]
@@ -187,16 +204,25 @@ async def assert_all_persisted(redis: RedisClient, db: asyncpg.Pool, last: dict[
     assert await backlog(redis, layout) == (0, 0)
 
 
-async def race_three_flushers(redis: RedisClient, db: asyncpg.Pool, env: dict[str, str],
-                              layout: KeyLayout = STANDALONE) -> None:  # fmt: skip
+async def race_three_flushers(
+    redis: RedisClient, db: asyncpg.Pool, env: dict[str, str], layout: KeyLayout = STANDALONE
+) -> None:
     """Three `flush` processes on the same 2,000 keys: one event per key, and no position ever moves back."""
     await redis.script_load(WRITE_SCRIPT)
     await seed(db, users=200, contents=10, duration_s=1000)  # 2000 keys
     keys = [(c, u) for c in range(1, 11) for u in range(1, 201)]
     crossing = set(keys[:500])
     env = env | {"PROGRESS_FLUSH_INTERVAL_SECONDS": "0.1", "PROGRESS_FLUSH_LEASE_SECONDS": "10"}
-    flushers = [subprocess.Popen([sys.executable, "-m", "service", "flush"], env=env, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE, text=True) for _ in range(3)]  # fmt: skip
+    flushers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "service", "flush"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
     seen: dict[tuple[int, int], tuple[float, float]] = {}  # key -> (updated_at, position) last sampled
     moved_back = []
 
@@ -251,11 +277,18 @@ RELAY_LEASE_S = 3.0  # the relay's lease in the outbox tests (in-process and `re
 
 
 def with_broker(settings: Settings, broker_url: str, **update: object) -> Settings:
-    return settings.model_copy(update={
-        "celery_broker_url": broker_url, "relay_enabled": True, "email_publisher": "celery",
-        "relay_poll_interval_seconds": 0.5, "relay_lease_seconds": RELAY_LEASE_S, "celery_publish_timeout_seconds": 2.0,
-        "relay_max_backoff_seconds": 1.0, **update,
-    })  # fmt: skip
+    return settings.model_copy(
+        update={
+            "celery_broker_url": broker_url,
+            "relay_enabled": True,
+            "email_publisher": "celery",
+            "relay_poll_interval_seconds": 0.5,
+            "relay_lease_seconds": RELAY_LEASE_S,
+            "celery_publish_timeout_seconds": 2.0,
+            "relay_max_backoff_seconds": 1.0,
+            **update,
+        }
+    )
 
 
 async def post_near_end(client: httpx.AsyncClient, settings: Settings, users: int = 20, lessons: int = 10) -> None:
@@ -263,8 +296,9 @@ async def post_near_end(client: httpx.AsyncClient, settings: Settings, users: in
     for user_id in range(1, users + 1):
         headers = auth(make_token(settings, user_id))
         for lesson_id in range(1, lessons + 1):
-            response = await client.post("/engagements/progress/lesson", headers=headers,
-                                         json={"lesson_id": lesson_id, "position": 595})  # fmt: skip
+            response = await client.post(
+                "/engagements/progress/lesson", headers=headers, json={"lesson_id": lesson_id, "position": 595}
+            )
             assert response.status_code == 201
 
 
@@ -273,23 +307,36 @@ async def add_events(db: asyncpg.Pool, count: int) -> None:
     await seed(db, users=count, contents=1)
     await db.execute(
         "INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
-        "SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i", count,
-    )  # fmt: skip
+        "SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i",
+        count,
+    )
 
 
 def relay_env(servers: Servers, broker: Broker, **extra: str) -> dict[str, str]:
     env = clean_environment()
-    env.update(REDIS_URL=servers.redis_url, DATABASE_URL=servers.database_url, CELERY_BROKER_URL=broker.url,
-               LOG_LEVEL="WARNING", RELAY_LEASE_SECONDS=str(RELAY_LEASE_S), CELERY_PUBLISH_TIMEOUT_SECONDS="2",
-               RELAY_BATCH_SIZE="50")  # fmt: skip
+    env.update(
+        REDIS_URL=servers.redis_url,
+        DATABASE_URL=servers.database_url,
+        CELERY_BROKER_URL=broker.url,
+        LOG_LEVEL="WARNING",
+        RELAY_LEASE_SECONDS=str(RELAY_LEASE_S),
+        CELERY_PUBLISH_TIMEOUT_SECONDS="2",
+        RELAY_BATCH_SIZE="50",
+    )
     env.update(extra)
     return env
 
 
 async def relay_once(servers: Servers, broker: Broker, **extra: str) -> tuple[int, dict[str, Any] | None]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "service", "relay", "--once", env=relay_env(servers, broker, **extra),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "service",
+        "relay",
+        "--once",
+        env=relay_env(servers, broker, **extra),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
     assert process.returncode is not None
@@ -302,8 +349,18 @@ async def relay_once(servers: Servers, broker: Broker, **extra: str) -> tuple[in
 async def limited_broker_user(broker: Broker) -> str:
     """The URL of a broker user that may not write the queue "forbidden": a publish there gets NOPERM."""
     admin = Redis.from_url(broker.url)
-    await admin.execute_command("ACL", "SETUSER", "relay-limited", "on", ">limited-password", "resetkeys",
-                                "~onion-progress", "~emails", "~_kombu.*", "+@all")  # fmt: skip
+    await admin.execute_command(
+        "ACL",
+        "SETUSER",
+        "relay-limited",
+        "on",
+        ">limited-password",
+        "resetkeys",
+        "~onion-progress",
+        "~emails",
+        "~_kombu.*",
+        "+@all",
+    )
     await admin.aclose()
     return broker.url.replace("redis://", "redis://relay-limited:limited-password@")
 
@@ -335,13 +392,17 @@ async def add_trials(
     await db.execute(
         "INSERT INTO users_user (id, email) SELECT i, 'user' || i || '@example.com' "
         "FROM generate_series($1::bigint, $2::bigint) i",
-        first_user, last_user,
-    )  # fmt: skip
+        first_user,
+        last_user,
+    )
     rows = await db.fetch(
         "INSERT INTO trials_usertrial (user_id, started_at, ends_at) "
         "SELECT i, $3, $4 FROM generate_series($1::bigint, $2::bigint) i ORDER BY i RETURNING id",
-        first_user, last_user, started_at, ends_at,
-    )  # fmt: skip
+        first_user,
+        last_user,
+        started_at,
+        ends_at,
+    )
     return sorted(row["id"] for row in rows)
 
 
@@ -372,8 +433,14 @@ class StatusRun(NamedTuple):
 async def run_status(servers: Servers, **extra: str) -> StatusRun:
     """`progress-service status --json` in its own process, configured from the environment as `serve` is."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "service", "status", "--json", env=flusher_env(servers, **extra),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "service",
+        "status",
+        "--json",
+        env=flusher_env(servers, **extra),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode is not None
@@ -412,8 +479,12 @@ def ago(seconds: float) -> datetime:
 def sync_item(
     content_id: int, position: float, listened_at: datetime, content_type: str = "audio"
 ) -> dict[str, object]:
-    return {"content_type": content_type, "content_id": content_id, "position": position,
-            "listened_at": listened_at.isoformat()}  # fmt: skip
+    return {
+        "content_type": content_type,
+        "content_id": content_id,
+        "position": position,
+        "listened_at": listened_at.isoformat(),
+    }
 
 
 def sync_body(items: int) -> bytes:

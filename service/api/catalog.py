@@ -41,8 +41,16 @@ class LookupsSaturated(Exception):
 
 
 class ContentCatalog:
-    def __init__(self, pool: asyncpg.Pool, *, lookup_timeout_s: float, answer_ttl_s: float, max_answers: int,
-                 max_lookups: int, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        *,
+        lookup_timeout_s: float,
+        answer_ttl_s: float,
+        max_answers: int,
+        max_lookups: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._pool = pool
         self._lookup_timeout_s = lookup_timeout_s
         self._answer_ttl_s = answer_ttl_s
@@ -96,8 +104,12 @@ class ContentCatalog:
                 known = await exists(self._pool, kind, content_id, timeout_s=self._lookup_timeout_s)
         except POSTGRES_FAILED as exc:
             self._db_down_until = self._clock() + _DB_RETRY_S
-            log.warning("content lookup failed (%s: %s): unseen ids accepted unverified", type(exc).__name__, exc,
-                        extra={"content_type": kind.name})  # fmt: skip
+            log.warning(
+                "content lookup failed (%s: %s): unseen ids accepted unverified",
+                type(exc).__name__,
+                exc,
+                extra={"content_type": kind.name},
+            )
             return None
         self._remember((kind.name, content_id), known)
         return known
@@ -129,8 +141,7 @@ class ContentCatalog:
             await self.refresh()
         except POSTGRES_FAILED as exc:
             # until a load succeeds, ids outside the last snapshot are looked up one by one
-            log.warning("content catalog refresh failed (%s: %s); keeping the last snapshot",
-                        type(exc).__name__, exc)  # fmt: skip
+            log.warning("content catalog refresh failed (%s: %s); keeping the last snapshot", type(exc).__name__, exc)
             return False
         return True
 

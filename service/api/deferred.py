@@ -84,8 +84,9 @@ class DeferredHeartbeats:
             if not entries:
                 return True
             keys = list(entries)
-            results = await asyncio.gather(*(self._write(sink, key, entries[key]) for key in keys),
-                                           return_exceptions=True)  # fmt: skip
+            results = await asyncio.gather(
+                *(self._write(sink, key, entries[key]) for key in keys), return_exceptions=True
+            )
             unavailable = 0
             for key, result in zip(keys, results, strict=True):
                 if isinstance(result, Unavailable):
@@ -95,8 +96,12 @@ class DeferredHeartbeats:
                     raise result  # a bug: every write was awaited to its end first
             if unavailable:
                 error = next(r for r in results if isinstance(r, Unavailable))
-                log.warning("%d refused heartbeats not written (%s); kept for the next try", unavailable, error,
-                            extra={"count": unavailable})  # fmt: skip
+                log.warning(
+                    "%d refused heartbeats not written (%s); kept for the next try",
+                    unavailable,
+                    error,
+                    extra={"count": unavailable},
+                )
             return not unavailable
 
     @staticmethod
@@ -104,13 +109,21 @@ class DeferredHeartbeats:
         _, content_id, user_id = key
         if entry.peak > entry.position:
             # the furthest first, received earlier: the latest written after it stands, and the peak stays
-            await sink.write(entry.kind, content_id=content_id, user_id=user_id, position=entry.peak,
-                             received_ms=entry.peak_ms)  # fmt: skip
-        await sink.write(entry.kind, content_id=content_id, user_id=user_id, position=entry.position,
-                         received_ms=entry.received_ms)  # fmt: skip
+            await sink.write(
+                entry.kind, content_id=content_id, user_id=user_id, position=entry.peak, received_ms=entry.peak_ms
+            )
+        await sink.write(
+            entry.kind, content_id=content_id, user_id=user_id, position=entry.position, received_ms=entry.received_ms
+        )
 
     async def run(self, sink: HeartbeatSink, stop: asyncio.Event, interval_s: float = DEFER_INTERVAL_S) -> None:
         """Drain every interval until `stop` (the lifespan drains a last time before the sink closes)."""
         # the loop is the only way out for these positions: every() logs a bug loudly and goes on
-        await every(interval_s, stop, partial(self.drain, sink), name="writing the refused heartbeats",
-                    wait_first=True, logger=log)  # fmt: skip
+        await every(
+            interval_s,
+            stop,
+            partial(self.drain, sink),
+            name="writing the refused heartbeats",
+            wait_first=True,
+            logger=log,
+        )

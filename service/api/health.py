@@ -72,8 +72,9 @@ async def _check_postgres(request: Request) -> str | None:
     return await _bounded_check(request, "postgres", partial(pool.fetchval, "SELECT 1"), POSTGRES_FAILED)
 
 
-async def _bounded_check(request: Request, store: str, probe: Callable[[], Coroutine[Any, Any, object]],
-                         failed: tuple[type[Exception], ...]) -> str:  # fmt: skip
+async def _bounded_check(
+    request: Request, store: str, probe: Callable[[], Coroutine[Any, Any, object]], failed: tuple[type[Exception], ...]
+) -> str:
     """The store's answer within _READY_TIMEOUT_S, or why not.
 
     The probe is not cancelled at the deadline: cancelling an asyncpg query on a hung server waits for

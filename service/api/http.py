@@ -109,8 +109,7 @@ def rate_limited(detail: str, retry_after_s: float) -> HttpError:
     return HttpError(429, detail, [(b"retry-after", retry_after_header(retry_after_s))])
 
 
-async def read_json(receive: Receive, model: type[Body], declared_length: int, *, limit: int,
-                    timeout_s: float) -> Body:  # fmt: skip
+async def read_json(receive: Receive, model: type[Body], declared_length: int, *, limit: int, timeout_s: float) -> Body:
     """The body as `model`; HttpError 413 past `limit` bytes, 408 past `timeout_s`, 400/422 when invalid.
 
     ClientGone when the client hangs up before the end of its body.

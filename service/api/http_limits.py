@@ -19,8 +19,14 @@ HEADER_READ_TIMEOUT_S = 10.0
 
 def _refusal(status: bytes, detail: str) -> bytes:
     body = json.dumps({"detail": detail}).encode()
-    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
-            + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)  # fmt: skip
+    return (
+        b"HTTP/1.1 "
+        + status
+        + b"\r\ncontent-type: application/json\r\ncontent-length: "
+        + str(len(body)).encode()
+        + b"\r\nconnection: close\r\n\r\n"
+        + body
+    )
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):

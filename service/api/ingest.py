@@ -33,9 +33,17 @@ _REFUSAL_LOG_INTERVAL_S = 10.0
 class ProgressIngest:
     """ASGI middleware: POSTs to the four progress routes end here; anything else goes on to `reads`, then `app`."""
 
-    def __init__(self, app: ASGIApp, *, authenticator: Authenticator, max_body_bytes: int,
-                 body_read_timeout_s: float = 10.0, limiter: RateLimiter | None = None,
-                 deferred: DeferredHeartbeats | None = None, reads: ASGIApp | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        authenticator: Authenticator,
+        max_body_bytes: int,
+        body_read_timeout_s: float = 10.0,
+        limiter: RateLimiter | None = None,
+        deferred: DeferredHeartbeats | None = None,
+        reads: ASGIApp | None = None,
+    ) -> None:
         self.app = app
         # the progress reads, then the sync (service/api/reads.py, sync.py), in front of `app` for the rest
         self._next = reads or app
@@ -81,8 +89,9 @@ class ProgressIngest:
         user_id, declared_length = identify(self.authenticator, scope["headers"])
         # counted now, answered once the body is read: a refused heartbeat's position is kept for later
         retry_after_s = self.limiter.allow(user_id) if self.limiter is not None else None
-        heartbeat = await read_json(receive, kind.body, declared_length, limit=self.max_body_bytes,
-                                    timeout_s=self.body_read_timeout_s)  # fmt: skip
+        heartbeat = await read_json(
+            receive, kind.body, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s
+        )
         if retry_after_s is not None:
             self._refuse(kind, getattr(heartbeat, kind.id_column), user_id, heartbeat.position, retry_after_s)
         sink = self.sink  # once: the lifespan may take it away while the catalog lookup below waits
@@ -100,8 +109,9 @@ class ProgressIngest:
                 metrics.REFUSED.labels("unknown_content").inc()
                 raise HttpError(404, f"unknown {kind.id_column} {content_id}")
         try:
-            await sink.write(kind, content_id=content_id, user_id=user_id, position=heartbeat.position,
-                             received_ms=receive_ms())  # fmt: skip
+            await sink.write(
+                kind, content_id=content_id, user_id=user_id, position=heartbeat.position, received_ms=receive_ms()
+            )
         except Unavailable as exc:
             self._log_refusal(kind, exc)
             raise HttpError(503, str(exc)) from None
@@ -114,15 +124,19 @@ class ProgressIngest:
         """
         catalog = self.catalog
         if self.deferred is not None and (catalog is None or catalog.known_in_memory(kind, content_id)):
-            self.deferred.keep(kind, content_id=content_id, user_id=user_id, position=position,
-                               received_ms=receive_ms())  # fmt: skip
+            self.deferred.keep(
+                kind, content_id=content_id, user_id=user_id, position=position, received_ms=receive_ms()
+            )
         raise rate_limited("too many heartbeats from this user, retry later", retry_after_s)
 
     def _log_refusal(self, kind: ContentKind, exc: Unavailable) -> None:
         self._refused_since_log += 1
         now = time.monotonic()
         if now - self._refusal_logged_at >= _REFUSAL_LOG_INTERVAL_S:
-            log.warning("heartbeats refused with 503: %s", exc,
-                        extra={"content_type": kind.name, "count": self._refused_since_log})  # fmt: skip
+            log.warning(
+                "heartbeats refused with 503: %s",
+                exc,
+                extra={"content_type": kind.name, "count": self._refused_since_log},
+            )
             self._refused_since_log = 0
             self._refusal_logged_at = now

@@ -99,12 +99,18 @@ def _read_operations() -> dict[str, Any]:
             "security": [{"bearerAuth": []}],
             "parameters": [
                 _CONTENT_TYPE_PARAMETER,
-                {"name": "content_id", "in": "path", "required": True,
-                 "schema": {"type": "integer", "minimum": 1, "maximum": MAX_ID}},
+                {
+                    "name": "content_id",
+                    "in": "path",
+                    "required": True,
+                    "schema": {"type": "integer", "minimum": 1, "maximum": MAX_ID},
+                },
             ],
             "responses": {
-                "200": {"description": "The freshest position.",
-                        "content": _json_content("Progress", _PROGRESS_EXAMPLE)},
+                "200": {
+                    "description": "The freshest position.",
+                    "content": _json_content("Progress", _PROGRESS_EXAMPLE),
+                },
                 "404": _error_response("No progress of this user on this content (or no such content)."),
                 **_READ_ERRORS,
             },
@@ -118,14 +124,26 @@ def _read_operations() -> dict[str, Any]:
             "security": [{"bearerAuth": []}],
             "parameters": [
                 _CONTENT_TYPE_PARAMETER,
-                {"name": "ids", "in": "query", "required": True, "style": "form", "explode": False,
-                 "description": "Comma-separated content ids: `ids=1,2,3`.",
-                 "schema": {"type": "array", "minItems": 1, "maxItems": MAX_IDS,
-                            "items": {"type": "integer", "minimum": 1, "maximum": MAX_ID}}},
+                {
+                    "name": "ids",
+                    "in": "query",
+                    "required": True,
+                    "style": "form",
+                    "explode": False,
+                    "description": "Comma-separated content ids: `ids=1,2,3`.",
+                    "schema": {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": MAX_IDS,
+                        "items": {"type": "integer", "minimum": 1, "maximum": MAX_ID},
+                    },
+                },
             ],
             "responses": {
-                "200": {"description": "The freshest positions.",
-                        "content": _json_content("ProgressList", {"data": [_PROGRESS_EXAMPLE]})},
+                "200": {
+                    "description": "The freshest positions.",
+                    "content": _json_content("ProgressList", {"data": [_PROGRESS_EXAMPLE]}),
+                },
                 **_READ_ERRORS,
             },
         }
@@ -141,26 +159,48 @@ def _read_operations() -> dict[str, Any]:
             "security": [{"bearerAuth": []}],
             "requestBody": {
                 "required": True,
-                "content": _json_content("SyncRequest", {"items": [
-                    {"content_type": "audio", "content_id": 7, "position": 95.0,
-                     "listened_at": "2026-11-29T21:04:00+01:00"},
-                    {"content_type": "meditation", "content_id": 3, "position": 600.0,
-                     "listened_at": "2026-11-29T21:30:12Z"},
-                ]}),
+                "content": _json_content(
+                    "SyncRequest",
+                    {
+                        "items": [
+                            {
+                                "content_type": "audio",
+                                "content_id": 7,
+                                "position": 95.0,
+                                "listened_at": "2026-11-29T21:04:00+01:00",
+                            },
+                            {
+                                "content_type": "meditation",
+                                "content_id": 3,
+                                "position": 600.0,
+                                "listened_at": "2026-11-29T21:30:12Z",
+                            },
+                        ]
+                    },
+                ),
             },
             "responses": {
-                "200": {"description": "One result per item, in request order.",
-                        "content": _json_content("SyncResult", {"items": [
-                            {"applied": True, "reason": None},
-                            {"applied": False, "reason": "older than the stored position"},
-                        ]})},
+                "200": {
+                    "description": "One result per item, in request order.",
+                    "content": _json_content(
+                        "SyncResult",
+                        {
+                            "items": [
+                                {"applied": True, "reason": None},
+                                {"applied": False, "reason": "older than the stored position"},
+                            ]
+                        },
+                    ),
+                },
                 "400": _error_response("Malformed JSON."),
                 "401": _UNAUTHENTICATED,
                 "408": _BODY_TIMEOUT,
                 "413": _error_response("Body larger than SYNC_MAX_BODY_BYTES."),
                 "422": _error_response(f"Invalid fields (1 to {SYNC_MAX_ITEMS} items); `detail` names them."),
-                "429": _too_many("Too many syncs or items from this user (one call against the heartbeats' rate; "
-                                 "items against SYNC_ITEMS_PER_USER_PER_SECOND)."),
+                "429": _too_many(
+                    "Too many syncs or items from this user (one call against the heartbeats' rate; "
+                    "items against SYNC_ITEMS_PER_USER_PER_SECOND)."
+                ),
                 "503": _error_response("Redis or Postgres cannot take the items now; nothing to lose, retry later."),
             },
         }
@@ -206,8 +246,10 @@ def build_openapi(api: FastAPI) -> dict[str, Any]:
                     "type": "object",
                     "properties": {
                         "applied": {"type": "boolean"},
-                        "reason": {"anyOf": [{"type": "string"}, {"type": "null"}],
-                                   "description": "Why not applied; null when applied."},
+                        "reason": {
+                            "anyOf": [{"type": "string"}, {"type": "null"}],
+                            "description": "Why not applied; null when applied.",
+                        },
                     },
                     "required": ["applied", "reason"],
                 },

@@ -16,8 +16,9 @@ _MAX_USERS = 100_000
 
 
 class RateLimiter:
-    def __init__(self, *, per_second: float, burst: int, max_users: int = _MAX_USERS,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self, *, per_second: float, burst: int, max_users: int = _MAX_USERS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._interval_s = 1.0 / per_second
         self._window_s = burst * self._interval_s  # how far ahead the full-again time may be
         self._max_users = max_users

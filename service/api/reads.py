@@ -67,8 +67,9 @@ def _kind(name: str) -> ContentKind:
 
 
 def _ids(query_string: bytes) -> list[int]:
-    values = [value for name, value in parse_qsl(query_string.decode("latin-1"), keep_blank_values=True)
-              if name == "ids"]  # fmt: skip
+    values = [
+        value for name, value in parse_qsl(query_string.decode("latin-1"), keep_blank_values=True) if name == "ids"
+    ]
     if not values:
         raise _invalid("query", "ids", "Field required: ids=1,2,3", "missing")
     if len(values) > 1:
@@ -108,8 +109,10 @@ def progress_json(content_type: str, progress: Progress) -> str:
     content_id, position, updated_us, completed_us = progress
     position_text = repr(position) if math.isfinite(position) else json.dumps(position)
     completed_at = "null" if completed_us is None else f'"{iso_utc(completed_us)}"'
-    return (f'{{"content_type":"{content_type}","content_id":{content_id},"position":{position_text},'
-            f'"updated_at":"{iso_utc(updated_us)}","completed_at":{completed_at}}}')  # fmt: skip
+    return (
+        f'{{"content_type":"{content_type}","content_id":{content_id},"position":{position_text},'
+        f'"updated_at":"{iso_utc(updated_us)}","completed_at":{completed_at}}}'
+    )
 
 
 class ProgressReads:

@@ -46,9 +46,16 @@ def _outcome_json(outcome: SyncOutcome) -> bytes:
 class ProgressSync:
     """ASGI middleware: every request to /progress/sync ends here; anything else goes to `app`."""
 
-    def __init__(self, app: ASGIApp, *, authenticator: Authenticator, max_body_bytes: int,
-                 body_read_timeout_s: float = 10.0, limiter: RateLimiter | None = None,
-                 items_limiter: RateLimiter | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        authenticator: Authenticator,
+        max_body_bytes: int,
+        body_read_timeout_s: float = 10.0,
+        limiter: RateLimiter | None = None,
+        items_limiter: RateLimiter | None = None,
+    ) -> None:
         self.app = app
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes

@@ -59,16 +59,22 @@ class ParkedRow:
     attempts: int
 
     def as_json(self) -> dict[str, object]:
-        return {"outbox": self.outbox, "id": self.id, "error": self.error, "failed_at": self.failed_at.isoformat(),
-                "attempts": self.attempts}  # fmt: skip
+        return {
+            "outbox": self.outbox,
+            "id": self.id,
+            "error": self.error,
+            "failed_at": self.failed_at.isoformat(),
+            "attempts": self.attempts,
+        }
 
 
 def _sql(template: str, outbox: Outbox) -> str:
     return template.format(table=outbox.table, key=outbox.key, parked=PARKED, channel=NOTIFY_CHANNEL)
 
 
-async def list_parked(conn: asyncpg.Connection | asyncpg.Pool, outboxes: Sequence[Outbox], *, limit: int,
-                      ids: Sequence[int] | None = None) -> list[ParkedRow]:  # fmt: skip
+async def list_parked(
+    conn: asyncpg.Connection | asyncpg.Pool, outboxes: Sequence[Outbox], *, limit: int, ids: Sequence[int] | None = None
+) -> list[ParkedRow]:
     """The `limit` most recently parked rows of `outboxes` (only `ids`, when given), newest first."""
     found: list[ParkedRow] = []
     for outbox in outboxes:
@@ -78,15 +84,22 @@ async def list_parked(conn: asyncpg.Connection | asyncpg.Pool, outboxes: Sequenc
     return found[:limit]
 
 
-async def count_parked(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox,
-                       ids: Sequence[int] | None = None) -> int:  # fmt: skip
+async def count_parked(
+    conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox, ids: Sequence[int] | None = None
+) -> int:
     """What a re-drive of `outbox` (only `ids`, when given) would touch now."""
     return int(await conn.fetchval(_sql(_COUNT_SQL, outbox), ids))
 
 
-async def redrive_parked(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox, *, ids: Sequence[int] | None = None,
-                         chunk: int = REDRIVE_CHUNK, on_chunk: Callable[[int], None] | None = None,
-                         should_stop: Callable[[], bool] = lambda: False) -> int:  # fmt: skip
+async def redrive_parked(
+    conn: asyncpg.Connection | asyncpg.Pool,
+    outbox: Outbox,
+    *,
+    ids: Sequence[int] | None = None,
+    chunk: int = REDRIVE_CHUNK,
+    on_chunk: Callable[[int], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> int:
     """Make the parked rows of `outbox` (only `ids`, when given) owed again, chunk by chunk; returns how many.
 
     `on_chunk(count)` after each chunk (a progress meter); `should_stop` is asked between chunks

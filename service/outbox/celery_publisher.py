@@ -135,9 +135,14 @@ class CeleryPublisher:
                         return result
                     try:
                         self.app.send_task(
-                            message.task_name, kwargs=message.kwargs, task_id=message.task_id,
-                            queue=message.queue, serializer="json", producer=producer, retry=True,
-                        )  # fmt: skip
+                            message.task_name,
+                            kwargs=message.kwargs,
+                            task_id=message.task_id,
+                            queue=message.queue,
+                            serializer="json",
+                            producer=producer,
+                            retry=True,
+                        )
                     except Exception as exc:  # sorted below: refused (this message) or not now (all)
                         reply = _broker_reply(exc)
                         if reply == "temporary" or (reply is None and isinstance(exc, self._connection_errors)):
@@ -165,6 +170,7 @@ def _transport_defaults(broker_url: str) -> dict[str, Any]:
 
 def publisher_from_settings(settings: Settings) -> CeleryPublisher:
     return CeleryPublisher(
-        settings.celery_broker_url, settings.celery_broker_transport_options,
+        settings.celery_broker_url,
+        settings.celery_broker_transport_options,
         timeout_s=settings.celery_publish_timeout_seconds,
-    )  # fmt: skip
+    )

@@ -112,13 +112,22 @@ async def outbox_counts(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox)
     return OutboxCounts(int(row["owed"]), int(row["parked"]), row["oldest_owed_age_s"])
 
 
-def _outbox(name: str, *, table: str, key: str, returning: str,
-            to_message: Callable[[asyncpg.Record, str, str], Message]) -> Outbox:  # fmt: skip
+def _outbox(
+    name: str, *, table: str, key: str, returning: str, to_message: Callable[[asyncpg.Record, str, str], Message]
+) -> Outbox:
     """Both outboxes are one shape: a table with a bigint key, published_at, a lease, attempts and a park."""
     names = {"table": table, "key": key, "returning": returning, "owed": OWED, "parked": PARKED}
-    return Outbox(name, table, key, _CLAIM_SQL.format(**names), _MARK_SQL.format(**names),
-                  _RELEASE_SQL.format(**names), _REFUSE_SQL.format(**names), _COUNTS_SQL.format(**names),
-                  to_message)  # fmt: skip
+    return Outbox(
+        name,
+        table,
+        key,
+        _CLAIM_SQL.format(**names),
+        _MARK_SQL.format(**names),
+        _RELEASE_SQL.format(**names),
+        _REFUSE_SQL.format(**names),
+        _COUNTS_SQL.format(**names),
+        to_message,
+    )
 
 
 def completion_message(row: asyncpg.Record, task_name: str, queue: str) -> Message:
@@ -138,18 +147,28 @@ def email_kwargs(dispatch_id: int, user_id: int, email_key: str, source: str) ->
 
 def email_message(row: asyncpg.Record, task_name: str, queue: str) -> Message:
     kwargs = email_kwargs(row["id"], row["user_id"], row["email_key"], row["source"])
-    return Message(row["id"], task_name, queue, email_task_id(row["id"]), kwargs,
-                   extra={"reserved_at": row["reserved_at"]})  # fmt: skip
+    return Message(
+        row["id"], task_name, queue, email_task_id(row["id"]), kwargs, extra={"reserved_at": row["reserved_at"]}
+    )
 
 
-COMPLETIONS = _outbox("completion", table="progress_completion_event", key="id",
-                      returning="o.content_type, o.content_id, o.user_id, o.completed_at",
-                      to_message=completion_message)  # fmt: skip
+COMPLETIONS = _outbox(
+    "completion",
+    table="progress_completion_event",
+    key="id",
+    returning="o.content_type, o.content_id, o.user_id, o.completed_at",
+    to_message=completion_message,
+)
 # A row of the email outbox is written already claimed by the batch that reserved it (see
 # service.trial_emails.reservations): the relay takes it only once that lease has run out, so it
 # does not race the batch's own publish of its winners.
-EMAILS = _outbox("email", table="trial_email_outbox", key="dispatch_id",
-                 returning="o.user_id, o.source, o.email_key, o.reserved_at", to_message=email_message)  # fmt: skip
+EMAILS = _outbox(
+    "email",
+    table="trial_email_outbox",
+    key="dispatch_id",
+    returning="o.user_id, o.source, o.email_key, o.reserved_at",
+    to_message=email_message,
+)
 # by the name the metrics, the logs and `progress-service outbox --outbox` use
 OUTBOXES = {outbox.name: outbox for outbox in (COMPLETIONS, EMAILS)}
 

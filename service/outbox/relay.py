@@ -61,9 +61,21 @@ class RelayResult:
 
 
 class Relay:
-    def __init__(self, *, pool: asyncpg.Pool, routes: Sequence[Route], batch_size: int, lease_s: float,
-                 publish_timeout_s: float, poll_s: float, max_backoff_s: float, listen_dsn: str = "",
-                 connect_timeout_s: float, max_attempts: int, retry_backoff_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        pool: asyncpg.Pool,
+        routes: Sequence[Route],
+        batch_size: int,
+        lease_s: float,
+        publish_timeout_s: float,
+        poll_s: float,
+        max_backoff_s: float,
+        listen_dsn: str = "",
+        connect_timeout_s: float,
+        max_attempts: int,
+        retry_backoff_s: float,
+    ) -> None:
         """`listen_dsn`: where to LISTEN for the writers' NOTIFY; empty, poll only.
 
         A refused row is claimed again `retry_backoff_s * 2 ** (attempts - 1)` later, and parked once it
@@ -118,8 +130,9 @@ class Relay:
                 await self._pool.execute(route.outbox.release_sql, [row["id"] for row in rows])
                 rows, claimed_at = await self._claim(route.outbox), None
                 continue
-            publishing = asyncio.ensure_future(route.publisher.publish(
-                [route.outbox.to_message(row, route.task_name, route.queue) for row in rows]))  # fmt: skip
+            publishing = asyncio.ensure_future(
+                route.publisher.publish([route.outbox.to_message(row, route.task_name, route.queue) for row in rows])
+            )
             more = len(rows) == self._batch_size and (stop is None or not stop.is_set())
             claim_started = time.monotonic()  # the next batch's lease runs from about now
             claiming = asyncio.ensure_future(self._claim(route.outbox)) if more else None
@@ -172,12 +185,24 @@ class Relay:
         attempts = {row["id"]: row["publish_attempts"] for row in rows}
         for row_id, error in sent.refused.items():
             if row_id in parked:
-                log.error("%s outbox row %d refused by the broker %d times, parked (publish_failed_at set): %s",
-                          name, row_id, attempts[row_id], error, extra={"outbox": name, "row_id": row_id})  # fmt: skip
+                log.error(
+                    "%s outbox row %d refused by the broker %d times, parked (publish_failed_at set): %s",
+                    name,
+                    row_id,
+                    attempts[row_id],
+                    error,
+                    extra={"outbox": name, "row_id": row_id},
+                )
             else:
-                log.warning("%s outbox row %d refused by the broker (attempt %d of %d), retried later: %s",
-                            name, row_id, attempts[row_id], self._max_attempts, error,
-                            extra={"outbox": name, "row_id": row_id})  # fmt: skip
+                log.warning(
+                    "%s outbox row %d refused by the broker (attempt %d of %d), retried later: %s",
+                    name,
+                    row_id,
+                    attempts[row_id],
+                    self._max_attempts,
+                    error,
+                    extra={"outbox": name, "row_id": row_id},
+                )
         if sent.unavailable is not None:
             result.broker_unavailable = sent.unavailable
             metrics.OUTBOX_BROKER_UNAVAILABLE.labels(name).inc()
@@ -199,8 +224,9 @@ class Relay:
             await self._pool.execute(outbox.mark_sql, sent)
         if not refused:
             return set()
-        rows = await self._pool.fetch(outbox.refuse_sql, list(refused), list(refused.values()), self._max_attempts,
-                                      self._retry_backoff_s)  # fmt: skip
+        rows = await self._pool.fetch(
+            outbox.refuse_sql, list(refused), list(refused.values()), self._max_attempts, self._retry_backoff_s
+        )
         return {row["id"] for row in rows if row["parked"]}
 
     async def _report_counts(self, outbox: Outbox, *, changed: bool) -> None:
@@ -221,12 +247,14 @@ class Relay:
             async with asyncio.timeout(timeout_s):
                 result = await self.relay_once()
         except POSTGRES_FAILED as exc:
-            log.warning("outbox relay: final pass on shutdown did not finish (%r); the rows wait in the outbox",
-                        exc)  # fmt: skip
+            log.warning("outbox relay: final pass on shutdown did not finish (%r); the rows wait in the outbox", exc)
             return
         if result.did_something():
-            log.info("outbox relay: final pass on shutdown published %s", counts_text(result.published),
-                     extra={"count": sum(result.published.values())})  # fmt: skip
+            log.info(
+                "outbox relay: final pass on shutdown published %s",
+                counts_text(result.published),
+                extra={"count": sum(result.published.values())},
+            )
 
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until `stop`: on each NOTIFY, every poll interval, and after a backoff while the broker is down."""
@@ -240,8 +268,16 @@ class Relay:
         try:
             # The relay is the only way out of the outboxes: if it died, every completion and email
             # would wait for ever with no alert. An error nobody foresaw is logged, and it backs off.
-            await every(self._poll_s, stop, step, name="outbox relay", backoff=Backoff(0.5, self._max_backoff_s),
-                        wake=self._wake, errors=metrics.OUTBOX_RELAY_ERRORS, logger=log)  # fmt: skip
+            await every(
+                self._poll_s,
+                stop,
+                step,
+                name="outbox relay",
+                backoff=Backoff(0.5, self._max_backoff_s),
+                wake=self._wake,
+                errors=metrics.OUTBOX_RELAY_ERRORS,
+                logger=log,
+            )
         finally:
             if listener is not None:
                 with contextlib.suppress(*POSTGRES_FAILED):
@@ -254,14 +290,22 @@ class Relay:
             log.warning("outbox relay: database error, retrying: %r", exc, extra={"error": repr(exc)})
             return False
         if result.broker_unavailable is not None:
-            log.warning("outbox relay: broker unavailable (%s); retrying with backoff (at most %.0fs)",
-                        result.broker_unavailable, self._max_backoff_s)  # fmt: skip
+            log.warning(
+                "outbox relay: broker unavailable (%s); retrying with backoff (at most %.0fs)",
+                result.broker_unavailable,
+                self._max_backoff_s,
+            )
             return False
         if result.did_something():
-            log.info("outbox relay: tasks published %s (republished %s, refused and retried later %s, "
-                     "refused and parked %s)", counts_text(result.published), counts_text(result.republished),
-                     counts_text(result.retried), counts_text(result.failed),
-                     extra={"count": sum(result.published.values())})  # fmt: skip
+            log.info(
+                "outbox relay: tasks published %s (republished %s, refused and retried later %s, "
+                "refused and parked %s)",
+                counts_text(result.published),
+                counts_text(result.republished),
+                counts_text(result.retried),
+                counts_text(result.failed),
+                extra={"count": sum(result.published.values())},
+            )
         return True
 
     async def _ensure_listener(self, listener: asyncpg.Connection | None) -> asyncpg.Connection | None:
@@ -271,8 +315,7 @@ class Relay:
         if listener is not None and not listener.is_closed():
             return listener
         try:
-            listener = await asyncpg.connect(self._listen_dsn, timeout=self._connect_timeout_s,
-                                             statement_cache_size=0)  # fmt: skip
+            listener = await asyncpg.connect(self._listen_dsn, timeout=self._connect_timeout_s, statement_cache_size=0)
             await listener.add_listener(NOTIFY_CHANNEL, self._on_notify)
         except POSTGRES_FAILED as exc:
             log.warning("outbox relay: cannot LISTEN (%r); polling every %.1fs", exc, self._poll_s)

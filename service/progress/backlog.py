@@ -51,8 +51,10 @@ async def measure_backlog(redis: RedisClient, layout: KeyLayout, *, leases_at_ms
         for shard in layout.shards_to_flush(kind.name):
             per_shard += [("SCARD", shard.pending_key), ("ZCARD", shard.in_flight_key)]
             if leases_at_ms is not None:
-                per_shard += [("ZRANGE", shard.in_flight_key, 0, 0, "WITHSCORES"),
-                              ("ZCOUNT", shard.in_flight_key, "-inf", leases_at_ms)]  # fmt: skip
+                per_shard += [
+                    ("ZRANGE", shard.in_flight_key, 0, 0, "WITHSCORES"),
+                    ("ZCOUNT", shard.in_flight_key, "-inf", leases_at_ms),
+                ]
     replies = iter(await execute_by_node(redis, per_shard, key_index=1))
     backlog = Backlog({})
     for kind in CONTENT_KINDS:

@@ -67,7 +67,9 @@ WRITE_SCRIPT_SHA = hashlib.sha1(WRITE_SCRIPT.encode()).hexdigest()
 # "{pending member} {position} {receive time ms} {microseconds}" (one argument: 500 writes cost the
 # client one string to send, not 2,000 arguments to encode). Returns WRITE_SCRIPT's answer per write.
 WRITE_MANY_SCRIPT = (
-    "local function write(KEYS, ARGV)\n" + WRITE_SCRIPT + """end
+    "local function write(KEYS, ARGV)\n"
+    + WRITE_SCRIPT
+    + """end
 local results = {}
 for member, position, ms, us in string.gmatch(ARGV[3], '(%S+) (%S+) (%S+) (%S+)') do
   results[#results + 1] = write({ARGV[1] .. member, KEYS[1]}, {position, ms, ARGV[2], member, us})
@@ -126,16 +128,28 @@ def receive_ms() -> float:
 
 
 def write_args(
-    content_type: str, content_id: int, user_id: int, position: float, received_ms: float, ttl_s: int,
+    content_type: str,
+    content_id: int,
+    user_id: int,
+    position: float,
+    received_ms: float,
+    ttl_s: int,
     layout: KeyLayout = STANDALONE,
 ) -> tuple[object, ...]:
     shard = layout.shard(content_type, content_id, user_id)  # both keys in the shard's one slot
     ms, us = split_ms(received_ms)
     return (
-        "EVALSHA", WRITE_SCRIPT_SHA, 2,
-        shard.value_key(content_id, user_id), shard.pending_key,
-        repr(position), ms, ttl_s, pending_member(content_id, user_id), us,
-    )  # fmt: skip
+        "EVALSHA",
+        WRITE_SCRIPT_SHA,
+        2,
+        shard.value_key(content_id, user_id),
+        shard.pending_key,
+        repr(position),
+        ms,
+        ttl_s,
+        pending_member(content_id, user_id),
+        us,
+    )
 
 
 def write_many_args(shard: Shard, writes: Sequence[tuple[int, int, float, float]], ttl_s: int) -> tuple[object, ...]:
@@ -150,8 +164,15 @@ def write_many_args(shard: Shard, writes: Sequence[tuple[int, int, float, float]
 class PositionWriter:
     """The request path's Redis writes, one pipeline per event-loop turn."""
 
-    def __init__(self, redis: RedisClient, *, ttl_s: int, layout: KeyLayout = STANDALONE, wait_replicas: int = 0,
-                 wait_timeout_ms: int = 50) -> None:  # fmt: skip
+    def __init__(
+        self,
+        redis: RedisClient,
+        *,
+        ttl_s: int,
+        layout: KeyLayout = STANDALONE,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 50,
+    ) -> None:
         self._redis = redis
         self._ttl_s = ttl_s
         self.layout = layout
@@ -161,8 +182,9 @@ class PositionWriter:
             self._send, interrupted=lambda: RedisError("the write was interrupted before Redis answered")
         )
 
-    async def write(self, *, content_type: str, content_id: int, user_id: int, position: float,
-                    received_ms: float) -> None:  # fmt: skip
+    async def write(
+        self, *, content_type: str, content_id: int, user_id: int, position: float, received_ms: float
+    ) -> None:
         await self._batcher.submit(
             write_args(content_type, content_id, user_id, position, received_ms, self._ttl_s, self.layout)
         )
@@ -187,8 +209,9 @@ class PositionWriter:
         by_shard: dict[Shard, list[int]] = {}
         for i, (content_type, content_id, user_id, _, _) in enumerate(writes):
             by_shard.setdefault(self.layout.shard(content_type, content_id, user_id), []).append(i)
-        commands = [write_many_args(shard, [writes[i][1:] for i in indexes], ttl_s)
-                    for shard, indexes in by_shard.items()]  # fmt: skip
+        commands = [
+            write_many_args(shard, [writes[i][1:] for i in indexes], ttl_s) for shard, indexes in by_shard.items()
+        ]
         results = await self._send_pipeline(commands, len(writes))
         stored: list[bool] = [False] * len(writes)
         for indexes, result in zip(by_shard.values(), results, strict=True):
@@ -218,8 +241,9 @@ class PositionWriter:
     async def _execute(self, commands: list[tuple[object, ...]]) -> list[object]:
         # the 4th argument is a key of the command's one slot (a value key, or a batch's pending set): on a
         # cluster, the node of that slot takes the command
-        return await execute_by_node(self._redis, commands, key_index=3, wait_replicas=self._wait_replicas,
-                                     wait_timeout_ms=self._wait_timeout_ms)  # fmt: skip
+        return await execute_by_node(
+            self._redis, commands, key_index=3, wait_replicas=self._wait_replicas, wait_timeout_ms=self._wait_timeout_ms
+        )
 
     async def aclose(self) -> None:
         await self._batcher.aclose()

@@ -21,9 +21,7 @@ def _whole_number(value: object) -> object:
 
 
 ContentId = Annotated[int, Field(ge=1, le=MAX_ID), BeforeValidator(_whole_number)]
-Position = Annotated[
-    float, Field(ge=0, le=MAX_POSITION_S, allow_inf_nan=False, description="Seconds from the start.")
-]
+Position = Annotated[float, Field(ge=0, le=MAX_POSITION_S, allow_inf_nan=False, description="Seconds from the start.")]
 
 
 class _Heartbeat(BaseModel):

@@ -89,10 +89,22 @@ class _Quota:
 
 
 class Flusher:
-    def __init__(self, *, redis: RedisClient, pool: asyncpg.Pool, layout: KeyLayout, batch_size: int, lease_s: float,
-                 margin_s: float, interval_s: float, concurrency: int, shutdown_timeout_s: float,
-                 max_rows_per_second: int = 0, statement_timeout_s: float = 0.0,
-                 lock_timeout_s: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        redis: RedisClient,
+        pool: asyncpg.Pool,
+        layout: KeyLayout,
+        batch_size: int,
+        lease_s: float,
+        margin_s: float,
+        interval_s: float,
+        concurrency: int,
+        shutdown_timeout_s: float,
+        max_rows_per_second: int = 0,
+        statement_timeout_s: float = 0.0,
+        lock_timeout_s: float = 0.0,
+    ) -> None:
         self._redis = redis
         self._pool = pool
         self._leases = Leases(redis)
@@ -115,16 +127,26 @@ class Flusher:
         """Flush every interval until `stop`; then one last cycle within the shutdown timeout."""
         # The loop is the only way out of the buffer: if it died, every pending value would expire.
         # Jitter spreads the pods' cycles; a failed cycle is retried sooner, with exponential backoff.
-        await every(self._interval_s, stop, partial(self._cycle, stop), name="flush cycle", jitter=0.1,
-                    backoff=Backoff(1.0, min(_MAX_BACKOFF_S, self._interval_s)), errors=metrics.FLUSH_CYCLE_ERRORS,
-                    logger=log)  # fmt: skip
+        await every(
+            self._interval_s,
+            stop,
+            partial(self._cycle, stop),
+            name="flush cycle",
+            jitter=0.1,
+            backoff=Backoff(1.0, min(_MAX_BACKOFF_S, self._interval_s)),
+            errors=metrics.FLUSH_CYCLE_ERRORS,
+            logger=log,
+        )
         try:
             async with asyncio.timeout(self._shutdown_timeout_s):
                 result = await self.flush_cycle()
             log.info("final flush on shutdown: %d rows", result.written, extra={"count": result.written})
         except TimeoutError:
-            log.warning("final flush did not finish in %.0fs; unfinished batches were released to the pending "
-                        "set for another pod", self._shutdown_timeout_s)  # fmt: skip
+            log.warning(
+                "final flush did not finish in %.0fs; unfinished batches were released to the pending "
+                "set for another pod",
+                self._shutdown_timeout_s,
+            )
         except REDIS_FAILED as exc:
             log.warning("final flush failed: Redis unavailable (%s); the pending set keeps everything", exc)
 
@@ -135,8 +157,12 @@ class Flusher:
             log.warning("flush cycle failed: Redis unavailable (%s); retrying", exc)
             return False
         if result.batches:  # one line per cycle that did something: a heartbeat can be followed
-            log.info("flush cycle: %d rows written, %d completion events", result.written,
-                     result.completions, extra={"count": result.written})  # fmt: skip
+            log.info(
+                "flush cycle: %d rows written, %d completion events",
+                result.written,
+                result.completions,
+                extra={"count": result.written},
+            )
         return not result.failed_batches
 
     async def flush_cycle(self, stop: asyncio.Event | None = None, on_batch: OnBatch | None = None) -> CycleResult:
@@ -164,10 +190,12 @@ class Flusher:
             failed = asyncio.Event()
             # every drain is awaited to its end before an error goes up: none is left running unowned
             results = await asyncio.gather(
-                *(self._drain_shards(kind, queue, quota, stop, failed, unreachable, lease_expired, on_batch)
-                  for _ in range(self._concurrency)),
+                *(
+                    self._drain_shards(kind, queue, quota, stop, failed, unreachable, lease_expired, on_batch)
+                    for _ in range(self._concurrency)
+                ),
                 return_exceptions=True,
-            )  # fmt: skip
+            )
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
@@ -175,8 +203,11 @@ class Flusher:
         if lease_expired[0]:
             total.requeued += lease_expired[0]
             metrics.FLUSH_REQUEUED.inc(lease_expired[0])
-            log.warning("requeued %d entries whose lease expired (a flusher died or stalled)", lease_expired[0],
-                        extra={"count": lease_expired[0]})  # fmt: skip
+            log.warning(
+                "requeued %d entries whose lease expired (a flusher died or stalled)",
+                lease_expired[0],
+                extra={"count": lease_expired[0]},
+            )
         if total.written:
             self._measured_rows_per_s = total.written / max(time.monotonic() - started, 1e-3)
         await self._record_backlog()
@@ -184,9 +215,17 @@ class Flusher:
             metrics.FLUSH_LAST_SUCCESS.set_to_current_time()
         return total
 
-    async def _drain_shards(self, kind: ContentKind, queue: deque[Shard], quota: _Quota, stop: asyncio.Event | None,
-                            failed: asyncio.Event, unreachable: set[str], lease_expired: list[int],
-                            on_batch: OnBatch | None) -> CycleResult:  # fmt: skip
+    async def _drain_shards(
+        self,
+        kind: ContentKind,
+        queue: deque[Shard],
+        quota: _Quota,
+        stop: asyncio.Event | None,
+        failed: asyncio.Event,
+        unreachable: set[str],
+        lease_expired: list[int],
+        on_batch: OnBatch | None,
+    ) -> CycleResult:
         result = CycleResult()
         try:
             # one connection for the whole drain: no pool round trip (and reset) per batch; giving it
@@ -216,20 +255,37 @@ class Flusher:
                         unreachable.add(node)
                         result.failed_batches += 1
                         metrics.FLUSH_FAILURES.labels(kind.name).inc()
-                        log.warning("flush of %s skipped: Redis unavailable (%s: %s)", shard.pending_key,
-                                    type(exc).__name__, exc, extra={"content_type": kind.name})  # fmt: skip
+                        log.warning(
+                            "flush of %s skipped: Redis unavailable (%s: %s)",
+                            shard.pending_key,
+                            type(exc).__name__,
+                            exc,
+                            extra={"content_type": kind.name},
+                        )
         except POSTGRES_FAILED as exc:
             # no connection to be had (down, full, refused our password): nothing was claimed
             metrics.FLUSH_FAILURES.labels(kind.name).inc()
-            log.warning("flush of %s skipped: database unavailable (%s: %s)", kind.name, type(exc).__name__, exc,
-                        extra={"content_type": kind.name})  # fmt: skip
+            log.warning(
+                "flush of %s skipped: database unavailable (%s: %s)",
+                kind.name,
+                type(exc).__name__,
+                exc,
+                extra={"content_type": kind.name},
+            )
             result.failed_batches += 1
             failed.set()
         return result
 
-    async def _drain(self, conn: asyncpg.Connection, kind: ContentKind, shard: Shard, quota: _Quota,
-                     stop: asyncio.Event | None, failed: asyncio.Event,
-                     on_batch: OnBatch | None) -> CycleResult | None:
+    async def _drain(
+        self,
+        conn: asyncpg.Connection,
+        kind: ContentKind,
+        shard: Shard,
+        quota: _Quota,
+        stop: asyncio.Event | None,
+        failed: asyncio.Event,
+        on_batch: OnBatch | None,
+    ) -> CycleResult | None:
         """The shard's batches until it is empty or the quota is; None: no quota left when it began."""
         result = CycleResult()
         while not failed.is_set() and (stop is None or not stop.is_set()):
@@ -241,8 +297,7 @@ class Flusher:
             claimed = 0
             try:
                 if not failed.is_set() and (stop is None or not stop.is_set()):
-                    claim = await self._leases.claim_batch(shard, count=rows, now_ms=now_ms(),
-                                                           lease_ms=self._lease_ms)  # fmt: skip
+                    claim = await self._leases.claim_batch(shard, count=rows, now_ms=now_ms(), lease_ms=self._lease_ms)
                     claimed = len(claim.entries)
             finally:
                 if claimed < rows:  # the shard had fewer, or the drain stops: later batches may go sooner
@@ -294,10 +349,15 @@ class Flusher:
             outage = isinstance(exc, POSTGRES_UNAVAILABLE)
             # an outage (or a lock, a timeout) is expected weather; any other database error is a bug or a schema drift
             reason = "database busy" if isinstance(exc, POSTGRES_BUSY) else "database unavailable"
-            log.log(logging.WARNING if outage else logging.ERROR,
-                    "batch of %d requeued: %s (%s: %s)", len(claim.entries),
-                    reason if outage else "database error", type(exc).__name__, exc,
-                    extra={"content_type": kind.name, "batch_size": len(claim.entries)})  # fmt: skip
+            log.log(
+                logging.WARNING if outage else logging.ERROR,
+                "batch of %d requeued: %s (%s: %s)",
+                len(claim.entries),
+                reason if outage else "database error",
+                type(exc).__name__,
+                exc,
+                extra={"content_type": kind.name, "batch_size": len(claim.entries)},
+            )
             result.requeued, result.failed_batches = len(claim.entries), 1
             return result
         except BaseException:
@@ -324,8 +384,9 @@ class Flusher:
             # the TTL passed before any flush: this position is lost, and that must show
             result.expired += 1
             metrics.FLUSH_EXPIRED.labels(kind.name).inc()
-            log.error("value expired before it was flushed: position lost",
-                      extra={"content_type": kind.name, "key": member})  # fmt: skip
+            log.error(
+                "value expired before it was flushed: position lost", extra={"content_type": kind.name, "key": member}
+            )
             return None
         try:
             content_id, user_id = parse_member(member)
@@ -334,13 +395,16 @@ class Flusher:
             # not written by this service's script: retrying cannot help
             result.dropped += 1
             metrics.FLUSH_DROPPED.labels(kind.name).inc()
-            log.error("unreadable pending entry dropped",
-                      extra={"content_type": kind.name, "key": member, "error": repr(raw)[:200]})  # fmt: skip
+            log.error(
+                "unreadable pending entry dropped",
+                extra={"content_type": kind.name, "key": member, "error": repr(raw)[:200]},
+            )
             return None
         return Heartbeat(content_id, user_id, stored.position, stored.received_ms, stored.peak)
 
-    async def _persist_with_retry(self, conn: asyncpg.Connection, kind: ContentKind,
-                                  heartbeats: list[Heartbeat]) -> BatchResult:  # fmt: skip
+    async def _persist_with_retry(
+        self, conn: asyncpg.Connection, kind: ContentKind, heartbeats: list[Heartbeat]
+    ) -> BatchResult:
         # a slot of the adaptive limit: its latency (or a lock or timeout) says how many may run at once
         async with self.limit.slot():
             try:
@@ -349,8 +413,9 @@ class Flusher:
                 # a user or content was deleted between our check and the commit: the retry drops it
                 return await self._persist_once(conn, kind, heartbeats)
 
-    async def _persist_once(self, conn: asyncpg.Connection, kind: ContentKind,
-                            heartbeats: list[Heartbeat]) -> BatchResult:  # fmt: skip
+    async def _persist_once(
+        self, conn: asyncpg.Connection, kind: ContentKind, heartbeats: list[Heartbeat]
+    ) -> BatchResult:
         if not self._timeouts_sql:
             return await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s)
         # the timeouts for this transaction only: a lock held by a migration sends the batch back in

@@ -40,8 +40,9 @@ async def load_ids(pool: asyncpg.Pool, kind: ContentKind, *, page_size: int = _P
 
 
 async def exists(pool: asyncpg.Pool, kind: ContentKind, content_id: int, *, timeout_s: float) -> bool:
-    return bool(await pool.fetchval(_EXISTS_SQL.format(content_table=kind.content_table), content_id,
-                                    timeout=timeout_s))  # fmt: skip
+    return bool(
+        await pool.fetchval(_EXISTS_SQL.format(content_table=kind.content_table), content_id, timeout=timeout_s)
+    )
 
 
 async def count_ids(conn: asyncpg.Connection | asyncpg.Pool, kind: ContentKind) -> int:

@@ -118,8 +118,10 @@ class Leases:
             keys=[shard.pending_key, shard.in_flight_key], args=[count, lease_score, shard.value_prefix]
         )
         members, values = flat
-        entries = [(member.decode() if isinstance(member, bytes) else member, value or None)
-                   for member, value in zip(members, values, strict=True)]  # fmt: skip
+        entries = [
+            (member.decode() if isinstance(member, bytes) else member, value or None)
+            for member, value in zip(members, values, strict=True)
+        ]
         return Claim(shard, lease_score, entries)
 
     async def ack(self, claim: Claim, *, dropped: Collection[str] = ()) -> int:
@@ -141,18 +143,22 @@ class Leases:
                     forget += [member, raw]
         settled: int = await self._settle(
             keys=[claim.shard.in_flight_key, claim.shard.pending_key],
-            args=[claim.lease_score, "1" if requeue else "0", claim.shard.value_prefix, len(claim.entries),
-                  *claim.members, *forget],
-        )  # fmt: skip
+            args=[
+                claim.lease_score,
+                "1" if requeue else "0",
+                claim.shard.value_prefix,
+                len(claim.entries),
+                *claim.members,
+                *forget,
+            ],
+        )
         return settled
 
     async def requeue_expired(self, shard: Shard, *, now_ms: int, limit: int = 10_000) -> int:
         """Leases of flushers that died: their members go back to the pending set."""
         total = 0
         while True:
-            moved: int = await self._requeue(
-                keys=[shard.in_flight_key, shard.pending_key], args=[now_ms, limit]
-            )
+            moved: int = await self._requeue(keys=[shard.in_flight_key, shard.pending_key], args=[now_ms, limit])
             total += moved
             if moved < limit:
                 return total

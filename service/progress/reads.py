@@ -85,11 +85,11 @@ def from_ms(ms: float) -> datetime:
     return EPOCH + timedelta(milliseconds=ms)
 
 
-async def fetch_rows(pool: asyncpg.Pool, kind: ContentKind,
-                     pairs: Sequence[tuple[int, int]]) -> dict[tuple[int, int], StoredRow]:  # fmt: skip
+async def fetch_rows(
+    pool: asyncpg.Pool, kind: ContentKind, pairs: Sequence[tuple[int, int]]
+) -> dict[tuple[int, int], StoredRow]:
     """(user_id, content_id) -> what Postgres has, for the pairs whose user and content exist."""
-    records = await fetch_stateless(pool, rows_sql(kind), [user_id for user_id, _ in pairs],
-                                    [cid for _, cid in pairs])  # fmt: skip
+    records = await fetch_stateless(pool, rows_sql(kind), [user_id for user_id, _ in pairs], [cid for _, cid in pairs])
     # by position, in _ROWS_SQL's order: user_id, content_id, then the StoredRow (a slice of a record is a tuple)
     return {(r[0], r[1]): r[2:] for r in records}
 
@@ -113,8 +113,7 @@ def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | N
     return decoded
 
 
-def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, *,
-             margin_s: float) -> Progress | None:  # fmt: skip
+def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, *, margin_s: float) -> Progress | None:
     if row is None:
         return None  # unknown content or user: nothing the flush would keep
     duration_s, position, updated_at, completed_at = row
@@ -142,8 +141,9 @@ class _Lookup:
 class ProgressReader:
     """Freshest progress of one user for some ids of one content type; concurrent reads share round trips."""
 
-    def __init__(self, redis: RedisClient, pool: asyncpg.Pool, *, margin_s: float,
-                 layout: KeyLayout = STANDALONE) -> None:  # fmt: skip
+    def __init__(
+        self, redis: RedisClient, pool: asyncpg.Pool, *, margin_s: float, layout: KeyLayout = STANDALONE
+    ) -> None:
         self._redis = redis
         self._layout = layout
         self._pool = pool
@@ -159,15 +159,19 @@ class ProgressReader:
         return lookup.found
 
     async def _send(self, lookups: list[_Lookup]) -> list[BaseException | None]:
-        keys = [key for lookup in lookups
-                for key in value_keys(lookup.kind, lookup.user_id, lookup.content_ids, self._layout)]  # fmt: skip
+        keys = [
+            key
+            for lookup in lookups
+            for key in value_keys(lookup.kind, lookup.user_id, lookup.content_ids, self._layout)
+        ]
         pairs_by_kind: dict[ContentKind, list[tuple[int, int]]] = {}
         for lookup in lookups:
             pairs_by_kind.setdefault(lookup.kind, []).extend((lookup.user_id, cid) for cid in lookup.content_ids)
         # both stores at once: the queries in tasks of their own, the MGET in this one (a task fewer per turn);
         # every call is awaited to its end before an error goes up
-        fetches = {kind: asyncio.ensure_future(fetch_rows(self._pool, kind, pairs))
-                   for kind, pairs in pairs_by_kind.items()}  # fmt: skip
+        fetches = {
+            kind: asyncio.ensure_future(fetch_rows(self._pool, kind, pairs)) for kind, pairs in pairs_by_kind.items()
+        }
         try:
             raw_values = await get_many(self._redis, keys)
         finally:
@@ -179,8 +183,9 @@ class ProgressReader:
         for lookup in lookups:
             kind_rows = rows[lookup.kind]
             for content_id in lookup.content_ids:
-                progress = freshest(content_id, next(buffered), kind_rows.get((lookup.user_id, content_id)),
-                                    margin_s=self._margin_s)  # fmt: skip
+                progress = freshest(
+                    content_id, next(buffered), kind_rows.get((lookup.user_id, content_id)), margin_s=self._margin_s
+                )
                 if progress is not None:
                     lookup.found.append(progress)
         return [None] * len(lookups)

@@ -95,8 +95,13 @@ class DirectWriter:
             deadline = min(entries[i].deadline for i in live)
             # a connection the outage ends after the statement answered: the batch stands as answered
             async with pooled_connection(self._pool, timeout_s=max(deadline - loop.time(), 0.001)) as conn:
-                result = await persist_batch(conn, kind, [entries[i].heartbeat for i in live], margin_s=self._margin_s,
-                                             timeout_s=max(deadline - loop.time(), 0.001))  # fmt: skip
+                result = await persist_batch(
+                    conn,
+                    kind,
+                    [entries[i].heartbeat for i in live],
+                    margin_s=self._margin_s,
+                    timeout_s=max(deadline - loop.time(), 0.001),
+                )
         finally:
             self._statements.release()
         metrics.DEGRADED_WRITES.labels(kind.name).inc(len(live))
@@ -112,8 +117,14 @@ class DirectWriter:
 
 
 class HeartbeatSink:
-    def __init__(self, redis_writer: PositionWriter, direct: DirectWriter | None, *, redis_retry_s: float,
-                 direct_timeout_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        redis_writer: PositionWriter,
+        direct: DirectWriter | None,
+        *,
+        redis_retry_s: float,
+        direct_timeout_s: float,
+    ) -> None:
         self._redis_writer = redis_writer
         self._direct = direct
         self._redis_retry_s = redis_retry_s
@@ -123,13 +134,19 @@ class HeartbeatSink:
         self._redis_down_until: dict[str, float] = {}
         self.degraded = False
 
-    async def write(self, kind: ContentKind, *, content_id: int, user_id: int, position: float,
-                    received_ms: float) -> None:  # fmt: skip
+    async def write(
+        self, kind: ContentKind, *, content_id: int, user_id: int, position: float, received_ms: float
+    ) -> None:
         node = self._redis_writer.node_of(kind.name, content_id, user_id)
         if time.monotonic() >= self._redis_down_until.get(node, 0.0):
             try:
-                await self._redis_writer.write(content_type=kind.name, content_id=content_id, user_id=user_id,
-                                               position=position, received_ms=received_ms)  # fmt: skip
+                await self._redis_writer.write(
+                    content_type=kind.name,
+                    content_id=content_id,
+                    user_id=user_id,
+                    position=position,
+                    received_ms=received_ms,
+                )
                 if self._redis_down_until:
                     self._recovered(node)
                 return
@@ -137,16 +154,20 @@ class HeartbeatSink:
                 metrics.REDIS_WRITE_ERRORS.labels(kind.name).inc()
                 self._redis_down_until[node] = time.monotonic() + self._redis_retry_s
                 if not self.degraded:
-                    self._set_degraded(True, f"Redis write failed ({type(exc).__name__}: {exc}): degraded mode, "
-                                             f"heartbeats {f'of node {node} ' if node else ''}go straight to "
-                                             "Postgres")  # fmt: skip
+                    self._set_degraded(
+                        True,
+                        f"Redis write failed ({type(exc).__name__}: {exc}): degraded mode, "
+                        f"heartbeats {f'of node {node} ' if node else ''}go straight to "
+                        "Postgres",
+                    )
         if self._direct is None:
             raise Unavailable("progress buffer unavailable and no database configured for degraded mode")
         # a deadline: a slow database must not hold the app's requests (and their sockets) open
         deadline = asyncio.get_running_loop().time() + self._direct_timeout_s
         try:
-            await self._direct.write(kind, Heartbeat(content_id, user_id, position, received_ms, peak=position),
-                                     deadline=deadline)  # fmt: skip
+            await self._direct.write(
+                kind, Heartbeat(content_id, user_id, position, received_ms, peak=position), deadline=deadline
+            )
         except POSTGRES_FAILED as exc:  # TimeoutError (the request's deadline) is among them
             raise Unavailable("progress buffer and database both unavailable, retry later") from exc
 

@@ -80,13 +80,19 @@ SELECT
 
 def upsert_sql(kind: ContentKind) -> str:
     return _UPSERT_SQL.format(
-        content_table=kind.content_table, progress_table=kind.progress_table, id_column=kind.id_column,
+        content_table=kind.content_table,
+        progress_table=kind.progress_table,
+        id_column=kind.id_column,
         notify_channel=NOTIFY_CHANNEL,
     )
 
 
 async def persist_batch(
-    conn: asyncpg.Connection | asyncpg.Pool, kind: ContentKind, heartbeats: list[Heartbeat], *, margin_s: float,
+    conn: asyncpg.Connection | asyncpg.Pool,
+    kind: ContentKind,
+    heartbeats: list[Heartbeat],
+    *,
+    margin_s: float,
     timeout_s: float | None = None,
 ) -> BatchResult:
     # a key may appear twice when a requeue races a claim: keep its newest heartbeat (on an exact
@@ -104,9 +110,15 @@ async def persist_batch(
     rows = [latest[key] for key in sorted(latest)]
     record = await conn.fetchrow(
         upsert_sql(kind),
-        [hb.content_id for hb in rows], [hb.user_id for hb in rows], [hb.position for hb in rows],
-        [hb.received_ms for hb in rows], margin_s, kind.name, [hb.peak for hb in rows], timeout=timeout_s,
-    )  # fmt: skip
+        [hb.content_id for hb in rows],
+        [hb.user_id for hb in rows],
+        [hb.position for hb in rows],
+        [hb.received_ms for hb in rows],
+        margin_s,
+        kind.name,
+        [hb.peak for hb in rows],
+        timeout=timeout_s,
+    )
     assert record is not None
     return BatchResult(written=record["written"], completions=record["completions"], dropped=list(record["dropped"]))
 
@@ -121,6 +133,12 @@ def report_batch(kind: ContentKind, result: BatchResult) -> None:
     metrics.FLUSH_COMPLETIONS.labels(kind.name).inc(result.completions)
     metrics.FLUSH_DROPPED.labels(kind.name).inc(len(result.dropped))
     if result.dropped:
-        log.warning("%d heartbeats dropped: unknown user or content", len(result.dropped),
-                    extra={"content_type": kind.name, "count": len(result.dropped),
-                           "key": " ".join(result.dropped[:_DROPPED_SAMPLE])})  # fmt: skip
+        log.warning(
+            "%d heartbeats dropped: unknown user or content",
+            len(result.dropped),
+            extra={
+                "content_type": kind.name,
+                "count": len(result.dropped),
+                "key": " ".join(result.dropped[:_DROPPED_SAMPLE]),
+            },
+        )

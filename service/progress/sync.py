@@ -63,10 +63,11 @@ class SyncItem(BaseModel):
     content_id: ContentId
     position: Position
     listened_at: Annotated[
-        AwareDatetime, BeforeValidator(_iso_8601),
+        AwareDatetime,
+        BeforeValidator(_iso_8601),
         # lax after the check above: past a before-validator, strict mode would refuse any string
         Field(strict=False, description="When the position was heard, ISO-8601 with a time zone."),
-    ]  # fmt: skip
+    ]
 
 
 class SyncRequest(BaseModel):
@@ -183,8 +184,9 @@ def _all_set(outcomes: list[SyncOutcome | None]) -> list[SyncOutcome]:
 
 
 class OfflineSync:
-    def __init__(self, writer: PositionWriter, pool: asyncpg.Pool, *, ttl_s: int, max_skew_s: float,
-                 max_backdate_s: float) -> None:  # fmt: skip
+    def __init__(
+        self, writer: PositionWriter, pool: asyncpg.Pool, *, ttl_s: int, max_skew_s: float, max_backdate_s: float
+    ) -> None:
         self._writer = writer
         self._pool = pool
         self._ttl_s = ttl_s
@@ -200,8 +202,7 @@ class OfflineSync:
             return f"listened_at is more than {self._max_skew_ms / 1000:g} s in the future"
         return None
 
-    async def apply(self, user_id: int, items: Sequence[OfflineItem | SyncItem], *,
-                    now_ms: int) -> list[SyncOutcome]:  # fmt: skip
+    async def apply(self, user_id: int, items: Sequence[OfflineItem | SyncItem], *, now_ms: int) -> list[SyncOutcome]:
         outcomes: list[SyncOutcome | None] = [None] * len(items)
         accepted: list[_Accepted] = []
         for index, item in enumerate(items):
@@ -212,8 +213,16 @@ class OfflineSync:
             if refusal is not None:
                 outcomes[index] = SyncOutcome(False, refusal)
                 continue
-            accepted.append(_Accepted(index, KIND_BY_NAME[item.content_type], item.content_id, item.position,
-                                      listened_ms(told_ms, now_ms, self._max_backdate_ms), told_ms))  # fmt: skip
+            accepted.append(
+                _Accepted(
+                    index,
+                    KIND_BY_NAME[item.content_type],
+                    item.content_id,
+                    item.position,
+                    listened_ms(told_ms, now_ms, self._max_backdate_ms),
+                    told_ms,
+                )
+            )
         if not accepted:
             return _all_set(outcomes)
         rows = await self._rows(user_id, accepted)
@@ -234,8 +243,9 @@ class OfflineSync:
             kept = latest.get((a.kind.name, a.content_id))
             if kept is None or (a.listened_ms, a.told_ms, a.at) > (kept.listened_ms, kept.told_ms, kept.at):
                 latest[(a.kind.name, a.content_id)] = a
-        written = await self._writer.write_all([(a.kind.name, a.content_id, user_id, a.position, a.listened_ms)
-                                                 for a in known], ttl_s=self._ttl_s)  # fmt: skip
+        written = await self._writer.write_all(
+            [(a.kind.name, a.content_id, user_id, a.position, a.listened_ms) for a in known], ttl_s=self._ttl_s
+        )
         for a, stored in zip(known, written, strict=True):
             updated_at = rows[a.kind][(user_id, a.content_id)][2]
             if latest[(a.kind.name, a.content_id)] is not a:
@@ -254,7 +264,7 @@ class OfflineSync:
         answers = await asyncio.gather(
             *(fetch_rows(self._pool, kind, [(user_id, cid) for cid in sorted(ids_by_kind[kind])]) for kind in kinds),
             return_exceptions=True,
-        )  # fmt: skip
+        )
         found: dict[ContentKind, _Rows] = {}
         for kind, answer in zip(kinds, answers, strict=True):
             if isinstance(answer, BaseException):

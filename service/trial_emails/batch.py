@@ -80,15 +80,26 @@ async def send_trial_journey_emails_batch(
         trials = await load_trials(conn, user_trial_ids)
         sent_keys = await load_sent_keys(conn, (trial.user_id for trial in trials)) if trials else {}
     pairs = pending_reservations(trials, sent_keys, now)
-    sent = await reserve_and_enqueue(pairs, pool=pool, queue=queue, block_size=options.block_size,
-                                     lease_s=options.lease_s, publish_timeout_s=options.publish_timeout_s)  # fmt: skip
+    sent = await reserve_and_enqueue(
+        pairs,
+        pool=pool,
+        queue=queue,
+        block_size=options.block_size,
+        lease_s=options.lease_s,
+        publish_timeout_s=options.publish_timeout_s,
+    )
     return {"status": "ok", "user_trials": len(trials), "sent": sent}
 
 
 async def reserve_and_enqueue(
-    pairs: Sequence[Pair], *, pool: asyncpg.Pool, queue: EmailQueue, block_size: int,
-    lease_s: float = DEFAULT_LEASE_S, publish_timeout_s: float = 10.0,
-) -> int:  # fmt: skip
+    pairs: Sequence[Pair],
+    *,
+    pool: asyncpg.Pool,
+    queue: EmailQueue,
+    block_size: int,
+    lease_s: float = DEFAULT_LEASE_S,
+    publish_timeout_s: float = 10.0,
+) -> int:
     """Reserve `pairs` block by block; publish what each block won before reserving the next.
 
     A block's winners are leased to this batch for `lease_s` from their reservation; the batch stops
@@ -121,8 +132,11 @@ async def reserve_and_enqueue(
 
 
 def _winners(block: Sequence[Pair], won: dict[Pair, int], reserved_at: datetime) -> list[QueuedEmail]:
-    return [QueuedEmail(user_id, key, SOURCE, reserved_at, won[(user_id, key)])
-            for user_id, key in block if (user_id, key) in won]  # fmt: skip
+    return [
+        QueuedEmail(user_id, key, SOURCE, reserved_at, won[(user_id, key)])
+        for user_id, key in block
+        if (user_id, key) in won
+    ]
 
 
 async def _reserve(
@@ -155,10 +169,7 @@ def _report_abandoned(
         return
     if (error := reservation.exception()) is not None:
         # the statement failed whole: nothing was reserved, so nothing is orphaned
-        log.warning(
-            "abandoned trial-journey reservation failed, nothing reserved",
-            extra={"error": repr(error)},
-        )
+        log.warning("abandoned trial-journey reservation failed, nothing reserved", extra={"error": repr(error)})
         return
     won = reservation.result()
     metrics.TRIAL_EMAILS_RESERVED.inc(len(won))
@@ -183,8 +194,13 @@ async def publish_all(
                 await queue.publish(email)
             except MessageRefusedError as exc:
                 # this message only: the relay parks it once the lease runs out; the others go on
-                log.error("trial-journey email %d:%s refused by the broker: %s", email.user_id, email.email_key, exc,
-                          extra={"pairs": [f"{email.user_id}:{email.email_key}"]})  # fmt: skip
+                log.error(
+                    "trial-journey email %d:%s refused by the broker: %s",
+                    email.user_id,
+                    email.email_key,
+                    exc,
+                    extra={"pairs": [f"{email.user_id}:{email.email_key}"]},
+                )
                 refused.append(email)
                 continue
             published.append(email.dispatch_id)
@@ -205,6 +221,9 @@ def report_orphans(emails: Sequence[QueuedEmail], *, why: str) -> None:
     log.warning(
         "%d trial-journey emails reserved at %s not published by their batch (%s; one interrupted mid-publish "
         "may have gone out): left to the outbox relay: %s",
-        len(pairs), emails[0].reserved_at.isoformat(), why, " ".join(pairs),
+        len(pairs),
+        emails[0].reserved_at.isoformat(),
+        why,
+        " ".join(pairs),
         extra={"pairs": pairs, "count": len(pairs)},
-    )  # fmt: skip
+    )

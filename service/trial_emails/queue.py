@@ -106,8 +106,13 @@ class StreamPublisher:
         result = PublishResult()
         for message in messages:
             kwargs = message.kwargs
-            email = QueuedEmail(kwargs["user_id"], kwargs["email_key"], kwargs["source"],
-                                message.extra["reserved_at"], kwargs["dispatch_id"])  # fmt: skip
+            email = QueuedEmail(
+                kwargs["user_id"],
+                kwargs["email_key"],
+                kwargs["source"],
+                message.extra["reserved_at"],
+                kwargs["dispatch_id"],
+            )
             try:
                 await self._queue.publish(email)
             except REDIS_FAILED as exc:  # the stream's Redis is this publisher's broker: down, full, failing over

@@ -91,7 +91,11 @@ DEFAULT_LEASE_S = 60.0
 
 
 async def reserve_block(
-    conn: asyncpg.Connection, pairs: Sequence[Pair], reserved_at: datetime, *, lease_s: float = DEFAULT_LEASE_S,
+    conn: asyncpg.Connection,
+    pairs: Sequence[Pair],
+    reserved_at: datetime,
+    *,
+    lease_s: float = DEFAULT_LEASE_S,
     published: Sequence[int] = (),
 ) -> dict[Pair, int]:
     """Reserve a block in one statement; return the pairs it inserted with their dispatch row ids.
@@ -102,7 +106,12 @@ async def reserve_block(
     keys fail here too) none is.
     """
     rows = await conn.fetch(
-        RESERVE_BLOCK_SQL, [user_id for user_id, _ in pairs], [key for _, key in pairs], SOURCE, reserved_at, lease_s,
+        RESERVE_BLOCK_SQL,
+        [user_id for user_id, _ in pairs],
+        [key for _, key in pairs],
+        SOURCE,
+        reserved_at,
+        lease_s,
         list(published),
-    )  # fmt: skip
+    )
     return {(row["user_id"], row["email_key"]): row["dispatch_id"] for row in rows}

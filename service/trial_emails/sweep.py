@@ -114,9 +114,19 @@ async def run_periodic_sweep(
         if result is None:
             log.info("trial-journey sweep skipped: another pod holds the lock")
         else:
-            log.info("trial-journey sweep done: %d trials, %d emails enqueued",
-                     result["user_trials"], result["sent"], extra={"count": result["sent"]})  # fmt: skip
+            log.info(
+                "trial-journey sweep done: %d trials, %d emails enqueued",
+                result["user_trials"],
+                result["sent"],
+                extra={"count": result["sent"]},
+            )
         return True
 
-    await every(interval_s, stop, sweep, name="trial-journey sweep",
-                errors=metrics.TRIAL_JOURNEY_SWEEPS.labels("failed"), logger=log)  # fmt: skip
+    await every(
+        interval_s,
+        stop,
+        sweep,
+        name="trial-journey sweep",
+        errors=metrics.TRIAL_JOURNEY_SWEEPS.labels("failed"),
+        logger=log,
+    )

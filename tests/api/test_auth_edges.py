@@ -45,15 +45,20 @@ async def post(client: httpx.AsyncClient, headers: httpx._types.HeaderTypes) -> 
 async def test_mixed_algorithm_tokens_are_401_with_no_error_logged(
     settings: Settings, redis: Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    rsa_only = settings.model_copy(update={"jwt_secret": "", "jwt_public_key": _RSA_PUBLIC_PEM,
-                                           "jwt_algorithms": "RS256"})  # fmt: skip
+    rsa_only = settings.model_copy(
+        update={"jwt_secret": "", "jwt_public_key": _RSA_PUBLIC_PEM, "jwt_algorithms": "RS256"}
+    )
     # configurations start-up now refuses, as a deployment before this check could have them
     mixed = [
-        (rsa_only.model_copy(update={"jwt_algorithms": "RS256,ES256"}),
-         jwt.encode({"user_id": 5, "exp": _FUTURE}, ec.generate_private_key(ec.SECP256R1()), algorithm="ES256")),
-        (rsa_only.model_copy(update={"jwt_algorithms": "HS256,RS256"}),
-         jwt.encode({"user_id": 5, "exp": _FUTURE}, TEST_JWT_SECRET, algorithm="HS256")),
-    ]  # fmt: skip
+        (
+            rsa_only.model_copy(update={"jwt_algorithms": "RS256,ES256"}),
+            jwt.encode({"user_id": 5, "exp": _FUTURE}, ec.generate_private_key(ec.SECP256R1()), algorithm="ES256"),
+        ),
+        (
+            rsa_only.model_copy(update={"jwt_algorithms": "HS256,RS256"}),
+            jwt.encode({"user_id": 5, "exp": _FUTURE}, TEST_JWT_SECRET, algorithm="HS256"),
+        ),
+    ]
     async with running_app(rsa_only) as (app, client):
         with caplog.at_level(logging.INFO):
             for config, token in mixed:
@@ -67,13 +72,19 @@ async def test_mixed_algorithm_tokens_are_401_with_no_error_logged(
 @pytest.mark.parametrize("algorithms", ["RS256,ES256", "HS256,RS256", "ES256", "PS256,RS256,HS512"])
 def test_start_up_refuses_algorithms_the_rsa_key_cannot_serve(settings: Settings, algorithms: str) -> None:
     with pytest.raises(ConfigError, match="cannot be verified with the configured key"):
-        create_app(settings.model_copy(update={"jwt_secret": "", "jwt_public_key": _RSA_PUBLIC_PEM,
-                                               "jwt_algorithms": algorithms}))  # fmt: skip
+        create_app(
+            settings.model_copy(
+                update={"jwt_secret": "", "jwt_public_key": _RSA_PUBLIC_PEM, "jwt_algorithms": algorithms}
+            )
+        )
 
 
 def test_start_up_accepts_one_key_kind_and_refuses_asymmetric_algorithms_with_a_secret(settings: Settings) -> None:
-    create_app(settings.model_copy(update={"jwt_secret": "", "jwt_public_key": _RSA_PUBLIC_PEM,
-                                           "jwt_algorithms": "RS256,PS256"}))  # fmt: skip
+    create_app(
+        settings.model_copy(
+            update={"jwt_secret": "", "jwt_public_key": _RSA_PUBLIC_PEM, "jwt_algorithms": "RS256,PS256"}
+        )
+    )
     with pytest.raises(ConfigError):
         create_app(settings.model_copy(update={"jwt_algorithms": "HS256,ES256"}))
 
@@ -101,8 +112,9 @@ async def test_hostile_tokens_are_401_and_write_nothing(
 
 
 async def test_hs256_signed_with_the_rsa_public_key_is_401(settings: Settings, redis: Redis) -> None:
-    rsa_only = settings.model_copy(update={"jwt_secret": "", "jwt_public_key": _RSA_PUBLIC_PEM,
-                                           "jwt_algorithms": "RS256"})  # fmt: skip
+    rsa_only = settings.model_copy(
+        update={"jwt_secret": "", "jwt_public_key": _RSA_PUBLIC_PEM, "jwt_algorithms": "RS256"}
+    )
     forged = hand_made({"alg": "HS256", "typ": "JWT"}, {"user_id": 7, "exp": _FUTURE}, _RSA_PUBLIC_PEM.encode())
     genuine = jwt.encode({"user_id": 7, "exp": _FUTURE}, _RSA, algorithm="RS256")
     async with running_app(rsa_only) as (_, client):
@@ -160,8 +172,9 @@ def test_a_hundred_thousand_distinct_tokens_stay_bounded_and_verified(settings: 
 async def test_an_aud_claim_is_ignored_unless_an_audience_is_configured(
     settings: Settings, client: httpx.AsyncClient, redis: Redis
 ) -> None:
-    with_aud = jwt.encode({"user_id": 9, "exp": _FUTURE, "aud": "some-other-service"}, TEST_JWT_SECRET,
-                          algorithm="HS256")  # fmt: skip
+    with_aud = jwt.encode(
+        {"user_id": 9, "exp": _FUTURE, "aud": "some-other-service"}, TEST_JWT_SECRET, algorithm="HS256"
+    )
     assert (await post(client, [("Authorization", f"Bearer {with_aud}")])).status_code == 201
     strict = Authenticator(settings.model_copy(update={"jwt_audience": "progress"}))
     with pytest.raises(AuthError):

@@ -38,8 +38,12 @@ async def test_unknown_content_is_404_and_writes_nothing(
 ) -> None:
     await seed(db, users=7, contents=3)
     async with running_app(door) as (_, client):
-        for path, field in (("/engagements/progress/lesson", "lesson_id"), ("/audios/progress", "audio_id"),
-                            ("/meditations/progress", "meditation_id"), ("/lives/progress", "live_id")):  # fmt: skip
+        for path, field in (
+            ("/engagements/progress/lesson", "lesson_id"),
+            ("/audios/progress", "audio_id"),
+            ("/meditations/progress", "meditation_id"),
+            ("/lives/progress", "live_id"),
+        ):
             response = await client.post(path, json={field: 4, "position": 1}, headers=auth(token))
             assert (response.status_code, response.json()) == (404, {"detail": f"unknown {field} 4"})
         assert await redis.keys("*") == []
@@ -55,8 +59,9 @@ async def test_content_published_a_moment_ago_is_accepted_at_once(
     async with running_app(door) as (app, client):
         assert app.catalog is not None and app.catalog.is_known(LESSON, 1) is True  # in memory: no await
         await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (50, 'new', 600)")
-        response = await client.post("/engagements/progress/lesson", json={"lesson_id": 50, "position": 3},
-                                     headers=auth(token))  # fmt: skip
+        response = await client.post(
+            "/engagements/progress/lesson", json={"lesson_id": 50, "position": 3}, headers=auth(token)
+        )
         assert response.status_code == 201
     assert await redis.smembers("progress:pending_flush:lesson") == {"50:7"}
 
@@ -91,12 +96,15 @@ async def test_concurrent_requests_for_one_unseen_id_share_one_query(
 
     monkeypatch.setattr(catalog_module, "exists", counted)
     async with running_app(door.model_copy(update={"rate_limit_per_user_per_second": 0})) as (_, client):
-        answers = await asyncio.gather(*(
-            client.post("/engagements/progress/lesson", json={"lesson_id": 999, "position": 1}, headers=auth(token))
-            for _ in range(20)
-        ))  # fmt: skip
-        again = await client.post("/engagements/progress/lesson", json={"lesson_id": 999, "position": 1},
-                                  headers=auth(token))  # fmt: skip
+        answers = await asyncio.gather(
+            *(
+                client.post("/engagements/progress/lesson", json={"lesson_id": 999, "position": 1}, headers=auth(token))
+                for _ in range(20)
+            )
+        )
+        again = await client.post(
+            "/engagements/progress/lesson", json={"lesson_id": 999, "position": 1}, headers=auth(token)
+        )
     assert {a.status_code for a in answers} == {404} and again.status_code == 404
     assert queries == [999]  # one query for 21 requests: shared, then cached
     assert await redis.keys("*") == []
@@ -154,8 +162,9 @@ async def test_postgres_down_an_unseen_id_is_accepted_and_counted(
 
 
 async def test_the_snapshot_loads_in_pages_as_a_sorted_array(db: asyncpg.Pool) -> None:
-    await db.execute("INSERT INTO courses_lesson (id, title, duration) SELECT i * 3, 'c', 60 "
-                     "FROM generate_series(1, 50) i")  # fmt: skip
+    await db.execute(
+        "INSERT INTO courses_lesson (id, title, duration) SELECT i * 3, 'c', 60 FROM generate_series(1, 50) i"
+    )
     ids = await load_ids(db, LESSON, page_size=7)
     assert list(ids) == [i * 3 for i in range(1, 51)]
     assert ids.itemsize == 8  # 1M ids: 8 MB, not a set of Python ints
@@ -165,8 +174,9 @@ def test_the_apps_real_rhythm_never_reaches_the_default_limit() -> None:
     """60 s simulated: three contents at the 5 s cadence, switching, and a minute of retries at once."""
     defaults = Settings()
     now = [0.0]
-    limiter = RateLimiter(per_second=defaults.rate_limit_per_user_per_second, burst=defaults.rate_limit_burst,
-                          clock=lambda: now[0])  # fmt: skip
+    limiter = RateLimiter(
+        per_second=defaults.rate_limit_per_user_per_second, burst=defaults.rate_limit_burst, clock=lambda: now[0]
+    )
     refused = 0
     for tick in range(0, 60_000, 100):  # ms
         now[0] = tick / 1000
@@ -202,7 +212,8 @@ async def test_a_flood_from_one_user_gets_429_and_only_the_last_position_per_con
     async with running_app(flood) as (_, client):
         answers = [
             await client.post("/lives/progress", json={"live_id": i, "position": position}, headers=auth(token))
-            for position in (1, 2, 3) for i in range(1, 51)
+            for position in (1, 2, 3)
+            for i in range(1, 51)
         ]
     statuses = [a.status_code for a in answers]
     assert statuses == [201] * 10 + [429] * 140
@@ -227,12 +238,15 @@ async def test_refused_made_up_ids_cost_no_lookup_and_leave_no_key(
         return await real_exists(pool, kind, content_id, timeout_s=timeout_s)  # type: ignore[arg-type]
 
     monkeypatch.setattr(catalog_module, "exists", counted)
-    async with running_app(door.model_copy(update={"rate_limit_burst": 1, "rate_limit_per_user_per_second": 0.01})) \
-            as (_, client):  # fmt: skip
+    async with running_app(door.model_copy(update={"rate_limit_burst": 1, "rate_limit_per_user_per_second": 0.01})) as (
+        _,
+        client,
+    ):
         statuses = []
         for lesson_id in (1, *range(900, 920)):
-            response = await client.post("/engagements/progress/lesson", json={"lesson_id": lesson_id, "position": 1},
-                                         headers=auth(token))  # fmt: skip
+            response = await client.post(
+                "/engagements/progress/lesson", json={"lesson_id": lesson_id, "position": 1}, headers=auth(token)
+            )
             statuses.append(response.status_code)
     assert statuses == [201] + [429] * 20 and queries == []
     assert sorted(await redis.keys("*")) == ["progress:latest_position:lesson:1:7", "progress:pending_flush:lesson"]
@@ -275,13 +289,16 @@ async def test_a_ten_minute_offline_replay_stores_its_last_position_and_complete
     position lands within about a second, and its completion once."""
     await seed(db, users=7, contents=1, duration_s=600)
     defaults = Settings()
-    assert (door.rate_limit_per_user_per_second, door.rate_limit_burst) == (defaults.rate_limit_per_user_per_second,
-                                                                            defaults.rate_limit_burst)  # fmt: skip
+    assert (door.rate_limit_per_user_per_second, door.rate_limit_burst) == (
+        defaults.rate_limit_per_user_per_second,
+        defaults.rate_limit_burst,
+    )
     async with running_app(door) as (_, client):
         statuses = []
         for i in range(1, 121):
-            response = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": 5 * i},
-                                         headers=auth(token))  # fmt: skip
+            response = await client.post(
+                "/engagements/progress/lesson", json={"lesson_id": 1, "position": 5 * i}, headers=auth(token)
+            )
             statuses.append(response.status_code)
         assert statuses.count(201) >= 60 and statuses[-1] == 429  # the limit still answers
 
@@ -301,11 +318,14 @@ async def test_a_refused_heartbeat_at_the_end_still_completes_after_a_restart(
 ) -> None:
     """Refused: the end (595 of 600), then a restart at 3: the stored position is 3 and the content completes."""
     await seed(db, users=7, contents=1, duration_s=600)
-    async with running_app(door.model_copy(update={"rate_limit_burst": 1, "rate_limit_per_user_per_second": 0.01})) \
-            as (_, client):  # fmt: skip
+    async with running_app(door.model_copy(update={"rate_limit_burst": 1, "rate_limit_per_user_per_second": 0.01})) as (
+        _,
+        client,
+    ):
         for position, status in ((100, 201), (595, 429), (3, 429)):
-            response = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": position},
-                                         headers=auth(token))  # fmt: skip
+            response = await client.post(
+                "/engagements/progress/lesson", json={"lesson_id": 1, "position": position}, headers=auth(token)
+            )
             assert response.status_code == status
     stored = decode_value(await redis.get("progress:latest_position:lesson:1:7"))
     assert (stored.position, stored.peak) == (3.0, 595.0)
@@ -324,8 +344,9 @@ async def test_a_flooding_user_costs_a_bounded_number_of_redis_writes(
         last = 0
         while time.monotonic() - started < 1.5:  # ~1.5 s of flood: hundreds of heartbeats
             last += 1
-            await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": last},
-                              headers=auth(token))  # fmt: skip
+            await client.post(
+                "/engagements/progress/lesson", json={"lesson_id": 1, "position": last}, headers=auth(token)
+            )
         elapsed = time.monotonic() - started
     assert last > 100
     writes = await evalsha_calls(redis) - before
@@ -351,8 +372,9 @@ async def test_a_refresh_replaces_the_snapshot(door: Settings, db: asyncpg.Pool,
 async def test_lookup_answers_expire_and_lookups_are_bounded(db: asyncpg.Pool) -> None:
     await seed(db, users=1, contents=1)
     now = [0.0]
-    catalog = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=2, max_lookups=64,
-                             clock=lambda: now[0])  # fmt: skip
+    catalog = ContentCatalog(
+        db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=2, max_lookups=64, clock=lambda: now[0]
+    )
     assert await catalog.is_known(LESSON, 5) is False  # type: ignore[misc]
     assert catalog.is_known(LESSON, 5) is False  # the cached answer: a bool, no query
     await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (5, 'late', 600)")
@@ -372,13 +394,23 @@ async def test_the_sync_and_the_reads_pass_the_same_door(
     """A sync is one call against the user's limit and its items count against their own cap; a read is
     one call. A refused request writes nothing."""
     await seed(db, users=7, contents=500)
-    settings = door.model_copy(update={"rate_limit_burst": 3, "rate_limit_per_user_per_second": 0.01,
-                                       "sync_items_burst": 600, "sync_items_per_user_per_second": 0.01})  # fmt: skip
+    settings = door.model_copy(
+        update={
+            "rate_limit_burst": 3,
+            "rate_limit_per_user_per_second": 0.01,
+            "sync_items_burst": 600,
+            "sync_items_per_user_per_second": 0.01,
+        }
+    )
     listened_at = "2026-11-30T08:00:00+00:00"
 
     def items(first: int, count: int) -> dict[str, object]:
-        return {"items": [{"content_type": "lesson", "content_id": c, "position": 5.0, "listened_at": listened_at}
-                          for c in range(first, first + count)]}  # fmt: skip
+        return {
+            "items": [
+                {"content_type": "lesson", "content_id": c, "position": 5.0, "listened_at": listened_at}
+                for c in range(first, first + count)
+            ]
+        }
 
     async with running_app(settings) as (_, client):
         first = await client.post("/progress/sync", json=items(1, 500), headers=auth(token))
@@ -397,9 +429,11 @@ async def test_the_sync_and_the_reads_pass_the_same_door(
             assert (await client.post("/progress/sync", json=body, headers=auth(token))).status_code == 429
         assert len(await redis.keys("*")) == keys_before
         # the reads and the sync have their own bucket: the user's heartbeats still go through
-        heartbeat = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": 9},
-                                      headers=auth(token))  # fmt: skip
+        heartbeat = await client.post(
+            "/engagements/progress/lesson", json={"lesson_id": 1, "position": 9}, headers=auth(token)
+        )
         assert heartbeat.status_code == 201
-        doubled = await client.get("/progress/lesson/1", headers=[("authorization", f"Bearer {token}"),
-                                                                   ("authorization", f"Bearer {token}")])  # fmt: skip
+        doubled = await client.get(
+            "/progress/lesson/1", headers=[("authorization", f"Bearer {token}"), ("authorization", f"Bearer {token}")]
+        )
         assert doubled.status_code == 401

@@ -54,9 +54,7 @@ CONFIG = schemathesis.Config.from_dict(
             "database": "none",  # no example database: CI and a laptop run the same cases
         },
         # invalid data may also be refused for its size (a sync of 501 bulky items is over SYNC_MAX_BODY_BYTES)
-        "checks": {
-            "negative_data_rejection": {"expected-statuses": ["400", "401", "404", "405", "413", "422", "429"]}
-        },
+        "checks": {"negative_data_rejection": {"expected-statuses": ["400", "401", "404", "405", "413", "422", "429"]}},
     }
 )
 schema = schemathesis.openapi.from_path(OPENAPI_FILE, config=CONFIG)
@@ -89,11 +87,14 @@ async def fuzz_content(migrated: str) -> AsyncIterator[None]:
     conn = await asyncpg.connect(migrated)
     tables = [kind.content_table for kind in CONTENT_KINDS]
     try:
-        await conn.execute("INSERT INTO users_user (id, email) VALUES ($1, 'fuzz@example.com') ON CONFLICT DO NOTHING",
-                           USER_ID)  # fmt: skip
+        await conn.execute(
+            "INSERT INTO users_user (id, email) VALUES ($1, 'fuzz@example.com') ON CONFLICT DO NOTHING", USER_ID
+        )
         for table in tables:
-            await conn.execute(f"INSERT INTO {table} (id, title, duration) SELECT i, 'fuzz', 600 "
-                               "FROM generate_series(1, 100) i ON CONFLICT DO NOTHING")  # fmt: skip
+            await conn.execute(
+                f"INSERT INTO {table} (id, title, duration) SELECT i, 'fuzz', 600 "
+                "FROM generate_series(1, 100) i ON CONFLICT DO NOTHING"
+            )
         yield
     finally:
         for table in tables:
@@ -115,8 +116,14 @@ def live_service(servers: Servers, migrated: str, fuzz_content: None) -> Iterato
         "EMAIL_PUBLISHER": "redis-stream",
         "LOG_LEVEL": "WARNING",
     }
-    command = [str(Path(sys.executable).with_name("progress-service")), "serve", "--host", "127.0.0.1",
-               "--port", str(port)]  # fmt: skip
+    command = [
+        str(Path(sys.executable).with_name("progress-service")),
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     process = subprocess.Popen(command, env=env)
     base_url = f"http://127.0.0.1:{port}"
     redis: Redis[str] = Redis.from_url(servers.redis_url, decode_responses=True)
@@ -180,7 +187,8 @@ def test_every_answer_is_documented_and_only_a_201_writes(case: schemathesis.Cas
         after = _redis_state(live_service.redis)
         assert after[1][kind.name] <= before[1][kind.name] | {member}
         assert {name: members for name, members in after[1].items() if name != kind.name} == {
-            name: members for name, members in before[1].items() if name != kind.name}  # fmt: skip
+            name: members for name, members in before[1].items() if name != kind.name
+        }
         assert after[0] - before[0] in (0, 1, 2)
         return
     if kind is None or response.status_code != 201:

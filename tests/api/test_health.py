@@ -84,8 +84,9 @@ async def test_a_hung_postgres_does_not_hold_readiness_past_its_probe(settings: 
         async with running_app(settings.model_copy(update={"database_url": pg.url()})) as (_, client):
             assert (await client.get("/health/ready")).json()["checks"]["postgres"] == "ok"
             postmaster = int((pg.pgdata / "postmaster.pid").read_text().split()[0])
-            children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(postmaster)], capture_output=True,
-                                      text=True, check=True).stdout.split()  # fmt: skip
+            children = subprocess.run(
+                ["ps", "-o", "pid=", "--ppid", str(postmaster)], capture_output=True, text=True, check=True
+            ).stdout.split()
             frozen = [postmaster, *map(int, children)]
             for pid in frozen:
                 os.kill(pid, signal.SIGSTOP)

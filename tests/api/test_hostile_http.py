@@ -22,8 +22,15 @@ BODY_DEADLINE_S = 0.5
 @pytest.fixture
 async def server(settings: Settings, redis: Redis) -> AsyncIterator[int]:
     async with running_app(settings.model_copy(update={"body_read_timeout_seconds": BODY_DEADLINE_S})) as (app, _):
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, http=LimitedHttpToolsProtocol, lifespan="off",
-                                log_config=None, access_log=False)  # fmt: skip
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=0,
+            http=LimitedHttpToolsProtocol,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+        )
         server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve())
         while not server.started:
@@ -36,9 +43,18 @@ async def server(settings: Settings, redis: Redis) -> AsyncIterator[int]:
 
 
 def request(token: str, body: bytes, *, content_type: bytes = b"application/json", extra: bytes = b"") -> bytes:
-    return (b"POST /audios/progress HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + token.encode()
-            + b"\r\nContent-Type: " + content_type + b"\r\nContent-Length: " + str(len(body)).encode()
-            + b"\r\n" + extra + b"\r\n" + body)  # fmt: skip
+    return (
+        b"POST /audios/progress HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+        + token.encode()
+        + b"\r\nContent-Type: "
+        + content_type
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n"
+        + extra
+        + b"\r\n"
+        + body
+    )
 
 
 async def exchange(port: int, data: bytes) -> bytes:
@@ -104,8 +120,9 @@ async def test_duplicate_json_keys_the_last_one_wins(server: int, redis: Redis, 
 async def test_a_json_body_is_read_as_json_whatever_its_content_type(server: int, redis: Redis, token: str) -> None:
     plain = await exchange(server, request(token, b'{"audio_id": 3, "position": 5}', content_type=b"text/plain"))
     assert plain.startswith(b"HTTP/1.1 201 ")
-    form = await exchange(server, request(token, b"audio_id=4&position=5",
-                                          content_type=b"application/x-www-form-urlencoded"))  # fmt: skip
+    form = await exchange(
+        server, request(token, b"audio_id=4&position=5", content_type=b"application/x-www-form-urlencoded")
+    )
     assert form.startswith(b"HTTP/1.1 400 ")
     assert await redis.smembers("progress:pending_flush:audio") == {"3:7"}
 
@@ -140,11 +157,20 @@ async def test_a_pipelined_request_after_a_large_body_is_not_taken_for_a_huge_he
     # one send: an offline sync whose body (20 KB: one item and padding) is over the head limit, then
     # the start of the next request on the same connection
     listened_at = datetime.now(UTC).isoformat()
-    body = json.dumps({"items": [{"content_type": "lesson", "content_id": 1, "position": 123.0,
-                                  "listened_at": listened_at}], "pad": "x" * 20_000}).encode()  # fmt: skip
-    sync = (b"POST /progress/sync HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + token.encode()
-            + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
-            + b"\r\n\r\n" + body)  # fmt: skip
+    body = json.dumps(
+        {
+            "items": [{"content_type": "lesson", "content_id": 1, "position": 123.0, "listened_at": listened_at}],
+            "pad": "x" * 20_000,
+        }
+    ).encode()
+    sync = (
+        b"POST /progress/sync HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+        + token.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     answer = await exchange(server, sync + b"GET /health/live HTTP/1.1\r\nHo")
     assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
     assert await redis.exists("progress:latest_position:lesson:1:7") == 1

@@ -50,8 +50,9 @@ async def test_each_route_writes_exactly_the_contract_keys(
 
 async def test_repeated_heartbeats_keep_only_the_latest(client: httpx.AsyncClient, redis: Redis, token: str) -> None:
     for position in (5, 10, 15.25):
-        response = await client.post("/audios/progress", json={"audio_id": 3, "position": position},
-                                     headers=auth(token))  # fmt: skip
+        response = await client.post(
+            "/audios/progress", json={"audio_id": 3, "position": position}, headers=auth(token)
+        )
         assert response.status_code == 201
     assert decode_value(await redis.get("progress:latest_position:audio:3:7")).position == 15.25
     assert await redis.smembers("progress:pending_flush:audio") == {"3:7"}
@@ -63,8 +64,9 @@ async def test_an_older_heartbeat_never_replaces_a_newer_value(
     # a value stamped in the future stands for a newer heartbeat written by another pod
     future_ms = time.time_ns() // 1_000_000 + 60_000
     await redis.set("progress:latest_position:lesson:1:7", f"99.0:{future_ms}")
-    response = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": 1},
-                                 headers=auth(token))  # fmt: skip
+    response = await client.post(
+        "/engagements/progress/lesson", json={"lesson_id": 1, "position": 1}, headers=auth(token)
+    )
     assert response.status_code == 201
     assert await redis.get("progress:latest_position:lesson:1:7") == f"99.0:{future_ms}"
     assert await redis.smembers("progress:pending_flush:lesson") == {"1:7"}
@@ -78,8 +80,9 @@ async def test_concurrent_requests_share_pipelines_and_all_land(
     from service.auth import make_token
 
     async def one(user_id: int) -> int:
-        response = await client.post("/lives/progress", json={"live_id": 9, "position": user_id},
-                                     headers=auth(make_token(settings, user_id)))  # fmt: skip
+        response = await client.post(
+            "/lives/progress", json={"live_id": 9, "position": user_id}, headers=auth(make_token(settings, user_id))
+        )
         return response.status_code
 
     statuses = await asyncio.gather(*(one(user_id) for user_id in range(1, 201)))
@@ -102,8 +105,9 @@ async def test_a_whole_number_id_spelled_as_a_float_is_that_id(
 ) -> None:
     """openapi.yaml says `type: integer`, and JSON Schema counts 42.0 as the integer 42."""
     body = f'{{"audio_id": {spelled}, "position": 3}}'.encode()
-    response = await client.post("/audios/progress", content=body,
-                                 headers={**auth(token), "Content-Type": "application/json"})  # fmt: skip
+    response = await client.post(
+        "/audios/progress", content=body, headers={**auth(token), "Content-Type": "application/json"}
+    )
     assert response.status_code == 201
     assert await redis.smembers("progress:pending_flush:audio") == {"42:7"}
     assert decode_value(await redis.get("progress:latest_position:audio:42:7")).position == 3
@@ -140,8 +144,9 @@ BAD_BODIES = [
 async def test_bad_bodies_get_a_clear_4xx_and_write_nothing(
     client: httpx.AsyncClient, redis: Redis, token: str, body: bytes, status: int, named: str
 ) -> None:
-    response = await client.post("/engagements/progress/lesson", content=body,
-                                 headers={**auth(token), "Content-Type": "application/json"})  # fmt: skip
+    response = await client.post(
+        "/engagements/progress/lesson", content=body, headers={**auth(token), "Content-Type": "application/json"}
+    )
     assert response.status_code == status
     assert named in response.text  # the body names the field or the problem
     assert isinstance(response.json()["detail"], list)
@@ -152,8 +157,9 @@ async def test_a_body_over_the_limit_is_413_and_writes_nothing(
     client: httpx.AsyncClient, redis: Redis, token: str
 ) -> None:
     padding = "x" * 5000
-    response = await client.post("/audios/progress", json={"audio_id": 1, "position": 1, "pad": padding},
-                                 headers=auth(token))  # fmt: skip
+    response = await client.post(
+        "/audios/progress", json={"audio_id": 1, "position": 1, "pad": padding}, headers=auth(token)
+    )
     assert response.status_code == 413
     assert "4096" in response.json()["detail"]
 
@@ -202,9 +208,7 @@ async def test_bad_tokens_get_401_and_write_nothing(
 
 
 @pytest.mark.slow
-async def test_a_cached_token_is_still_refused_once_expired(
-    client: httpx.AsyncClient, redis: Redis
-) -> None:
+async def test_a_cached_token_is_still_refused_once_expired(client: httpx.AsyncClient, redis: Redis) -> None:
     short = _token({"user_id": 5, "exp": int(time.time()) + 1})
     first = await client.post("/lives/progress", json={"live_id": 1, "position": 1}, headers=auth(short))
     assert first.status_code == 201
@@ -225,31 +229,33 @@ async def test_other_methods_on_progress_routes_are_405(client: httpx.AsyncClien
 async def test_gateway_mode_trusts_the_configured_header(settings: Settings, redis: Redis) -> None:
     gateway = settings.model_copy(update={"auth_mode": "gateway", "jwt_secret": ""})
     async with running_app(gateway) as (_, client):
-        ok = await client.post("/audios/progress", json={"audio_id": 4, "position": 2},
-                               headers={"X-User-Id": "31"})  # fmt: skip
+        ok = await client.post("/audios/progress", json={"audio_id": 4, "position": 2}, headers={"X-User-Id": "31"})
         missing = await client.post("/audios/progress", json={"audio_id": 4, "position": 2})
-        bad = await client.post("/audios/progress", json={"audio_id": 4, "position": 2},
-                                headers={"X-User-Id": "abc"})  # fmt: skip
+        bad = await client.post("/audios/progress", json={"audio_id": 4, "position": 2}, headers={"X-User-Id": "abc"})
     assert (ok.status_code, missing.status_code, bad.status_code) == (201, 401, 401)
     assert await redis.smembers("progress:pending_flush:audio") == {"4:31"}
 
 
 async def test_es256_public_key_verification(settings: Settings, redis: Redis) -> None:
     private = ec.generate_private_key(ec.SECP256R1())
-    public_pem = private.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    ).decode()
-    asymmetric = settings.model_copy(update={"jwt_secret": "", "jwt_public_key": public_pem,
-                                             "jwt_algorithms": "ES256", "jwt_audience": "progress"})  # fmt: skip
+    public_pem = (
+        private.public_key()
+        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        .decode()
+    )
+    asymmetric = settings.model_copy(
+        update={"jwt_secret": "", "jwt_public_key": public_pem, "jwt_algorithms": "ES256", "jwt_audience": "progress"}
+    )
     good = jwt.encode({"user_id": 12, "exp": _FUTURE, "aud": "progress"}, private, algorithm="ES256")
     wrong_aud = jwt.encode({"user_id": 12, "exp": _FUTURE, "aud": "other"}, private, algorithm="ES256")
-    other_key = jwt.encode({"user_id": 12, "exp": _FUTURE, "aud": "progress"}, ec.generate_private_key(ec.SECP256R1()),
-                           algorithm="ES256")  # fmt: skip
+    other_key = jwt.encode(
+        {"user_id": 12, "exp": _FUTURE, "aud": "progress"}, ec.generate_private_key(ec.SECP256R1()), algorithm="ES256"
+    )
     async with running_app(asymmetric) as (_, client):
         statuses = [
-            (await client.post("/audios/progress", json={"audio_id": 1, "position": 1}, headers=auth(t)))
-            .status_code for t in (good, wrong_aud, other_key)
-        ]  # fmt: skip
+            (await client.post("/audios/progress", json={"audio_id": 1, "position": 1}, headers=auth(t))).status_code
+            for t in (good, wrong_aud, other_key)
+        ]
     assert statuses == [201, 401, 401]
     assert await redis.smembers("progress:pending_flush:audio") == {"1:12"}
 
@@ -262,8 +268,7 @@ async def test_es256_public_key_verification(settings: Settings, redis: Redis) -
         ({"jwt_secret": "short"}, "JWT_SECRET"),
     ],
 )
-def test_jwt_mode_without_a_usable_key_refuses_to_start(settings: Settings, update: dict[str, str],
-                                                        names: str) -> None:  # fmt: skip
+def test_jwt_mode_without_a_usable_key_refuses_to_start(settings: Settings, update: dict[str, str], names: str) -> None:
     with pytest.raises(ConfigError, match=names):
         create_app(settings.model_copy(update=update))
 
@@ -271,8 +276,9 @@ def test_jwt_mode_without_a_usable_key_refuses_to_start(settings: Settings, upda
 async def test_a_client_gone_mid_body_gets_no_answer_and_writes_nothing(
     app: ProgressIngest, redis: Redis, token: str
 ) -> None:
-    messages = iter([{"type": "http.request", "body": b'{"audio_id": 1,', "more_body": True},
-                     {"type": "http.disconnect"}])  # fmt: skip
+    messages = iter(
+        [{"type": "http.request", "body": b'{"audio_id": 1,', "more_body": True}, {"type": "http.disconnect"}]
+    )
     sent: list[dict[str, object]] = []
 
     async def receive() -> dict[str, object]:
@@ -281,8 +287,12 @@ async def test_a_client_gone_mid_body_gets_no_answer_and_writes_nothing(
     async def send(message: dict[str, object]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/audios/progress",
-             "headers": [(b"authorization", f"Bearer {token}".encode())]}  # fmt: skip
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/audios/progress",
+        "headers": [(b"authorization", f"Bearer {token}".encode())],
+    }
     await app(scope, receive, send)  # no exception for the server to log as an application error
     assert sent == []
     assert await all_keys(redis) == []

@@ -1,6 +1,5 @@
 """GET /progress/...: the freshest position, from the buffer before the flush and from the row after it."""
 
-
 import asyncio
 from datetime import UTC, datetime, timedelta
 
@@ -21,8 +20,9 @@ from tests.helpers import auth, running_app, seed
 
 
 async def heartbeat(client: httpx.AsyncClient, token: str, lesson_id: int, position: float) -> None:
-    response = await client.post("/engagements/progress/lesson", json={"lesson_id": lesson_id, "position": position},
-                                 headers=auth(token))  # fmt: skip
+    response = await client.post(
+        "/engagements/progress/lesson", json={"lesson_id": lesson_id, "position": position}, headers=auth(token)
+    )
     assert response.status_code == 201
 
 
@@ -45,8 +45,13 @@ async def test_a_heartbeat_is_read_back_at_once_then_from_the_row_after_flush_an
     response = await client.get("/progress/lesson/2", headers=auth(token))  # before any flush: no row yet
     assert response.status_code == 200
     assert response.headers["cache-control"] == "no-store"
-    expected = {"content_type": "lesson", "content_id": 2, "position": 40.5,
-                "updated_at": from_ms(received_ms).isoformat(), "completed_at": None}  # fmt: skip
+    expected = {
+        "content_type": "lesson",
+        "content_id": 2,
+        "position": 40.5,
+        "updated_at": from_ms(received_ms).isoformat(),
+        "completed_at": None,
+    }
     assert response.json() == expected
     assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 0
 
@@ -68,8 +73,10 @@ async def test_a_row_newer_than_the_buffered_value_wins(
     await seed(db, users=7)
     await heartbeat(client, token, 1, 10.0)
     # written since by degraded mode (or another device's flushed heartbeat): newer than the buffer
-    await db.execute("INSERT INTO engagements_lessonprogress (user_id, lesson_id, position, created_at, updated_at) "
-                     "VALUES (7, 1, 99.0, now() + interval '1 minute', now() + interval '1 minute')")  # fmt: skip
+    await db.execute(
+        "INSERT INTO engagements_lessonprogress (user_id, lesson_id, position, created_at, updated_at) "
+        "VALUES (7, 1, 99.0, now() + interval '1 minute', now() + interval '1 minute')"
+    )
     answer = (await client.get("/progress/lesson/1", headers=auth(token))).json()
     assert answer["position"] == 99.0
 
@@ -234,6 +241,11 @@ async def test_a_value_nobody_could_read_spoils_no_other_read_of_its_turn(
 def test_an_entry_is_written_as_json_dumps_wrote_its_dict(position: float, completed: bool) -> None:
     updated_at = datetime(2026, 11, 30, 10, 0, 0, 123456, UTC) if completed else datetime(2026, 11, 30, tzinfo=UTC)
     progress = Progress(2**63 - 1, position, as_us(updated_at), as_us(updated_at) if completed else None)
-    as_dict = {"content_type": "meditation", "content_id": progress.content_id, "position": position,
-               "updated_at": updated_at.isoformat(), "completed_at": updated_at.isoformat() if completed else None}
+    as_dict = {
+        "content_type": "meditation",
+        "content_id": progress.content_id,
+        "position": position,
+        "updated_at": updated_at.isoformat(),
+        "completed_at": updated_at.isoformat() if completed else None,
+    }
     assert progress_json("meditation", progress).encode() == json_body(as_dict)

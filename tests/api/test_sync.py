@@ -141,11 +141,12 @@ async def test_refused_items_are_reported_one_by_one_and_not_written(
 ) -> None:
     await seed(db, users=7, contents=3)
     outcomes = await sync(
-        client, token,
+        client,
+        token,
         item(1, 10.0, ago(-3600)),  # an hour in the future: a wrong clock
         item(999, 10.0, ago(5)),  # no such audio: the flush would drop it
         item(3, 10.0, ago(-60)),  # a clock a minute ahead: tolerated, stored as now
-    )  # fmt: skip
+    )
     assert [applied for applied, _ in outcomes] == [False, False, True]
     assert "future" in str(outcomes[0][1])
     assert outcomes[1][1] == UNKNOWN_CONTENT
@@ -181,9 +182,13 @@ async def test_items_clamped_to_the_window_are_ordered_at_its_edge(
     window_s = settings.sync_max_backdate_hours * 3600
     # stored 1 s before the window's edge: the clamped items are later, so they stand
     await live_heartbeat(redis, 1, 70.0, ms(ago(window_s + 1)))
-    outcomes = await sync(client, token, item(1, 50.0, ago(window_s + 3 * 3600)),
-                          item(1, 100.0, ago(window_s + 3600)),  # clamped to the same edge, told later: stands
-                          item(2, 30.0, ago(400 * 86_400)))  # no age limit: a year offline is still progress
+    outcomes = await sync(
+        client,
+        token,
+        item(1, 50.0, ago(window_s + 3 * 3600)),
+        item(1, 100.0, ago(window_s + 3600)),  # clamped to the same edge, told later: stands
+        item(2, 30.0, ago(400 * 86_400)),
+    )  # no age limit: a year offline is still progress
     assert outcomes == [(False, SUPERSEDED), (True, None), (True, None)]
     stored = decode_value(await redis.get(VALUE.format("audio", 1)))
     assert stored.position == 100.0
@@ -191,14 +196,14 @@ async def test_items_clamped_to_the_window_are_ordered_at_its_edge(
     assert abs(decode_value(await redis.get(VALUE.format("audio", 2))).received_ms - stored.received_ms) < 1
 
 
-
 @pytest.mark.parametrize(("body", "status", "named"), BAD_SYNCS)
 async def test_bad_syncs_get_a_clear_4xx_and_write_nothing(
     client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, body: bytes, status: int, named: str
 ) -> None:
     await seed(db, users=7)
-    response = await client.post("/progress/sync", content=body,
-                                 headers={**auth(token), "Content-Type": "application/json"})  # fmt: skip
+    response = await client.post(
+        "/progress/sync", content=body, headers={**auth(token), "Content-Type": "application/json"}
+    )
     assert response.status_code == status
     assert named in response.text
     assert await redis.keys("*") == []
@@ -218,7 +223,11 @@ async def test_a_sync_needs_a_token_post_and_a_body_within_the_limit(
 
 
 async def test_the_rate_limit_seam_refuses_before_anything_is_written(
-    app, client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str  # type: ignore[no-untyped-def]
+    app,
+    client: httpx.AsyncClient,
+    redis: Redis,
+    db: asyncpg.Pool,
+    token: str,  # type: ignore[no-untyped-def]
 ) -> None:
     await seed(db, users=7)
     calls: list[tuple[int, int]] = []

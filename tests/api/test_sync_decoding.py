@@ -63,8 +63,9 @@ async def test_every_bad_sync_gets_pydantics_own_answer(
     assert await redis.keys("*") == []
 
 
-EVERY_KIND = [an_item(content_id=i, content_type=t) for i in range(1, 126) for t in ("lesson", "audio", "meditation",
-                                                                                    "live")]  # fmt: skip
+EVERY_KIND = [
+    an_item(content_id=i, content_type=t) for i in range(1, 126) for t in ("lesson", "audio", "meditation", "live")
+]
 COMMON_BODIES = [
     body_of(an_item()),  # JavaScript's toISOString without milliseconds
     body_of(an_item(listened_at="2026-11-30T10:00:00.123Z")),  # toISOString
@@ -135,13 +136,22 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(st.fixed_dictionaries(
-    {"content_type": st.one_of(st.sampled_from(["lesson", "audio", "meditation", "live", "podcast"]), _VALUES),
-     "content_id": st.one_of(st.integers(min_value=-2, max_value=2**64), st.floats(0, 2**64), _VALUES),
-     "position": st.one_of(st.floats(-1, 86401), st.integers(-1, 86401), _VALUES),
-     "listened_at": _TIMES},
-    optional={"extra": _VALUES},
-), max_size=4))  # fmt: skip
+@given(
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "content_type": st.one_of(
+                    st.sampled_from(["lesson", "audio", "meditation", "live", "podcast"]), _VALUES
+                ),
+                "content_id": st.one_of(st.integers(min_value=-2, max_value=2**64), st.floats(0, 2**64), _VALUES),
+                "position": st.one_of(st.floats(-1, 86401), st.integers(-1, 86401), _VALUES),
+                "listened_at": _TIMES,
+            },
+            optional={"extra": _VALUES},
+        ),
+        max_size=4,
+    )
+)
 def test_generated_bodies_are_never_taken_differently(items: list[dict[str, object]]) -> None:
     body = json.dumps({"items": items}, allow_nan=True).encode()
     plain = assert_agrees(body)

@@ -26,6 +26,7 @@ from tests.helpers import PgBouncer, Servers, Tls
 
 PGBOUNCER_INSTALL_TIMEOUT_S = 300
 
+
 @pytest.fixture(scope="session")
 def shared_dir() -> Iterator[Path]:
     """Readable by the unprivileged user PgBouncer runs as (pytest's own temp dirs are root-only)."""
@@ -53,33 +54,58 @@ def tls(shared_dir: Path) -> Tls:
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
-        x509.CertificateBuilder().subject_name(_name("progress test CA")).issuer_name(_name("progress test CA"))
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        x509.CertificateBuilder()
+        .subject_name(_name("progress test CA"))
+        .issuer_name(_name("progress test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
-        x509.CertificateBuilder().subject_name(_name("127.0.0.1")).issuer_name(ca.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                                    x509.DNSName("localhost")]), critical=False)
+        x509.CertificateBuilder()
+        .subject_name(_name("127.0.0.1"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]),
+            critical=False,
+        )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     return Tls(
         ca=_write(shared_dir / "ca.pem", ca.public_bytes(serialization.Encoding.PEM)),
         cert=_write(shared_dir / "server.pem", cert.public_bytes(serialization.Encoding.PEM)),
-        key=_write(shared_dir / "server.key", key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())),
-    )  # fmt: skip
+        key=_write(
+            shared_dir / "server.key",
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ),
+        ),
+    )
 
 
 def _pgbouncer_binary() -> str:
@@ -94,8 +120,9 @@ def _pgbouncer_binary() -> str:
     deadline = time.monotonic() + PGBOUNCER_INSTALL_TIMEOUT_S
     for command in (install, ["apt-get", "update", "-q"], install):
         # the first install works when the package lists are fresh; otherwise update, then again
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False,
-                              timeout=max(deadline - time.monotonic(), 1))  # fmt: skip
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, check=False, timeout=max(deadline - time.monotonic(), 1)
+        )
         found = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
         if found:
             return found
@@ -122,7 +149,9 @@ def pgbouncer(servers: Servers, migrated: str, shared_dir: Path, tls: Tls) -> It
         server += f" password={target.password}"
     port = free_port()
     config = shared_dir / "pgbouncer.ini"
-    _write(config, f"""
+    _write(
+        config,
+        f"""
 [databases]
 {database} = {server} pool_size=2
 
@@ -136,13 +165,19 @@ max_client_conn = 100
 client_tls_sslmode = require
 client_tls_cert_file = {tls.cert}
 client_tls_key_file = {tls.key}
-""".encode())  # fmt: skip
+""".encode(),
+    )
     uid, gid = _unprivileged() or (None, None)
     log_path = shared_dir / "pgbouncer.log"
     with open(log_path, "wb") as log:
         # as the embedded servers: unprivileged, and stopped by the kernel if this process dies
-        process = subprocess.Popen([binary, str(config)], stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                   preexec_fn=_die_with_parent(signal.SIGTERM, uid=uid, gid=gid))  # fmt: skip
+        process = subprocess.Popen(
+            [binary, str(config)],
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent(signal.SIGTERM, uid=uid, gid=gid),
+        )
     try:
         deadline = time.monotonic() + 15
         while not _listening(port):

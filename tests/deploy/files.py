@@ -74,7 +74,7 @@ def dockerfile_stages(path: Path = DOCKERFILE) -> list[Stage]:
         elif keyword == "CMD":
             stage.cmd = json.loads(rest)  # exec form only: a shell form would not get SIGTERM
         elif keyword == "HEALTHCHECK":
-            stage.healthcheck = json.loads(rest[rest.index("CMD") + len("CMD"):])
+            stage.healthcheck = json.loads(rest[rest.index("CMD") + len("CMD") :])
         elif keyword == "USER":
             stage.user = rest
         elif keyword == "STOPSIGNAL":

@@ -27,8 +27,15 @@ class Unavailable(RuntimeError):
 
 def _run(command: list[str], cwd: Path, deadline: float) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, check=False,
-                          timeout=max(deadline - time.monotonic(), 1))  # fmt: skip
+    return subprocess.run(
+        command,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=max(deadline - time.monotonic(), 1),
+    )
 
 
 def _extract(deadline: float) -> None:

@@ -11,8 +11,14 @@ from tests.deploy.files import ALERTS_FILE, ALERTS_TEST_FILE, alert_rules
 
 
 def _promtool(prometheus_bin: Path, *args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(prometheus_bin / "promtool"), *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=120, check=False)  # fmt: skip
+    return subprocess.run(
+        [str(prometheus_bin / "promtool"), *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_every_alert_has_a_history_that_fires_it_and_one_that_must_not() -> None:

@@ -31,8 +31,9 @@ async def silent_server() -> AsyncIterator[int]:
 
 async def test_database_connect_timeout_bounds_a_silent_postgres() -> None:
     async with silent_server() as port:
-        settings = Settings(database_url=f"postgresql://postgres@127.0.0.1:{port}/progress",
-                            database_connect_timeout_seconds=0.5)  # fmt: skip
+        settings = Settings(
+            database_url=f"postgresql://postgres@127.0.0.1:{port}/progress", database_connect_timeout_seconds=0.5
+        )
         pool = await create_db_pool(settings)  # min size 0: no connection yet
         started = time.monotonic()
         with pytest.raises(TimeoutError):

@@ -8,13 +8,7 @@ import httpx
 import promql_parser
 import pytest
 
-from tests.deploy.files import (
-    DASHBOARD_FILE,
-    DASHBOARD_SCRIPT,
-    alert_rules,
-    dashboard_queries,
-    served_metric_names,
-)  # fmt: skip
+from tests.deploy.files import DASHBOARD_FILE, DASHBOARD_SCRIPT, alert_rules, dashboard_queries, served_metric_names
 
 ROWS = ["Traffic", "Buffer", "Flush", "Outbox", "Trial emails", "Door"]
 # seen from outside the pod (kube-state-metrics), not served by the service
@@ -96,6 +90,11 @@ async def test_panels_and_alerts_name_only_metrics_that_metrics_serves(client: h
         assert names <= served, f"{rule['alert']} uses {sorted(names - served)}, not on /metrics"
     # the dashboard shows something of every metric family the service has
     families = {name.removesuffix("_bucket") for name in used}
-    missing = {name for name in served if name.startswith("progress_") and not name.endswith(("_sum", "_count"))
-               and name.removesuffix("_bucket") not in families}  # fmt: skip
+    missing = {
+        name
+        for name in served
+        if name.startswith("progress_")
+        and not name.endswith(("_sum", "_count"))
+        and name.removesuffix("_bucket") not in families
+    }
     assert not missing, f"no panel shows {sorted(missing)}"

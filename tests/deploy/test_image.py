@@ -100,8 +100,9 @@ async def test_image_cmd_takes_a_heartbeat_and_flushes_it_on_sigterm(
         token = make_token(Settings(jwt_secret=env["JWT_SECRET"]), 3)
         async with httpx.AsyncClient(base_url=base_url) as client:
             for position in range(1, HEARTBEATS + 1):
-                response = await client.post("/engagements/progress/lesson", headers=auth(token),
-                                             json={"lesson_id": 2, "position": position})  # fmt: skip
+                response = await client.post(
+                    "/engagements/progress/lesson", headers=auth(token), json={"lesson_id": 2, "position": position}
+                )
                 assert (response.status_code, response.json()) == (201, {"data": True})
         assert await redis.exists("progress:latest_position:lesson:2:3")
         assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 0  # flushed every 60 s

@@ -27,8 +27,14 @@ def _flush_once(servers: Servers, **overrides: str) -> tuple[int, list[dict[str,
     """`progress-service flush --once` in its own process; its stderr parsed line by line."""
     env = clean_environment()
     env.update({"REDIS_URL": servers.redis_url, "DATABASE_URL": servers.database_url, **overrides})
-    done = subprocess.run([str(VENV_BIN / "progress-service"), "flush", "--once"], env=env, capture_output=True,
-                          text=True, timeout=60, check=False)  # fmt: skip
+    done = subprocess.run(
+        [str(VENV_BIN / "progress-service"), "flush", "--once"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     lines = [json.loads(line) for line in done.stderr.splitlines() if line.strip()]  # each line, whole, is JSON
     for line in lines:
         assert DOCUMENTED_FIELDS <= line.keys(), line
@@ -39,8 +45,9 @@ async def test_flusher_logs_lost_and_dropped_heartbeats_with_their_key(
     servers: Servers, client: httpx.AsyncClient, token: str, db: asyncpg.Pool, redis: Redis
 ) -> None:
     await seed(db, users=3)  # the token's user 7 does not exist: its heartbeat is dropped
-    response = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": 5},
-                                 headers=auth(token))  # fmt: skip
+    response = await client.post(
+        "/engagements/progress/lesson", json={"lesson_id": 1, "position": 5}, headers=auth(token)
+    )
     assert response.status_code == 201
     await redis.sadd("progress:pending_flush:audio", "2:3")  # a member whose value expired
 
@@ -59,8 +66,9 @@ async def test_outage_logs_carry_the_content_type_at_the_configured_level(
     servers: Servers, client: httpx.AsyncClient, token: str, db: asyncpg.Pool, redis: Redis
 ) -> None:
     for lesson_id in (1, 2, 3):
-        response = await client.post("/engagements/progress/lesson", json={"lesson_id": lesson_id, "position": 5},
-                                     headers=auth(token))  # fmt: skip
+        response = await client.post(
+            "/engagements/progress/lesson", json={"lesson_id": lesson_id, "position": 5}, headers=auth(token)
+        )
         assert response.status_code == 201
     nowhere = f"postgresql://postgres@127.0.0.1:{free_port()}/progress"
 

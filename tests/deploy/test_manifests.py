@@ -17,7 +17,7 @@ from tests.deploy.files import (
     k8s,
     service_metrics,
     settings_variables,
-)  # fmt: skip
+)
 
 DEPLOYMENTS = ["deployment.yaml", "split/deployment-flusher.yaml"]
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(m|Mi|Gi)?$")
@@ -97,8 +97,10 @@ def test_pods_run_as_the_image_user_with_config_and_secret(path: str) -> None:
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert str(spec["securityContext"]["runAsUser"]) == image().user.split(":")[0]
     sources = {next(iter(source)): next(iter(source.values()))["name"] for source in _container(path)["envFrom"]}
-    assert sources == {"configMapRef": k8s("configmap.yaml")["metadata"]["name"],
-                       "secretRef": k8s("secret.yaml")["metadata"]["name"]}  # fmt: skip
+    assert sources == {
+        "configMapRef": k8s("configmap.yaml")["metadata"]["name"],
+        "secretRef": k8s("secret.yaml")["metadata"]["name"],
+    }
 
 
 def test_service_pdb_and_hpa_point_at_the_api_pods() -> None:
@@ -112,8 +114,11 @@ def test_service_pdb_and_hpa_point_at_the_api_pods() -> None:
     pdb = k8s("pdb.yaml")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     hpa = k8s("hpa.yaml")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                             "name": deployment["metadata"]["name"]}  # fmt: skip
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": deployment["metadata"]["name"],
+    }
     assert pdb["spec"]["maxUnavailable"] < hpa["spec"]["minReplicas"]
 
 
@@ -148,8 +153,10 @@ def test_compose_stack_scales_behind_one_proxy_after_healthy_dependencies() -> N
     progress = services["progress"]
     assert progress["build"] == "."
     assert "ports" not in progress, "a published port would clash under --scale"
-    assert progress["depends_on"] == {"postgres": {"condition": "service_healthy"},
-                                      "redis": {"condition": "service_healthy"}}  # fmt: skip
+    assert progress["depends_on"] == {
+        "postgres": {"condition": "service_healthy"},
+        "redis": {"condition": "service_healthy"},
+    }
     assert "/health/ready" in " ".join(progress["healthcheck"]["test"])
     assert int(progress["stop_grace_period"].removesuffix("s")) >= (
         float(progress["environment"]["PROGRESS_SHUTDOWN_TIMEOUT_SECONDS"]) + 5
@@ -185,8 +192,14 @@ def test_alert_rules_use_metrics_that_exist() -> None:
         assert used <= exported, f"{rule['alert']} uses unknown metrics {sorted(used - exported)}"
     alerts = {rule["alert"] for rule in rules}
     # the issue's list: backlog growing, flush lag, expired values, orphaned emails, readiness flapping
-    assert {"ProgressPendingBacklogGrowing", "ProgressFlushLagging", "ProgressPositionsExpired",
-            "ProgressTrialEmailOrphans", "ProgressReadinessFlapping", "ProgressRedisMemoryHigh"} <= alerts  # fmt: skip
+    assert {
+        "ProgressPendingBacklogGrowing",
+        "ProgressFlushLagging",
+        "ProgressPositionsExpired",
+        "ProgressTrialEmailOrphans",
+        "ProgressReadinessFlapping",
+        "ProgressRedisMemoryHigh",
+    } <= alerts
 
 
 def test_redis_runs_bounded_and_never_evicts_positions() -> None:
@@ -194,8 +207,12 @@ def test_redis_runs_bounded_and_never_evicts_positions() -> None:
     command = compose["services"]["redis"]["command"]
     assert command[command.index("--maxmemory-policy") + 1] == "noeviction"
     assert "--maxmemory" in command
-    rule = next(rule for group in yaml.safe_load(ALERTS_FILE.read_text())["groups"] for rule in group["rules"]
-                if rule["alert"] == "ProgressRedisMemoryHigh")  # fmt: skip
+    rule = next(
+        rule
+        for group in yaml.safe_load(ALERTS_FILE.read_text())["groups"]
+        for rule in group["rules"]
+        if rule["alert"] == "ProgressRedisMemoryHigh"
+    )
     assert "progress_redis_used_memory_bytes" in rule["expr"] and "0.8" in rule["expr"]
     assert "maxmemory-policy noeviction" in (K8S_DIR / "README.md").read_text()
 

@@ -29,8 +29,9 @@ async def _send_heartbeats(client: httpx.AsyncClient, settings: Settings, positi
         token = make_token(settings, user_id)
         for kind in CONTENT_KINDS:
             for content_id in range(1, CONTENTS + 1):
-                response = await client.post(kind.path, json={kind.id_column: content_id, "position": position},
-                                             headers=auth(token))  # fmt: skip
+                response = await client.post(
+                    kind.path, json={kind.id_column: content_id, "position": position}, headers=auth(token)
+                )
                 assert response.status_code == 201
                 sent += 1
     return sent
@@ -40,13 +41,15 @@ async def test_flusher_writes_through_pgbouncer_in_transaction_mode_over_tls(
     settings: Settings, client: httpx.AsyncClient, db: asyncpg.Pool, redis: Redis, pgbouncer: PgBouncer, tls: Tls
 ) -> None:
     await seed(db, users=USERS, contents=CONTENTS, duration_s=600)
-    through_pgbouncer = settings.model_copy(update={
-        "database_url": pgbouncer.url(sslmode="verify-full", sslrootcert=str(tls.ca)),
-        "database_statement_cache_size": 0,
-        "database_timeouts_at_connect": False,  # PgBouncer refuses them as startup parameters
-        "database_pool_max_size": 6,  # more clients than PgBouncer's 2 server connections
-        "progress_flush_batch_size": 5,  # many transactions, interleaved by the flusher's concurrency
-    })  # fmt: skip
+    through_pgbouncer = settings.model_copy(
+        update={
+            "database_url": pgbouncer.url(sslmode="verify-full", sslrootcert=str(tls.ca)),
+            "database_statement_cache_size": 0,
+            "database_timeouts_at_connect": False,  # PgBouncer refuses them as startup parameters
+            "database_pool_max_size": 6,  # more clients than PgBouncer's 2 server connections
+            "progress_flush_batch_size": 5,  # many transactions, interleaved by the flusher's concurrency
+        }
+    )
     pool = await create_db_pool(through_pgbouncer)
     flusher_redis = connect_redis(through_pgbouncer)
     try:
@@ -71,11 +74,14 @@ async def test_pgbouncer_refuses_the_timeouts_at_connect_and_the_flush_sets_them
     settings: Settings, pgbouncer: PgBouncer, tls: Tls
 ) -> None:
     """Why DATABASE_TIMEOUTS_AT_CONNECT=false behind PgBouncer, and what still holds there."""
-    through_pgbouncer = settings.model_copy(update={
-        "database_url": pgbouncer.url(sslmode="verify-full", sslrootcert=str(tls.ca)),
-        "database_statement_cache_size": 0, "database_statement_timeout_seconds": 7,
-        "database_lock_timeout_seconds": 0.5,
-    })  # fmt: skip
+    through_pgbouncer = settings.model_copy(
+        update={
+            "database_url": pgbouncer.url(sslmode="verify-full", sslrootcert=str(tls.ca)),
+            "database_statement_cache_size": 0,
+            "database_statement_timeout_seconds": 7,
+            "database_lock_timeout_seconds": 0.5,
+        }
+    )
     refused = await create_db_pool(through_pgbouncer)
     try:
         with pytest.raises(asyncpg.ProtocolViolationError, match="unsupported startup parameter"):
@@ -124,24 +130,35 @@ async def test_statement_cache_is_what_breaks_transaction_pooling(
 
 
 async def test_the_relay_behind_pgbouncer_listens_on_its_direct_url_and_otherwise_polls(
-    settings: Settings, db: asyncpg.Pool, redis: Redis, pgbouncer: PgBouncer, tls: Tls, broker: Broker,
+    settings: Settings,
+    db: asyncpg.Pool,
+    redis: Redis,
+    pgbouncer: PgBouncer,
+    tls: Tls,
+    broker: Broker,
     executions: Executions,
-) -> None:  # fmt: skip
+) -> None:
     await seed(db, users=2, contents=1, duration_s=600)
-    through_pgbouncer = settings.model_copy(update={
-        "database_url": pgbouncer.url(sslmode="verify-full", sslrootcert=str(tls.ca)),
-        "database_statement_cache_size": 0, "database_timeouts_at_connect": False,
-        "celery_broker_url": broker.url, "relay_enabled": True,
-        # a poll a minute: only a notification can bring the event out within seconds
-        "relay_poll_interval_seconds": 60, "relay_listen_database_url": settings.database_url,
-    })  # fmt: skip
+    through_pgbouncer = settings.model_copy(
+        update={
+            "database_url": pgbouncer.url(sslmode="verify-full", sslrootcert=str(tls.ca)),
+            "database_statement_cache_size": 0,
+            "database_timeouts_at_connect": False,
+            "celery_broker_url": broker.url,
+            "relay_enabled": True,
+            # a poll a minute: only a notification can bring the event out within seconds
+            "relay_poll_interval_seconds": 60,
+            "relay_listen_database_url": settings.database_url,
+        }
+    )
     polling = through_pgbouncer.model_copy(update={"relay_listen": False, "relay_poll_interval_seconds": 0.3})
     for user_id, relay_settings in ((1, through_pgbouncer), (2, polling)):
         pool = await create_db_pool(relay_settings)
         publisher = publisher_from_settings(relay_settings)
         stop = asyncio.Event()
-        relay = asyncio.create_task(build_relay(relay_settings, pool, [completion_route(relay_settings, publisher)])
-                                    .run(stop))  # fmt: skip
+        relay = asyncio.create_task(
+            build_relay(relay_settings, pool, [completion_route(relay_settings, publisher)]).run(stop)
+        )
         try:
             await asyncio.sleep(0.5)  # past the relay's first pass
             # as the flush writes it, through PgBouncer: the NOTIFY goes out at its commit
@@ -149,7 +166,7 @@ async def test_the_relay_behind_pgbouncer_listens_on_its_direct_url_and_otherwis
                 "WITH e AS (INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
                 "VALUES ('lesson', 1, $1, now()) RETURNING 1) SELECT pg_notify('progress_outbox', 'completion')",
                 user_id,
-            )  # fmt: skip
+            )
             rows = await executions.wait_for(user_id, timeout_s=5, settle_s=0)
             assert [json.loads(row["kwargs"])["user_id"] for row in rows] == list(range(1, user_id + 1))
         finally:

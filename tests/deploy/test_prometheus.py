@@ -55,8 +55,14 @@ def _service_env(servers: Servers, port: int) -> dict[str, str]:
 
 def _start(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     with open(log_path, "wb") as log:
-        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent(signal.SIGTERM))  # fmt: skip
+        return subprocess.Popen(
+            command,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent(signal.SIGTERM),
+        )
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -88,12 +94,17 @@ async def _wait_for(url: str, process: subprocess.Popen[bytes], log_path: Path, 
 
 
 def _prometheus_config(path: Path, service_port: int) -> Path:
-    path.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(ALERTS_FILE)],
-        "scrape_configs": [{"job_name": "progress-service",
-                            "static_configs": [{"targets": [f"127.0.0.1:{service_port}"]}]}],
-    }))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                "rule_files": [str(ALERTS_FILE)],
+                "scrape_configs": [
+                    {"job_name": "progress-service", "static_configs": [{"targets": [f"127.0.0.1:{service_port}"]}]}
+                ],
+            }
+        )
+    )
     return path
 
 
@@ -112,8 +123,11 @@ async def _load(base_url: str, seconds: float) -> dict[int, int]:
                 user, content = i % USERS, (i // USERS) % CONTENTS + 1
                 position = 595 if i % 7 == 0 else float(i % 500)
                 lesson = UNKNOWN_ID if i % 50 == 0 else content
-                response = await client.post("/engagements/progress/lesson", headers=auth(tokens[user]),
-                                             json={"lesson_id": lesson, "position": position})  # fmt: skip
+                response = await client.post(
+                    "/engagements/progress/lesson",
+                    headers=auth(tokens[user]),
+                    json={"lesson_id": lesson, "position": position},
+                )
                 statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
                 i += CONCURRENCY
 
@@ -152,11 +166,16 @@ async def test_a_real_prometheus_evaluates_every_dashboard_and_alert_expression(
     try:
         await _wait_for(f"http://127.0.0.1:{port}/health/ready", service, service_log)
         config = _prometheus_config(tmp_path / "prometheus.yml", port)
-        prometheus = _start([
-            str(prometheus_bin / "prometheus"), f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prometheus_port}",
-            "--log.level=warn",
-        ], prometheus_log)  # fmt: skip
+        prometheus = _start(
+            [
+                str(prometheus_bin / "prometheus"),
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{prometheus_port}",
+                "--log.level=warn",
+            ],
+            prometheus_log,
+        )
         await _wait_for(f"http://127.0.0.1:{prometheus_port}/-/ready", prometheus, prometheus_log)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{prometheus_port}", timeout=10) as client:
             api = Prometheus(client)

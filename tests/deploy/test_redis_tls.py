@@ -53,11 +53,14 @@ async def test_service_stores_heartbeats_through_rediss_url(
 ) -> None:
     database = urlsplit(servers.redis_url).path
     async with tls_terminator(tls, servers.redis_url) as port:
-        over_tls = settings.model_copy(update={"redis_url": f"rediss://127.0.0.1:{port}{database}?ssl_ca_certs={tls.ca}"})
+        over_tls = settings.model_copy(
+            update={"redis_url": f"rediss://127.0.0.1:{port}{database}?ssl_ca_certs={tls.ca}"}
+        )
         async with running_app(over_tls) as (_, client):
             assert (await client.get("/health/ready")).status_code == 200
-            response = await client.post("/audios/progress", json={"audio_id": 4, "position": 12.5},
-                                         headers=auth(make_token(over_tls, 5)))  # fmt: skip
+            response = await client.post(
+                "/audios/progress", json={"audio_id": 4, "position": 12.5}, headers=auth(make_token(over_tls, 5))
+            )
             assert response.status_code == 201
     assert await redis.exists("progress:latest_position:audio:4:5")
 

@@ -43,6 +43,11 @@ def test_every_section_says_what_it_means_the_impact_how_to_check_and_fix() -> N
         assert "```sh" in text, f"{rule['alert']}: no commands to check with"
     # the commands the issue names are all in the runbook
     text = RUNBOOK.read_text()
-    for command in ("progress-service status", "progress-service outbox list --parked", "outbox redrive --parked",
-                    "valkey-cli -u", 'psql "$DATABASE_URL"'):  # fmt: skip
+    for command in (
+        "progress-service status",
+        "progress-service outbox list --parked",
+        "outbox redrive --parked",
+        "valkey-cli -u",
+        'psql "$DATABASE_URL"',
+    ):
         assert command in text

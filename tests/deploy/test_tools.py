@@ -20,8 +20,9 @@ def _tool(name: str, *args: str | Path, stdin: str | None = None) -> subprocess.
     executable = VENV_BIN / name
     if not executable.exists():
         pytest.fail(f"{name} is missing from {VENV_BIN}: install the test extra (pip install -e '.[test]')")
-    return subprocess.run([str(executable), *map(str, args)], input=stdin, capture_output=True, text=True,
-                          timeout=120, check=False)  # fmt: skip
+    return subprocess.run(
+        [str(executable), *map(str, args)], input=stdin, capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def test_dockerfile_passes_hadolint() -> None:

@@ -40,9 +40,16 @@ class Client:
             if port not in self.streams:
                 self.streams[port] = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
             reader, writer = self.streams[port]
-            writer.write(b"POST " + PATH + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
-                         + token.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+            writer.write(
+                b"POST "
+                + PATH
+                + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+                + token.encode()
+                + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
             async with asyncio.timeout(10):
                 status = int((await reader.readline()).split()[1])
                 length = 0
@@ -62,8 +69,10 @@ class Client:
 async def run(args: argparse.Namespace) -> dict[str, object]:
     keys = [(lesson, user) for user in range(1, args.users + 1) for lesson in range(1, args.lessons + 1)]
     crossing = set(random.Random(7).sample(keys, min(args.crossing, len(keys))))
-    tokens = {user: jwt.encode({"user_id": user, "exp": int(time.time()) + 3600}, args.secret, algorithm="HS256")
-              for user in range(1, args.users + 1)}  # fmt: skip
+    tokens = {
+        user: jwt.encode({"user_id": user, "exp": int(time.time()) + 3600}, args.secret, algorithm="HS256")
+        for user in range(1, args.users + 1)
+    }
     ports = [int(p) for p in args.ports.split(",")]
     last_acked: dict[tuple[int, int], int] = {}
     counts = {"sent": 0, "acknowledged": 0, "refused_503": 0, "no_answer": 0, "other": 0}
@@ -73,8 +82,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         client = Client(ports)
         while True:
             key, round_, i = await queue.get()
-            body = json.dumps({"lesson_id": key[0], "position": position(
-                key, round_, crossing=key in crossing, crossing_round=args.crossing_round)}).encode()
+            body = json.dumps(
+                {
+                    "lesson_id": key[0],
+                    "position": position(key, round_, crossing=key in crossing, crossing_round=args.crossing_round),
+                }
+            ).encode()
             status = await client.post(ports[i % len(ports)], tokens[key[1]], body)
             counts["sent"] += 1
             if status == 201:

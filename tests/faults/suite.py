@@ -69,8 +69,13 @@ class Report:
     load_s: float = 0.0
 
     def ok(self) -> bool:
-        return (self.lost == 0 and self.duplicate_events == 0 and self.missing_completions == 0
-                and self.events == self.completed_keys and self.acknowledged > 0)  # fmt: skip
+        return (
+            self.lost == 0
+            and self.duplicate_events == 0
+            and self.missing_completions == 0
+            and self.events == self.completed_keys
+            and self.acknowledged > 0
+        )
 
 
 class Cluster:
@@ -100,27 +105,38 @@ class Cluster:
     async def _prepare(self, size: Size) -> None:
         await embedded.prepare_database(self.database_url, seed=False)
         conn = await asyncpg.connect(self.database_url)
-        await conn.execute("INSERT INTO users_user (id, email) SELECT i, 'u' || i FROM generate_series(1, $1) i",
-                           size.users)  # fmt: skip
-        await conn.execute("INSERT INTO courses_lesson (id, title, duration) SELECT i, 'l' || i, $2 "
-                           "FROM generate_series(1, $1) i", size.lessons, DURATION_S)  # fmt: skip
+        await conn.execute(
+            "INSERT INTO users_user (id, email) SELECT i, 'u' || i FROM generate_series(1, $1) i", size.users
+        )
+        await conn.execute(
+            "INSERT INTO courses_lesson (id, title, duration) SELECT i, 'l' || i, $2 FROM generate_series(1, $1) i",
+            size.lessons,
+            DURATION_S,
+        )
         await conn.close()
 
     def start_service(self, i: int) -> None:
         env = clean_environment()
-        env.update(REDIS_URL=self.redis.url, DATABASE_URL=self.database_url, JWT_SECRET=SECRET,
-                   LOG_LEVEL="WARNING", PROGRESS_FLUSH_INTERVAL_SECONDS="1", PROGRESS_FLUSH_LEASE_SECONDS="3",
-                   PROGRESS_SHUTDOWN_TIMEOUT_SECONDS="5", DEGRADED_REDIS_RETRY_SECONDS="0.5",
-                   DATABASE_POOL_MAX_SIZE="6",
-                   # delivery to the monolith has its own tests (tests/outbox); here it stays off
-                   RELAY_ENABLED="false", EMAIL_PUBLISHER="redis-stream",
-                   # a round every few hundred ms is a compressed rhythm, far above the app's 5 s cadence
-                   RATE_LIMIT_PER_USER_PER_SECOND="0")  # fmt: skip
+        env.update(
+            REDIS_URL=self.redis.url,
+            DATABASE_URL=self.database_url,
+            JWT_SECRET=SECRET,
+            LOG_LEVEL="WARNING",
+            PROGRESS_FLUSH_INTERVAL_SECONDS="1",
+            PROGRESS_FLUSH_LEASE_SECONDS="3",
+            PROGRESS_SHUTDOWN_TIMEOUT_SECONDS="5",
+            DEGRADED_REDIS_RETRY_SECONDS="0.5",
+            DATABASE_POOL_MAX_SIZE="6",
+            # delivery to the monolith has its own tests (tests/outbox); here it stays off
+            RELAY_ENABLED="false",
+            EMAIL_PUBLISHER="redis-stream",
+            # a round every few hundred ms is a compressed rhythm, far above the app's 5 s cadence
+            RATE_LIMIT_PER_USER_PER_SECOND="0",
+        )
         log = open(self.base / f"service-{i}.log", "ab")  # the child process keeps it open
         self.services[i] = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve", "--port", str(self.ports[i])],
-            env=env, stdout=log, stderr=log,
-        )  # fmt: skip
+            [sys.executable, "-m", "service", "serve", "--port", str(self.ports[i])], env=env, stdout=log, stderr=log
+        )
 
     def wait_ready(self, i: int, timeout_s: float = 30) -> None:
         deadline = time.monotonic() + timeout_s
@@ -153,8 +169,7 @@ class Cluster:
         self.redis.stop()
 
 
-def _inject(cluster: Cluster, scenario: str, size: Size, load: subprocess.Popen[bytes],
-            faults: list[str]) -> None:  # fmt: skip
+def _inject(cluster: Cluster, scenario: str, size: Size, load: subprocess.Popen[bytes], faults: list[str]) -> None:
     """Runs in the orchestrator while the load process runs."""
     rng = random.Random()
     time.sleep(1.5)
@@ -194,17 +209,25 @@ async def _drained(cluster: Cluster, timeout_s: float = 90) -> None:
 
 async def _verify(cluster: Cluster, ledger: dict[str, object], size: Size, report: Report) -> None:
     conn = await asyncpg.connect(cluster.database_url)
-    rows = {(r["lesson_id"], r["user_id"]): r for r in await conn.fetch(
-        "SELECT lesson_id, user_id, position, completed_at FROM engagements_lessonprogress")}  # fmt: skip
-    event_counts = {(r["content_id"], r["user_id"]): r["n"] for r in await conn.fetch(
-        "SELECT content_id, user_id, count(*) AS n FROM progress_completion_event GROUP BY 1, 2")}  # fmt: skip
+    rows = {
+        (r["lesson_id"], r["user_id"]): r
+        for r in await conn.fetch("SELECT lesson_id, user_id, position, completed_at FROM engagements_lessonprogress")
+    }
+    event_counts = {
+        (r["content_id"], r["user_id"]): r["n"]
+        for r in await conn.fetch(
+            "SELECT content_id, user_id, count(*) AS n FROM progress_completion_event GROUP BY 1, 2"
+        )
+    }
     await conn.close()
     crossing = {tuple(k) for k in ledger["crossing"]}  # type: ignore[attr-defined]
     crossing_round = size.rounds // 2
     for lesson, user, acked_round in ledger["last_acked"]:  # type: ignore[attr-defined]
         key = (lesson, user)
-        allowed = {position(key, r, crossing=key in crossing, crossing_round=crossing_round)
-                   for r in range(acked_round, size.rounds)}  # fmt: skip
+        allowed = {
+            position(key, r, crossing=key in crossing, crossing_round=crossing_round)
+            for r in range(acked_round, size.rounds)
+        }
         row = rows.get(key)
         if row is None or row["position"] not in allowed:
             report.lost += 1
@@ -231,12 +254,32 @@ def run_scenario(scenario: str, size: Size, base: Path, log: Callable[[str], Non
         log(f"[{scenario}] starting Valkey, Postgres and {len(cluster.ports)} service processes")
         cluster.start(size)
         ledger_path = base / "ledger.json"
-        load = subprocess.Popen([
-            sys.executable, "-m", "tests.faults.loadgen", "--ports", ",".join(map(str, cluster.ports)),
-            "--users", str(size.users), "--lessons", str(size.lessons), "--rounds", str(size.rounds),
-            "--crossing", str(size.crossing), "--crossing-round", str(size.rounds // 2),
-            "--min-round-s", str(size.min_round_s), "--secret", SECRET, "--ledger", str(ledger_path),
-        ], stdout=open(base / "load.log", "wb"))  # fmt: skip
+        load = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.faults.loadgen",
+                "--ports",
+                ",".join(map(str, cluster.ports)),
+                "--users",
+                str(size.users),
+                "--lessons",
+                str(size.lessons),
+                "--rounds",
+                str(size.rounds),
+                "--crossing",
+                str(size.crossing),
+                "--crossing-round",
+                str(size.rounds // 2),
+                "--min-round-s",
+                str(size.min_round_s),
+                "--secret",
+                SECRET,
+                "--ledger",
+                str(ledger_path),
+            ],
+            stdout=open(base / "load.log", "wb"),
+        )
         _inject(cluster, scenario, size, load, report.faults)
         if load.wait(timeout=900) != 0:
             raise RuntimeError(f"load generator failed; see {base}/load.log")
@@ -269,8 +312,10 @@ def main() -> int:
             reports.append(run_scenario(scenario, size, Path(tmp) / scenario))
     print("\nscenario         keys   sent    acked   503   no-answer  persisted  lost  events  dup  faults")
     for r in reports:
-        print(f"{r.scenario:<15} {r.keys:>6} {r.sent:>7} {r.acknowledged:>7} {r.refused_503:>5} {r.no_answer:>9} "
-              f"{r.persisted:>10} {r.lost:>5} {r.events:>7} {r.duplicate_events:>4}  {len(r.faults)}")  # fmt: skip
+        print(
+            f"{r.scenario:<15} {r.keys:>6} {r.sent:>7} {r.acknowledged:>7} {r.refused_503:>5} {r.no_answer:>9} "
+            f"{r.persisted:>10} {r.lost:>5} {r.events:>7} {r.duplicate_events:>4}  {len(r.faults)}"
+        )
     return 0 if all(r.ok() for r in reports) else 1
 
 

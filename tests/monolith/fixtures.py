@@ -41,14 +41,40 @@ class Broker:
         self.server.start()
 
 
-def start_worker(broker_url: str, database_url: str, log_path: Path, *, transport_options: str = "{}",
-                 name: str = "monolith", threads: int = 0) -> subprocess.Popen[bytes]:  # fmt: skip
-    env = {**os.environ, "MONOLITH_BROKER_URL": broker_url, "MONOLITH_DATABASE_URL": database_url,
-           "MONOLITH_BROKER_TRANSPORT_OPTIONS": transport_options}  # fmt: skip
+def start_worker(
+    broker_url: str,
+    database_url: str,
+    log_path: Path,
+    *,
+    transport_options: str = "{}",
+    name: str = "monolith",
+    threads: int = 0,
+) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "MONOLITH_BROKER_URL": broker_url,
+        "MONOLITH_DATABASE_URL": database_url,
+        "MONOLITH_BROKER_TRANSPORT_OPTIONS": transport_options,
+    }
     pool = ["--pool=threads", f"--concurrency={threads}"] if threads else ["--pool=solo"]
-    command = [sys.executable, "-m", "celery", "-A", "tests.monolith.worker", "worker", *pool,
-               "-Q", QUEUES, "-n", f"{name}@%h", "--without-gossip", "--without-mingle", "--without-heartbeat",
-               "-l", "INFO"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "tests.monolith.worker",
+        "worker",
+        *pool,
+        "-Q",
+        QUEUES,
+        "-n",
+        f"{name}@%h",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+        "-l",
+        "INFO",
+    ]
     with open(log_path, "ab") as log_file:
         return subprocess.Popen(command, env=env, cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
 
@@ -93,8 +119,9 @@ async def monolith_table(migrated: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def worker(broker: Broker, monolith_table: str, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[subprocess.Popen[bytes]]:  # fmt: skip
+def worker(
+    broker: Broker, monolith_table: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[subprocess.Popen[bytes]]:
     log_path = Path(tmp_path_factory.mktemp("worker")) / "worker.log"
     process = start_worker(broker.url, monolith_table, log_path)
     try:
@@ -113,8 +140,9 @@ class Executions:
     async def rows(self, task_name: str | None = None) -> list[asyncpg.Record]:
         if task_name is None:
             return await self.pool.fetch("SELECT * FROM monolith_task_execution ORDER BY id")
-        return await self.pool.fetch("SELECT * FROM monolith_task_execution WHERE task_name = $1 ORDER BY id",
-                                     task_name)  # fmt: skip
+        return await self.pool.fetch(
+            "SELECT * FROM monolith_task_execution WHERE task_name = $1 ORDER BY id", task_name
+        )
 
     async def count(self) -> int:
         return int(await self.pool.fetchval("SELECT count(*) FROM monolith_task_execution"))
@@ -140,8 +168,7 @@ def kwargs_of(row: asyncpg.Record) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def executions(monolith_table: str, worker: subprocess.Popen[bytes]
-                     ) -> AsyncIterator[Executions]:  # fmt: skip
+async def executions(monolith_table: str, worker: subprocess.Popen[bytes]) -> AsyncIterator[Executions]:
     pool = await asyncpg.create_pool(monolith_table, min_size=1, max_size=2)
     assert pool is not None
     await pool.execute("TRUNCATE monolith_task_execution")

@@ -43,8 +43,9 @@ async def test_a_broker_outage_delays_delivery_and_loses_or_repeats_nothing(
                 await post_near_end(client, relay_settings, users=10, lessons=4)  # 30 new completions
                 await flusher.flush_cycle()
                 with pytest.raises(BrokerUnavailableError):
-                    await send_trial_journey_emails_batch(trial_ids[:20], pool=db, queue=emails,
-                                                          options=batch_options(relay_settings))  # fmt: skip
+                    await send_trial_journey_emails_batch(
+                        trial_ids[:20], pool=db, queue=emails, options=batch_options(relay_settings)
+                    )
                 assert (await client.get("/health/ready")).status_code == 200  # heartbeats are still safe
                 await asyncio.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped_at)))
                 owed = await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL")
@@ -52,8 +53,9 @@ async def test_a_broker_outage_delays_delivery_and_loses_or_repeats_nothing(
             finally:
                 broker.start()
 
-            more = await send_trial_journey_emails_batch(trial_ids[20:], pool=db, queue=emails,
-                                                         options=batch_options(relay_settings))  # fmt: skip
+            more = await send_trial_journey_emails_batch(
+                trial_ids[20:], pool=db, queue=emails, options=batch_options(relay_settings)
+            )
             assert more["sent"] == 10
             await executions.wait_for(10 + 30 + 20 + 10, timeout_s=60, settle_s=1.0)
     finally:

@@ -40,8 +40,10 @@ async def test_200_completions_in_one_flush_run_advance_user_journey_once_each_w
         event = events[(kwargs["content_id"], kwargs["user_id"])]
         assert kwargs["content_type"] == "lesson"
         assert datetime.fromisoformat(kwargs["completed_at"]) == event["completed_at"]
-        expected_id = uuid.uuid5(uuid.UUID("6f1d2c4e-8a57-4b0e-9d3a-2f6b1c9e7a41"),
-                                 f"completion:lesson:{kwargs['content_id']}:{kwargs['user_id']}")  # fmt: skip
+        expected_id = uuid.uuid5(
+            uuid.UUID("6f1d2c4e-8a57-4b0e-9d3a-2f6b1c9e7a41"),
+            f"completion:lesson:{kwargs['content_id']}:{kwargs['user_id']}",
+        )
         assert row["task_id"] == str(expected_id)
     assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
     assert await db.fetchval("SELECT max(publish_attempts) FROM progress_completion_event") == 1
@@ -66,8 +68,9 @@ async def test_completions_of_the_final_flush_on_shutdown_go_out_before_the_pod_
     await seed(db, users=2, contents=2, duration_s=600)
     # the flusher's interval is a minute: only the final flush on shutdown writes the event, after the
     # relay's loop has stopped; the relay's final pass must still publish it
-    settings = relay_settings.model_copy(update={"progress_flusher_enabled": True,
-                                                 "progress_flush_interval_seconds": 60})  # fmt: skip
+    settings = relay_settings.model_copy(
+        update={"progress_flusher_enabled": True, "progress_flush_interval_seconds": 60}
+    )
     async with running_app(settings) as (_, client):
         await asyncio.sleep(0.3)  # the flusher's first cycle (at start) has run
         await post_near_end(client, settings, users=1, lessons=1)

@@ -16,28 +16,34 @@ from service.trial_emails import queue
     ("update", "names"),
     [
         ({"relay_enabled": True}, "RELAY_ENABLED=true needs CELERY_BROKER_URL"),
-        ({"trial_journey_interval_seconds": 3600, "email_publisher": "celery"},
-         "EMAIL_PUBLISHER=celery needs CELERY_BROKER_URL"),
+        (
+            {"trial_journey_interval_seconds": 3600, "email_publisher": "celery"},
+            "EMAIL_PUBLISHER=celery needs CELERY_BROKER_URL",
+        ),
         ({"relay_enabled": True, "celery_broker_url": "kafka://broker:9092"}, "unsupported transport 'kafka'"),
     ],
-)  # fmt: skip
-def test_a_service_that_could_not_deliver_refuses_to_start(settings: Settings, update: dict[str, object],
-                                                           names: str) -> None:  # fmt: skip
+)
+def test_a_service_that_could_not_deliver_refuses_to_start(
+    settings: Settings, update: dict[str, object], names: str
+) -> None:
     with pytest.raises(ConfigError, match=names):
         create_app(settings.model_copy(update=update))
 
 
 def test_with_a_broker_url_or_without_the_relay_it_starts(settings: Settings) -> None:
     create_app(settings.model_copy(update={"relay_enabled": True, "celery_broker_url": "redis://127.0.0.1:1/0"}))
-    create_app(settings.model_copy(update={"relay_enabled": False, "email_publisher": "redis-stream",
-                                           "trial_journey_interval_seconds": 3600}))  # fmt: skip
+    create_app(
+        settings.model_copy(
+            update={"relay_enabled": False, "email_publisher": "redis-stream", "trial_journey_interval_seconds": 3600}
+        )
+    )
 
 
 def test_sqs_without_its_extra_names_the_extra_to_install() -> None:
     # boto3 is installed here (the tests use SQS): hide it, as in an image built without the extra
-    code = ("import sys; sys.modules['boto3'] = None\n"
-            "from service.config import check_transport\n"
-            "check_transport('sqs://')")  # fmt: skip
+    code = (
+        "import sys; sys.modules['boto3'] = None\nfrom service.config import check_transport\ncheck_transport('sqs://')"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert "pip install 'progress-service[sqs]'" in result.stderr
@@ -45,10 +51,15 @@ def test_sqs_without_its_extra_names_the_extra_to_install() -> None:
 
 
 def test_serve_refuses_a_relay_without_a_broker_with_a_clear_message(settings: Settings) -> None:
-    env = {"DATABASE_URL": settings.database_url, "REDIS_URL": settings.redis_url, "JWT_SECRET": "x" * 40,
-           "PATH": "/usr/bin:/bin"}  # fmt: skip
-    result = subprocess.run([sys.executable, "-m", "service", "serve"], env=env, capture_output=True, text=True,
-                            timeout=60)  # fmt: skip
+    env = {
+        "DATABASE_URL": settings.database_url,
+        "REDIS_URL": settings.redis_url,
+        "JWT_SECRET": "x" * 40,
+        "PATH": "/usr/bin:/bin",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "service", "serve"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2
     assert "CELERY_BROKER_URL" in result.stderr
 

@@ -19,9 +19,15 @@ LIST_KEYS = {"outbox", "id", "error", "failed_at", "attempts"}
 async def outbox_command(servers: Servers, broker: Broker, *args: str) -> tuple[str, str]:
     """`progress-service outbox ...` as its own process, off a terminal; (stdout, stderr), exit 0 asserted."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "service", "outbox", *args, env=relay_env(servers, broker, LOG_LEVEL="INFO"),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "service",
+        "outbox",
+        *args,
+        env=relay_env(servers, broker, LOG_LEVEL="INFO"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode == 0, stderr.decode()[-2000:]
     return stdout.decode(), stderr.decode()
@@ -38,14 +44,16 @@ async def park_one_email(db: asyncpg.Pool, user_id: int) -> int:
     await db.execute("INSERT INTO users_user (id, email) VALUES ($1, 'parked@example.com')", user_id)
     dispatch_id: int = await db.fetchval(
         "INSERT INTO emails_emaildispatch (user_id, source, email_key, sent_at, created_at) "
-        "VALUES ($1, 'trial_journey', 'trial_welcome', now(), now()) RETURNING id", user_id,
-    )  # fmt: skip
+        "VALUES ($1, 'trial_journey', 'trial_welcome', now(), now()) RETURNING id",
+        user_id,
+    )
     await db.execute(
         "INSERT INTO trial_email_outbox (dispatch_id, user_id, source, email_key, reserved_at, publish_attempts,"
         "                                publish_failed_at, publish_error) "
         "VALUES ($1, $2, 'trial_journey', 'trial_welcome', now(), 12, now(), 'ResponseError: NOPERM')",
-        dispatch_id, user_id,
-    )  # fmt: skip
+        dispatch_id,
+        user_id,
+    )
     return dispatch_id
 
 
@@ -54,8 +62,11 @@ async def test_parked_rows_are_listed_then_re_driven_once_each_with_their_task_i
     servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
 ) -> None:
     await add_events(db, 5)
-    refused = {"CELERY_BROKER_URL": await limited_broker_user(broker), "COMPLETION_TASK_QUEUE": "forbidden",
-               "OUTBOX_MAX_ATTEMPTS": "1"}  # fmt: skip
+    refused = {
+        "CELERY_BROKER_URL": await limited_broker_user(broker),
+        "COMPLETION_TASK_QUEUE": "forbidden",
+        "OUTBOX_MAX_ATTEMPTS": "1",
+    }
     code, summary = await relay_once(servers, broker, **refused)
     assert code == 0 and summary is not None and summary["failed"]["completion"] == 5
     dispatch_id = await park_one_email(db, 1000)
@@ -67,7 +78,8 @@ async def test_parked_rows_are_listed_then_re_driven_once_each_with_their_task_i
     assert all(row["attempts"] == 1 and "permission" in row["error"].lower() for row in completions)
     assert all(isinstance(row["failed_at"], str) for row in rows)
     assert [(row["outbox"], row["id"]) for row in await listed(servers, broker, "--outbox", "email")] == [
-        ("email", dispatch_id)]  # fmt: skip
+        ("email", dispatch_id)
+    ]
     assert len(await listed(servers, broker, "--limit", "2")) == 2
     table, _ = await outbox_command(servers, broker, "list", "--parked", "--outbox", "email")
     header, line = table.splitlines()
@@ -88,8 +100,10 @@ async def test_parked_rows_are_listed_then_re_driven_once_each_with_their_task_i
 
     code, summary = await relay_once(servers, broker)
     assert code == 0 and summary is not None
-    assert (summary["published"], summary["republished"]) == ({"completion": 5, "email": 1}, {"completion": 0,
-                                                                                              "email": 0})  # fmt: skip
+    assert (summary["published"], summary["republished"]) == (
+        {"completion": 5, "email": 1},
+        {"completion": 0, "email": 0},
+    )
     await executions.wait_for(6, settle_s=1.0)
     expected = {completion_task_id("lesson", 1, user_id) for user_id in range(1, 6)} | {email_task_id(dispatch_id)}
     counts = await executions.by_task_id()
@@ -108,8 +122,10 @@ async def test_parked_rows_are_listed_then_re_driven_once_each_with_their_task_i
 
 async def test_a_redrive_goes_in_chunks_and_touches_only_parked_unpublished_rows(db: asyncpg.Pool) -> None:
     await add_events(db, 7)
-    await db.execute("UPDATE progress_completion_event SET publish_failed_at = now(), publish_error = 'NOPERM', "
-                     "publish_attempts = 3 WHERE id <= 5")  # fmt: skip
+    await db.execute(
+        "UPDATE progress_completion_event SET publish_failed_at = now(), publish_error = 'NOPERM', "
+        "publish_attempts = 3 WHERE id <= 5"
+    )
     await db.execute("UPDATE progress_completion_event SET published_at = now() WHERE id = 6")
     assert await count_parked(db, COMPLETIONS) == 5
     assert await count_parked(db, COMPLETIONS, [1, 6, 7]) == 1
@@ -117,8 +133,10 @@ async def test_a_redrive_goes_in_chunks_and_touches_only_parked_unpublished_rows
     chunks: list[int] = []
     assert await redrive_parked(db, COMPLETIONS, chunk=2, on_chunk=chunks.append) == 5
     assert chunks == [2, 2, 1]
-    rows = await db.fetch("SELECT id, publish_failed_at, claimed_until, publish_attempts, published_at "
-                          "FROM progress_completion_event ORDER BY id")  # fmt: skip
+    rows = await db.fetch(
+        "SELECT id, publish_failed_at, claimed_until, publish_attempts, published_at "
+        "FROM progress_completion_event ORDER BY id"
+    )
     assert all(row["publish_failed_at"] is None and row["claimed_until"] is None for row in rows)
     assert [row["publish_attempts"] for row in rows[:5]] == [3] * 5  # kept: a new refusal parks again at once
     assert [row["published_at"] is not None for row in rows] == [False] * 5 + [True, False]

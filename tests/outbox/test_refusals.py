@@ -47,14 +47,22 @@ def redis_reply(reply: str, *, in_pipeline: bool) -> BaseException:
         ("WRONGTYPE Operation against a key holding the wrong kind of value", "refused"),
         ("ERR Protocol error: invalid bulk length", "refused"),
     ],
-)  # fmt: skip
-def test_temporary_broker_replies_are_an_outage_and_the_others_a_refusal(reply: str, answer: str,
-                                                                        in_pipeline: bool) -> None:  # fmt: skip
+)
+def test_temporary_broker_replies_are_an_outage_and_the_others_a_refusal(
+    reply: str, answer: str, in_pipeline: bool
+) -> None:
     assert _broker_reply(redis_reply(reply, in_pipeline=in_pipeline)) == answer
 
 
-@pytest.mark.parametrize(("code", "answer"), [("ThrottlingException", "temporary"), ("RequestThrottled", "temporary"),
-                                              ("AccessDenied", "refused"), ("InvalidMessageContents", "refused")])
+@pytest.mark.parametrize(
+    ("code", "answer"),
+    [
+        ("ThrottlingException", "temporary"),
+        ("RequestThrottled", "temporary"),
+        ("AccessDenied", "refused"),
+        ("InvalidMessageContents", "refused"),
+    ],
+)
 def test_sqs_throttling_is_an_outage_and_a_denial_a_refusal(code: str, answer: str) -> None:
     from botocore.exceptions import ClientError
 
@@ -159,10 +167,14 @@ async def test_a_refused_message_is_retried_with_a_doubling_backoff_and_parked_o
     relay_settings: Settings, broker: Broker, db: asyncpg.Pool
 ) -> None:
     await add_events(db, 3)
-    refused = relay_settings.model_copy(update={
-        "celery_broker_url": await limited_broker_user(broker), "completion_task_queue": "forbidden",
-        "outbox_max_attempts": 3, "outbox_retry_backoff_seconds": 0.5,
-    })  # fmt: skip
+    refused = relay_settings.model_copy(
+        update={
+            "celery_broker_url": await limited_broker_user(broker),
+            "completion_task_queue": "forbidden",
+            "outbox_max_attempts": 3,
+            "outbox_retry_backoff_seconds": 0.5,
+        }
+    )
     publisher = publisher_from_settings(refused)
     relay = build_relay(refused, db, [completion_route(refused, publisher)])
     retried_before = metric("progress_outbox_retried_total", outbox="completion")

@@ -104,8 +104,13 @@ async def test_the_long_running_relay_publishes_then_stops_on_sigterm_with_exit_
 ) -> None:
     await add_events(db, 5)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "service", "relay", env=relay_env(servers, broker, RELAY_POLL_INTERVAL_SECONDS="0.2"),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "service",
+        "relay",
+        env=relay_env(servers, broker, RELAY_POLL_INTERVAL_SECONDS="0.2"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     try:
         assert len(await executions.wait_for(5)) == 5

@@ -29,8 +29,9 @@ def sqs_url(monolith_table: str, tmp_path_factory: pytest.TempPathFactory) -> It
     server.start()
     url = f"sqs://test:test@127.0.0.1:{port}"
     log_path = Path(tmp_path_factory.mktemp("sqs-worker")) / "worker.log"
-    worker = start_worker(url, monolith_table, log_path, transport_options=json.dumps(TRANSPORT_OPTIONS),
-                          name="monolith-sqs")  # fmt: skip
+    worker = start_worker(
+        url, monolith_table, log_path, transport_options=json.dumps(TRANSPORT_OPTIONS), name="monolith-sqs"
+    )
     try:
         wait_worker_ready(worker, log_path)
         yield url
@@ -42,8 +43,13 @@ def sqs_url(monolith_table: str, tmp_path_factory: pytest.TempPathFactory) -> It
 async def test_200_completions_reach_the_worker_through_sqs_once_each(
     settings: Settings, sqs_url: str, redis: Redis, db: asyncpg.Pool, executions: Executions
 ) -> None:
-    over_sqs = with_broker(settings, sqs_url, celery_broker_transport_options=TRANSPORT_OPTIONS,
-                           celery_publish_timeout_seconds=20.0, relay_lease_seconds=30.0)  # fmt: skip
+    over_sqs = with_broker(
+        settings,
+        sqs_url,
+        celery_broker_transport_options=TRANSPORT_OPTIONS,
+        celery_publish_timeout_seconds=20.0,
+        relay_lease_seconds=30.0,
+    )
     await seed(db, users=20, contents=10, duration_s=600)
     async with running_app(over_sqs) as (_, client):
         await post_near_end(client, over_sqs)
@@ -53,7 +59,6 @@ async def test_200_completions_reach_the_worker_through_sqs_once_each(
     assert len(rows) == 200
     assert set((await executions.by_task_id()).values()) == {1}
     assert {(kwargs_of(row)["content_id"], kwargs_of(row)["user_id"]) for row in rows} == {
-        (lesson, user) for lesson in range(1, 11) for user in range(1, 21)}  # fmt: skip
+        (lesson, user) for lesson in range(1, 11) for user in range(1, 21)
+    }
     assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
-
-

@@ -69,9 +69,15 @@ async def test_the_relay_loop_survives_an_unexpected_publisher_error(
     errors_before = metrics.OUTBOX_RELAY_ERRORS._value.get()
     queue = RedisStreamQueue(redis, settings.email_queue_stream)
     publisher = FailingOnce(StreamPublisher(queue))
-    fast = settings.model_copy(update={"relay_lease_seconds": 0.5, "relay_poll_interval_seconds": 0.1,
-                                       "relay_max_backoff_seconds": 0.2, "celery_publish_timeout_seconds": 0.2,
-                                       "relay_listen": False})  # fmt: skip
+    fast = settings.model_copy(
+        update={
+            "relay_lease_seconds": 0.5,
+            "relay_poll_interval_seconds": 0.1,
+            "relay_max_backoff_seconds": 0.2,
+            "celery_publish_timeout_seconds": 0.2,
+            "relay_listen": False,
+        }
+    )
     stop = asyncio.Event()
     loop = asyncio.create_task(build_relay(fast, db, [email_route(fast, publisher)]).run(stop))
     deadline = asyncio.get_running_loop().time() + 10
@@ -103,8 +109,9 @@ async def test_a_slow_broker_leaves_the_rest_to_the_relay_before_the_lease_ends_
     pairs = [(user_id, "trial_welcome") for user_id in range(1, 7)]
     queue = RedisStreamQueue(redis, settings.email_queue_stream)
     # a 1.5 s lease, 0.3 s a message: the batch stops after about 0.75 s (half the lease), not at 1.8 s
-    sent = await reserve_and_enqueue(pairs, pool=db, queue=SlowQueue(queue), block_size=200, lease_s=1.5,
-                                     publish_timeout_s=3.0)  # fmt: skip
+    sent = await reserve_and_enqueue(
+        pairs, pool=db, queue=SlowQueue(queue), block_size=200, lease_s=1.5, publish_timeout_s=3.0
+    )
     assert 1 <= sent < len(pairs)
     await asyncio.sleep(1.6)  # the lease on what the batch left runs out
     relay = build_relay(settings, db, [email_route(settings, StreamPublisher(queue))])

@@ -39,7 +39,7 @@ async def mixed_trials(db: asyncpg.Pool, now: datetime) -> int:
         "INSERT INTO emails_emaildispatch (user_id, source, email_key, sent_at, created_at) "
         "VALUES (101, 'trial_journey', 'trial_welcome', $1, $1), (101, 'trial_journey', 'trial_tips', $1, $1)",
         now - day,
-    )  # fmt: skip
+    )
     return 7 + 15 - 2 + 24
 
 
@@ -58,8 +58,12 @@ async def assert_each_reservation_delivered_once(db: asyncpg.Pool, executions: E
     for row in rows:
         kwargs = kwargs_of(row)
         dispatch = by_id[row["task_id"]]
-        assert kwargs == {"dispatch_id": dispatch["id"], "user_id": dispatch["user_id"],
-                          "email_key": dispatch["email_key"], "source": "trial_journey"}  # fmt: skip
+        assert kwargs == {
+            "dispatch_id": dispatch["id"],
+            "user_id": dispatch["user_id"],
+            "email_key": dispatch["email_key"],
+            "source": "trial_journey",
+        }
         assert row["queue"] == "emails"
     owed = await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL")
     assert owed == 0, f"{owed} reserved emails never published"
@@ -74,14 +78,17 @@ async def test_the_mixed_trials_reach_the_worker_once_a_rerun_sends_none_and_sen
     queue = CeleryEmailQueue(publisher, relay_settings)
     try:
         disabled = relay_settings.model_copy(update={"send_email": False})
-        off = await send_trial_journey_emails_batch(await trial_ids(db), pool=db, queue=queue,
-                                                    options=batch_options(disabled))  # fmt: skip
+        off = await send_trial_journey_emails_batch(
+            await trial_ids(db), pool=db, queue=queue, options=batch_options(disabled)
+        )
         assert off["sent"] == 0 and await db.fetchval("SELECT count(*) FROM trial_email_outbox") == 0
 
-        first = await send_trial_journey_emails_batch(await trial_ids(db), pool=db, queue=queue,
-                                                      options=batch_options(relay_settings))  # fmt: skip
-        rerun = await send_trial_journey_emails_batch(await trial_ids(db), pool=db, queue=queue,
-                                                      options=batch_options(relay_settings))  # fmt: skip
+        first = await send_trial_journey_emails_batch(
+            await trial_ids(db), pool=db, queue=queue, options=batch_options(relay_settings)
+        )
+        rerun = await send_trial_journey_emails_batch(
+            await trial_ids(db), pool=db, queue=queue, options=batch_options(relay_settings)
+        )
     finally:
         await asyncio.to_thread(publisher.close)
 
@@ -100,11 +107,14 @@ async def test_three_concurrent_runners_deliver_each_email_once(
     pools = [await asyncpg.create_pool(migrated, min_size=1, max_size=1) for _ in range(3)]
     try:
         ids = await trial_ids(db)
-        results = await asyncio.gather(*(
-            send_trial_journey_emails_batch(ids, pool=pool, queue=CeleryEmailQueue(publisher, small_blocks),
-                                            options=batch_options(small_blocks))
-            for pool, publisher in zip(pools, publishers, strict=True)
-        ))  # fmt: skip
+        results = await asyncio.gather(
+            *(
+                send_trial_journey_emails_batch(
+                    ids, pool=pool, queue=CeleryEmailQueue(publisher, small_blocks), options=batch_options(small_blocks)
+                )
+                for pool, publisher in zip(pools, publishers, strict=True)
+            )
+        )
     finally:
         await asyncio.gather(*(pool.close() for pool in pools))
         for publisher in publishers:
@@ -117,8 +127,14 @@ async def test_three_concurrent_runners_deliver_each_email_once(
 async def run_once(servers: Servers, broker_url: str, **extra: str) -> asyncio.subprocess.Process:
     env = relay_env(servers, type("B", (), {"url": broker_url})(), **extra)  # type: ignore[arg-type]
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "service", "trial-emails", "run-once", env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "service",
+        "trial-emails",
+        "run-once",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
 
 
@@ -187,21 +203,27 @@ async def test_an_email_the_broker_refuses_is_not_marked_published_and_the_relay
     relay_settings: Settings, servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
 ) -> None:
     await add_trials(db, 2, started_at=NOW - timedelta(hours=1), ends_at=NOW + timedelta(days=7))
-    refused = relay_settings.model_copy(update={"celery_broker_url": await limited_broker_user(broker),
-                                                "email_task_queue": "forbidden"})  # fmt: skip
+    refused = relay_settings.model_copy(
+        update={"celery_broker_url": await limited_broker_user(broker), "email_task_queue": "forbidden"}
+    )
     publisher = publisher_from_settings(refused)
     try:
-        result = await send_trial_journey_emails_batch(await trial_ids(db), pool=db,
-                                                       queue=CeleryEmailQueue(publisher, refused),
-                                                       options=batch_options(refused))  # fmt: skip
+        result = await send_trial_journey_emails_batch(
+            await trial_ids(db), pool=db, queue=CeleryEmailQueue(publisher, refused), options=batch_options(refused)
+        )
     finally:
         await asyncio.to_thread(publisher.close)
     assert result["sent"] == 0
     assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 2
 
     await asyncio.sleep(LEASE_S)
-    code, summary = await relay_once(servers, broker, CELERY_BROKER_URL=refused.celery_broker_url,
-                                     EMAIL_TASK_QUEUE="forbidden", OUTBOX_MAX_ATTEMPTS="2")  # fmt: skip
+    code, summary = await relay_once(
+        servers,
+        broker,
+        CELERY_BROKER_URL=refused.celery_broker_url,
+        EMAIL_TASK_QUEUE="forbidden",
+        OUTBOX_MAX_ATTEMPTS="2",
+    )
     assert code == 0 and summary is not None and summary["failed"]["email"] == 2
     parked = await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE publish_failed_at IS NOT NULL")
     assert parked == 2 and await executions.count() == 0
@@ -212,8 +234,9 @@ async def test_the_serve_sweep_with_the_broker_down_loses_no_block(
 ) -> None:
     # the serve side of the first review defect: a sweep reserved a block, could publish none, lost it
     await add_trials(db, 30, started_at=NOW - timedelta(hours=1), ends_at=NOW + timedelta(days=7))
-    down = relay_settings.model_copy(update={"celery_broker_url": f"redis://127.0.0.1:{free_port()}/0",
-                                             "trial_journey_interval_seconds": 3600})  # fmt: skip
+    down = relay_settings.model_copy(
+        update={"celery_broker_url": f"redis://127.0.0.1:{free_port()}/0", "trial_journey_interval_seconds": 3600}
+    )
     async with running_app(down):
         deadline = asyncio.get_running_loop().time() + 10
         while await db.fetchval("SELECT count(*) FROM trial_email_outbox") < 30:

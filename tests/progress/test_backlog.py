@@ -14,9 +14,7 @@ from tests.helpers import Servers, run_status, write
 MEMBERS = [(content_id, user_id) for content_id in range(1, 6) for user_id in range(1, 9)]  # 40 keys
 
 
-async def test_backlog_sums_every_shard_and_the_shards_of_the_previous_count(
-    settings: Settings, redis: Redis
-) -> None:
+async def test_backlog_sums_every_shard_and_the_shards_of_the_previous_count(settings: Settings, redis: Redis) -> None:
     layout = KeyLayout(shards=8, previous_shards=2)
     for content_id, user_id in MEMBERS:
         await write(redis, "audio", content_id, user_id, 1.0, layout=layout)
@@ -52,8 +50,11 @@ async def test_status_on_a_cluster_sums_the_shards_and_the_masters(
     shards = cluster_layout.shards_of("lesson")
     for shard in (shards[0], shards[len(shards) // 2], shards[-1]):  # one on each master
         await cluster_redis.zadd(shard.in_flight_key, {"1:1": now_ms + 60_000})
-    holding = {cluster_redis.get_node_from_key(shard.pending_key).name for shard in shards
-               if await cluster_redis.scard(shard.pending_key)}  # fmt: skip
+    holding = {
+        cluster_redis.get_node_from_key(shard.pending_key).name
+        for shard in shards
+        if await cluster_redis.scard(shard.pending_key)
+    }
     assert len(holding) == 3  # the members are spread over every master
 
     run = await run_status(servers, REDIS_URL=cluster_settings.redis_url, REDIS_CLUSTER="true")

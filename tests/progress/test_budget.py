@@ -123,11 +123,22 @@ async def test_two_flusher_processes_share_one_budget(
     servers: Servers, redis: Redis, db: asyncpg.Pool, write_log: WriteLog
 ) -> None:
     last = await fill(redis, db, 20_000)
-    env = flusher_env(servers, PROGRESS_FLUSH_MAX_ROWS_PER_SECOND="4000", PROGRESS_FLUSH_BATCH_SIZE="200",
-                      PROGRESS_FLUSH_LEASE_SECONDS="30")  # fmt: skip
-    processes = [subprocess.Popen([sys.executable, "-m", "service", "flush", "--once"], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for _ in range(2)]  # fmt: skip
+    env = flusher_env(
+        servers,
+        PROGRESS_FLUSH_MAX_ROWS_PER_SECOND="4000",
+        PROGRESS_FLUSH_BATCH_SIZE="200",
+        PROGRESS_FLUSH_LEASE_SECONDS="30",
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "service", "flush", "--once"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [process.communicate(timeout=60) for process in processes]
     assert [process.returncode for process in processes] == [0, 0], outputs
     written = [json.loads(stdout.strip().splitlines()[-1])["written"] for stdout, _ in outputs]
@@ -145,8 +156,14 @@ async def test_a_migrations_lock_sends_the_batches_back_within_lock_timeout_and_
 ) -> None:
     last = await fill(redis, db, 2000)
     # no budget here: every drain claims at once, so the batches are all in flight at the same moment
-    flusher = _flusher(settings, redis, db, database_lock_timeout_seconds=0.5, progress_flush_interval_seconds=0.2,
-                       progress_flush_max_rows_per_second=0)  # fmt: skip
+    flusher = _flusher(
+        settings,
+        redis,
+        db,
+        database_lock_timeout_seconds=0.5,
+        progress_flush_interval_seconds=0.2,
+        progress_flush_max_rows_per_second=0,
+    )
     migration = await asyncpg.connect(migrated)
     stop = asyncio.Event()
     running = None
@@ -163,7 +180,7 @@ async def test_a_migrations_lock_sends_the_batches_back_within_lock_timeout_and_
             waiting = await db.fetchval(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> $1",
                 migration.get_server_pid(),
-            )  # fmt: skip
+            )
             assert waiting <= settings.progress_flush_concurrency  # nothing piles up behind the lock
             await asyncio.sleep(max(0.0, 5 - (time.monotonic() - locked_at)))
         # the lock is gone: the flush comes back by itself, after its backoff
@@ -191,8 +208,14 @@ async def _when(redis: Redis, condition: Callable[[int, int], bool], timeout_s: 
 async def test_slow_statements_bring_the_concurrency_limit_down_and_it_recovers(
     settings: Settings, redis: Redis, db: asyncpg.Pool
 ) -> None:
-    flusher = _flusher(settings, redis, db, progress_flush_max_rows_per_second=0, progress_flush_batch_size=20,
-                       progress_flush_concurrency=4)  # fmt: skip
+    flusher = _flusher(
+        settings,
+        redis,
+        db,
+        progress_flush_max_rows_per_second=0,
+        progress_flush_batch_size=20,
+        progress_flush_concurrency=4,
+    )
     assert flusher.limit.limit == 4
     await fill(redis, db, 2000)  # 100 statements at the usual latency: the baseline
     await flusher.flush_cycle()

@@ -66,7 +66,6 @@ async def master_of_slot(redis: RedisCluster) -> dict[int, str]:
     return owners
 
 
-
 def test_a_cluster_url_with_a_database_number_refuses_to_start(settings: Settings) -> None:
     with pytest.raises(ConfigError, match="REDIS_CLUSTER"):
         create_app(settings.model_copy(update={"redis_cluster": True, "redis_url": "redis://127.0.0.1:7000/1"}))
@@ -93,8 +92,11 @@ async def test_members_pending_under_the_previous_shard_count_are_still_flushed(
     result = await build_flusher(changed, redis, db).flush_cycle()
     assert result.written == 6
     assert {key: row["position"] for key, row in (await lesson_rows(db)).items()} == {
-        **{(1, user_id): 42 for user_id in range(1, 6)}, (2, 1): 43}
+        **{(1, user_id): 42 for user_id in range(1, 6)},
+        (2, 1): 43,
+    }
     assert await backlog(redis, build_key_layout(changed)) == (0, 0)
+
 
 async def test_keys_of_one_shard_share_one_slot(cluster_redis: RedisCluster, cluster_layout: KeyLayout) -> None:
     assert cluster_layout.shards == 60
@@ -116,8 +118,10 @@ async def test_ten_thousand_members_spread_evenly_over_the_masters(
 ) -> None:
     owners = await master_of_slot(cluster_redis)
     assert len(set(owners.values())) == 3
-    slot_of_shard = {shard.name: await cluster_redis.cluster_keyslot(shard.pending_key)
-                     for shard in cluster_layout.shards_of("lesson")}  # fmt: skip
+    slot_of_shard = {
+        shard.name: await cluster_redis.cluster_keyslot(shard.pending_key)
+        for shard in cluster_layout.shards_of("lesson")
+    }
     members = Counter(
         owners[slot_of_shard[cluster_layout.shard("lesson", content_id, user_id).name]]
         for content_id in range(1, 11)
@@ -142,8 +146,9 @@ async def test_heartbeats_through_http_land_in_every_table(
     async with running_app(cluster_settings) as (app, client):
         for kind in CONTENT_KINDS:
             for content_id in (1, 2, 3):
-                response = await client.post(kind.path, json={kind.id_column: content_id, "position": 33.5},
-                                             headers=auth(token))  # fmt: skip
+                response = await client.post(
+                    kind.path, json={kind.id_column: content_id, "position": 33.5}, headers=auth(token)
+                )
                 assert response.status_code == 201
         ready = await client.get("/health/ready")
         assert ready.json()["mode"] == "normal"
@@ -164,12 +169,14 @@ async def test_reads_and_offline_sync_span_shards_on_the_cluster(
     await seed(db, users=7, contents=40)
     async with running_app(cluster_settings) as (_, client):
         for content_id in range(1, 21):
-            response = await client.post(LESSON_PATH, json={"lesson_id": content_id, "position": content_id + 0.5},
-                                         headers=auth(token))  # fmt: skip
+            response = await client.post(
+                LESSON_PATH, json={"lesson_id": content_id, "position": content_id + 0.5}, headers=auth(token)
+            )
             assert response.status_code == 201
         now = datetime.now(UTC).isoformat()
-        items = [{"content_type": "lesson", "content_id": c, "position": 7.0, "listened_at": now}
-                 for c in range(21, 41)]  # fmt: skip
+        items = [
+            {"content_type": "lesson", "content_id": c, "position": 7.0, "listened_at": now} for c in range(21, 41)
+        ]
         synced = await client.post("/progress/sync", json={"items": items}, headers=auth(token))
         assert synced.status_code == 200
         assert [item["applied"] for item in synced.json()["items"]] == [True] * 20
@@ -206,9 +213,12 @@ async def test_last_heartbeat_wins_and_completion_is_recorded_once(
 
 
 async def test_sigkill_of_a_flusher_mid_batch_loses_nothing(
-    servers: Servers, valkey_cluster: EmbeddedCluster, cluster_redis: RedisCluster, cluster_layout: KeyLayout,
+    servers: Servers,
+    valkey_cluster: EmbeddedCluster,
+    cluster_redis: RedisCluster,
+    cluster_layout: KeyLayout,
     db: asyncpg.Pool,
-) -> None:  # fmt: skip
+) -> None:
     import json
 
     last = await fill(cluster_redis, db, 1000, cluster_layout)
@@ -225,24 +235,32 @@ async def test_sigkill_of_a_flusher_mid_batch_loses_nothing(
 
 
 async def test_three_flushers_racing_keep_one_event_per_key_and_never_move_back(
-    servers: Servers, valkey_cluster: EmbeddedCluster, cluster_redis: RedisCluster, cluster_layout: KeyLayout,
+    servers: Servers,
+    valkey_cluster: EmbeddedCluster,
+    cluster_redis: RedisCluster,
+    cluster_layout: KeyLayout,
     db: asyncpg.Pool,
-) -> None:  # fmt: skip
+) -> None:
     await race_three_flushers(cluster_redis, db, cluster_env(servers, valkey_cluster), cluster_layout)
 
 
-
 async def test_with_wait_a_201_means_a_replica_has_the_write(
-    settings: Settings, cluster_settings: Settings, cluster_redis: RedisCluster, cluster_layout: KeyLayout,
-    redis: Redis, db: asyncpg.Pool, token: str,
-) -> None:  # fmt: skip
+    settings: Settings,
+    cluster_settings: Settings,
+    cluster_redis: RedisCluster,
+    cluster_layout: KeyLayout,
+    redis: Redis,
+    db: asyncpg.Pool,
+    token: str,
+) -> None:
     await seed(db, users=7)
     degraded_before = _degraded_writes()
     waiting = cluster_settings.model_copy(update={"redis_wait_replicas": 1, "redis_wait_timeout_ms": 1000})
     async with running_app(waiting) as (_, client):
         for content_id in (1, 2, 3):
-            response = await client.post(LESSON_PATH, json={"lesson_id": content_id, "position": 5},
-                                         headers=auth(token))  # fmt: skip
+            response = await client.post(
+                LESSON_PATH, json={"lesson_id": content_id, "position": 5}, headers=auth(token)
+            )
             assert response.status_code == 201
     assert _degraded_writes() == degraded_before  # every master had its replica confirm
     for content_id in (1, 2, 3):
@@ -256,10 +274,14 @@ async def test_with_wait_a_201_means_a_replica_has_the_write(
     assert await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7") == 9
     assert _degraded_writes() == degraded_before + 1
 
+
 async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated_writes(
-    valkey_cluster: EmbeddedCluster, cluster_settings: Settings, cluster_redis: RedisCluster,
-    cluster_layout: KeyLayout, db: asyncpg.Pool,
-) -> None:  # fmt: skip
+    valkey_cluster: EmbeddedCluster,
+    cluster_settings: Settings,
+    cluster_redis: RedisCluster,
+    cluster_layout: KeyLayout,
+    db: asyncpg.Pool,
+) -> None:
     """SIGKILL of a master while heartbeats flow and the flusher runs; its replica takes over.
 
     The documented trade-off: a write the master acknowledged but had not yet replicated is lost with
@@ -273,13 +295,18 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
     owners = await master_of_slot(cluster_redis)
     victim = next(node for node in valkey_cluster.nodes[1:] if f"127.0.0.1:{node.port}" in owners.values())
     victim_name = f"127.0.0.1:{victim.port}"
-    victim_keys = {key for key in keys
-                   if owners[key_slot(cluster_layout.value_key("lesson", *key).encode())] == victim_name}  # fmt: skip
+    victim_keys = {
+        key for key in keys if owners[key_slot(cluster_layout.value_key("lesson", *key).encode())] == victim_name
+    }
     assert victim_keys and victim_keys != set(keys)
-    settings = cluster_settings.model_copy(update={
-        "progress_flusher_enabled": True, "progress_flush_interval_seconds": 0.2,
-        "progress_flush_lease_seconds": 1.0, "degraded_redis_retry_seconds": 0.2,
-    })  # fmt: skip
+    settings = cluster_settings.model_copy(
+        update={
+            "progress_flusher_enabled": True,
+            "progress_flush_interval_seconds": 0.2,
+            "progress_flush_lease_seconds": 1.0,
+            "degraded_redis_retry_seconds": 0.2,
+        }
+    )
     ledger: dict[tuple[int, int], tuple[float, float]] = {}  # key -> (last acknowledged position, its time)
     statuses: Counter[int] = Counter()
     seen: dict[tuple[int, int], tuple[float, float]] = {}
@@ -293,8 +320,9 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
             seen[key] = now
 
     async def post(client: httpx.AsyncClient, key: tuple[int, int], position: float) -> None:
-        response = await client.post(lesson.path, json={lesson.id_column: key[0], "position": position},
-                                     headers=auth(tokens[key[1]]))  # fmt: skip
+        response = await client.post(
+            lesson.path, json={lesson.id_column: key[0], "position": position}, headers=auth(tokens[key[1]])
+        )
         statuses[response.status_code] += 1
         if response.status_code == 201:
             ledger[key] = (position, time.monotonic())
@@ -308,8 +336,11 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
     async def failed_over() -> bool:
         """The victim's slots have a master again: its replica was promoted, the cluster serves them."""
         nodes = await witness.cluster("NODES")
-        masters = {address.split("@")[0] for address, node in nodes.items()
-                   if "master" in node["flags"] and "fail" not in node["flags"] and node["slots"]}  # fmt: skip
+        masters = {
+            address.split("@")[0]
+            for address, node in nodes.items()
+            if "master" in node["flags"] and "fail" not in node["flags"] and node["slots"]
+        }
         return await cluster_state() == "ok" and len(masters) == 3 and victim_name not in masters
 
     degraded_before = _degraded_writes()
@@ -362,10 +393,12 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
     await sample()
     rows = await lesson_rows(db)
     lost = {key: acked for key, acked in ledger.items() if key not in rows or rows[key]["position"] != acked[0]}
-    print(f"failover: seen after step {failed_over_at} of {step}, "
-          f"{sum(statuses.values())} heartbeats {dict(statuses)}, "
-          f"{_degraded_writes() - degraded_before:.0f} written directly while the master was down, "
-          f"{len(lost)} keys lost their last acknowledged position")  # fmt: skip
+    print(
+        f"failover: seen after step {failed_over_at} of {step}, "
+        f"{sum(statuses.values())} heartbeats {dict(statuses)}, "
+        f"{_degraded_writes() - degraded_before:.0f} written directly while the master was down, "
+        f"{len(lost)} keys lost their last acknowledged position"
+    )
     assert statuses[201] == sum(statuses.values())  # degraded mode answered for the dead master's slots
     assert _degraded_writes() > degraded_before
     assert moved_back == []

@@ -74,8 +74,12 @@ async def test_sigkill_at_random_moments_loses_nothing(servers: Servers, redis: 
     # one batch of 100 at a time: the drain takes a few seconds, so every kill lands mid-drain
     slow = flusher_env(servers, PROGRESS_FLUSH_CONCURRENCY="1")
     for _ in range(4):
-        process = subprocess.Popen([sys.executable, "-m", "service", "flush", "--once"], env=slow,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        process = subprocess.Popen(
+            [sys.executable, "-m", "service", "flush", "--once"],
+            env=slow,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(rng.uniform(0.4, 1.0))  # start-up is ~0.3 s
         if process.poll() is None:
             process.kill()

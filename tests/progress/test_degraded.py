@@ -21,8 +21,9 @@ async def test_redis_down_writes_straight_to_postgres_then_recovers(
     await seed(db, users=7, duration_s=600)
     async with running_app(degraded_settings(settings, own_redis)) as (_, client):
         own_redis.stop()
-        response = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": 595},
-                                     headers=auth(token))  # fmt: skip
+        response = await client.post(
+            "/engagements/progress/lesson", json={"lesson_id": 1, "position": 595}, headers=auth(token)
+        )
         assert (response.status_code, response.json()) == (201, {"data": True})
         row = await db.fetchrow("SELECT position, completed_at FROM engagements_lessonprogress WHERE user_id = 7")
         assert row is not None and row["position"] == 595 and row["completed_at"] is not None
@@ -33,8 +34,9 @@ async def test_redis_down_writes_straight_to_postgres_then_recovers(
 
         own_redis.start()
         await asyncio.sleep(0.3)  # past the retry interval: the next heartbeat tries Redis again
-        response = await client.post("/engagements/progress/lesson", json={"lesson_id": 1, "position": 599},
-                                     headers=auth(token))  # fmt: skip
+        response = await client.post(
+            "/engagements/progress/lesson", json={"lesson_id": 1, "position": 599}, headers=auth(token)
+        )
         assert response.status_code == 201
         back = Redis.from_url(own_redis.url, decode_responses=True)
         assert await back.smembers("progress:pending_flush:lesson") == {"1:7"}
@@ -65,7 +67,10 @@ async def test_an_older_heartbeat_left_in_redis_does_not_undo_a_direct_write(
 
 
 async def test_both_down_is_503_and_writes_nothing(
-    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool, token: str,
+    settings: Settings,
+    own_redis: embedded.EmbeddedRedis,
+    db: asyncpg.Pool,
+    token: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     dead_db = f"postgresql://postgres@127.0.0.1:{embedded.free_port()}/nothing"
@@ -73,8 +78,7 @@ async def test_both_down_is_503_and_writes_nothing(
         own_redis.stop()
         with caplog.at_level(logging.WARNING, logger="service.api.ingest"):
             for _ in range(20):
-                response = await client.post("/lives/progress", json={"live_id": 1, "position": 3},
-                                             headers=auth(token))  # fmt: skip
+                response = await client.post("/lives/progress", json={"live_id": 1, "position": 3}, headers=auth(token))
                 assert response.status_code == 503
         assert "unavailable" in response.json()["detail"]
         assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1  # not one line per heartbeat
@@ -94,8 +98,11 @@ async def test_degraded_mode_is_bounded_and_every_201_is_persisted(
         own_redis.stop()
 
         async def one(user_id: int, client: httpx.AsyncClient = client) -> tuple[int, int]:
-            response = await client.post("/meditations/progress", json={"meditation_id": 1, "position": user_id},
-                                         headers=auth(make_token(settings, user_id)))  # fmt: skip
+            response = await client.post(
+                "/meditations/progress",
+                json={"meditation_id": 1, "position": user_id},
+                headers=auth(make_token(settings, user_id)),
+            )
             return user_id, response.status_code
 
         answers = await asyncio.gather(*(one(user_id) for user_id in range(1, 301)))

@@ -39,8 +39,11 @@ async def test_the_later_of_two_same_millisecond_heartbeats_wins_in_degraded_mod
             async def two(user_id: int, run: int = run, client: httpx.AsyncClient = client) -> None:
                 # one connection's pair: the second sent once the first was answered, often in the same ms
                 for position in (run * 10 + 1, run * 10 + 2):
-                    response = await client.post("/engagements/progress/lesson", headers=auth(tokens[user_id]),
-                                                 json={"lesson_id": 1, "position": position})  # fmt: skip
+                    response = await client.post(
+                        "/engagements/progress/lesson",
+                        headers=auth(tokens[user_id]),
+                        json={"lesson_id": 1, "position": position},
+                    )
                     assert response.status_code == 201
 
             await asyncio.gather(*(two(user_id) for user_id in tokens))
@@ -60,19 +63,25 @@ async def test_a_503_from_degraded_mode_writes_nothing_even_after_postgres_recov
             transaction = blocker.transaction()
             await transaction.start()
             await blocker.execute("LOCK TABLE audios_audioprogress IN ACCESS EXCLUSIVE MODE")
-            answers = await asyncio.gather(*(
-                client.post("/audios/progress", json={"audio_id": 1, "position": user_id},
-                            headers=auth(make_token(settings, user_id)))
-                for user_id in range(1, 7)
-            ))  # fmt: skip
+            answers = await asyncio.gather(
+                *(
+                    client.post(
+                        "/audios/progress",
+                        json={"audio_id": 1, "position": user_id},
+                        headers=auth(make_token(settings, user_id)),
+                    )
+                    for user_id in range(1, 7)
+                )
+            )
             assert [a.status_code for a in answers] == [503] * 6
             await transaction.rollback()  # Postgres is fast again
         await asyncio.sleep(0.5)  # room for any statement still queued to run (none must)
         assert await db.fetchval("SELECT count(*) FROM audios_audioprogress") == 0
         direct = app.app.state.ingest.sink._direct
         assert direct is not None and direct._queued == 0  # nothing held past its deadline
-        recovered = await client.post("/audios/progress", json={"audio_id": 1, "position": 99},
-                                      headers=auth(make_token(settings, 6)))  # fmt: skip
+        recovered = await client.post(
+            "/audios/progress", json={"audio_id": 1, "position": 99}, headers=auth(make_token(settings, 6))
+        )
         assert recovered.status_code == 201
     rows = await db.fetch("SELECT user_id, position FROM audios_audioprogress")
     assert [(row["user_id"], row["position"]) for row in rows] == [(6, 99)]
@@ -85,15 +94,17 @@ async def test_a_full_redis_sends_heartbeats_to_postgres_not_to_a_500(
     # a retry interval longer than the test: readiness looks within the interval that follows the failure
     full = Redis.from_url(own_redis.url)
     try:
-        async with running_app(
-            degraded_settings(settings, own_redis, degraded_redis_retry_seconds=30.0)
-        ) as (_, client):
+        async with running_app(degraded_settings(settings, own_redis, degraded_redis_retry_seconds=30.0)) as (
+            _,
+            client,
+        ):
             await full.config_set("maxmemory-policy", "noeviction")
             await full.config_set("maxmemory", 1)  # used memory is over it at once: every write gets OOM
             await sample_redis_memory(full)
             assert metrics.REDIS_MAX_MEMORY._value.get() == 1 < metrics.REDIS_USED_MEMORY._value.get()
-            response = await client.post("/meditations/progress", json={"meditation_id": 1, "position": 42},
-                                         headers=auth(token))  # fmt: skip
+            response = await client.post(
+                "/meditations/progress", json={"meditation_id": 1, "position": 42}, headers=auth(token)
+            )
             assert response.status_code == 201
             # PING still answers, but a heartbeat cannot go to Redis: readiness says so
             ready = await client.get("/health/ready")

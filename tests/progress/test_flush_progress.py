@@ -16,9 +16,13 @@ from tests.helpers import assert_all_persisted, fill
 
 
 async def test_flush_once_logs_its_progress_against_the_pending_count_and_a_summary(
-    settings: Settings, redis: Redis, db: asyncpg.Pool, caplog: pytest.LogCaptureFixture,
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+    settings: Settings,
+    redis: Redis,
+    db: asyncpg.Pool,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(console, "LOG_INTERVAL_S", 0.01)
     await redis.script_load(WRITE_SCRIPT)
     last = await fill(redis, db, 3000)

@@ -43,8 +43,9 @@ async def test_heartbeats_through_http_land_in_every_table(
     assert await redis.keys("progress:in_flight:*") == []
 
 
-async def test_the_pods_own_loop_persists_within_two_intervals(settings: Settings, redis: Redis,
-                                                               db: asyncpg.Pool, token: str) -> None:  # fmt: skip
+async def test_the_pods_own_loop_persists_within_two_intervals(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
     await seed(db, users=7)
     async with running_app(
         settings.model_copy(update={"progress_flusher_enabled": True, "progress_flush_interval_seconds": 0.5})
@@ -57,8 +58,9 @@ async def test_the_pods_own_loop_persists_within_two_intervals(settings: Setting
         assert await db.fetchval("SELECT position FROM audios_audioprogress WHERE user_id = 7") == 12
 
 
-async def test_shutdown_flushes_what_was_acknowledged(settings: Settings, redis: Redis, db: asyncpg.Pool,
-                                                      token: str) -> None:  # fmt: skip
+async def test_shutdown_flushes_what_was_acknowledged(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
     await seed(db, users=7)
     async with running_app(
         settings.model_copy(update={"progress_flusher_enabled": True, "progress_flush_interval_seconds": 3600})
@@ -165,7 +167,10 @@ async def test_unknown_user_is_dropped_and_counted(redis: Redis, db: asyncpg.Poo
 
 
 async def test_values_the_flush_drops_are_deleted_unless_written_since_the_claim(
-    settings: Settings, redis: Redis, db: asyncpg.Pool, caplog: pytest.LogCaptureFixture,
+    settings: Settings,
+    redis: Redis,
+    db: asyncpg.Pool,
+    caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Made-up users behind a gateway get 201; their values go with the batch that drops them (not an hour
@@ -173,8 +178,9 @@ async def test_values_the_flush_drops_are_deleted_unless_written_since_the_claim
     await seed(db, users=1, contents=1)
     async with running_app(settings.model_copy(update={"auth_mode": "gateway"})) as (_, client):
         for user_id in [1, *range(1000, 1200)]:
-            response = await client.post("/lives/progress", json={"live_id": 1, "position": 5},
-                                         headers={"X-User-Id": str(user_id)})  # fmt: skip
+            response = await client.post(
+                "/lives/progress", json={"live_id": 1, "position": 5}, headers={"X-User-Id": str(user_id)}
+            )
             assert response.status_code == 201
     real_persist = flusher_module.persist_batch
     stop = asyncio.Event()  # set once both batches are claimed: the newer write waits for the next cycle
@@ -195,7 +201,9 @@ async def test_values_the_flush_drops_are_deleted_unless_written_since_the_claim
         result = await flusher.flush_cycle(stop=stop)
     assert (result.written, result.dropped, result.batches) == (1, 200, 2)
     assert sorted(await redis.keys("progress:latest_position:*")) == [
-        "progress:latest_position:live:1:1", "progress:latest_position:live:1:1000"]  # fmt: skip
+        "progress:latest_position:live:1:1",
+        "progress:latest_position:live:1:1000",
+    ]
     assert decode_value(await redis.get("progress:latest_position:live:1:1000")).position == 9
     assert await redis.smembers("progress:pending_flush:live") == {"1:1000"}
     lines = [r for r in caplog.records if "dropped" in r.getMessage()]
@@ -267,8 +275,10 @@ async def test_idle_connections_killed_between_cycles_lose_nothing(
     flusher = build_flusher(settings, redis, pool)
     await pool.fetchval("SELECT 1")
     # every pooled connection dies under the flusher (failover, server restart, idle kill)
-    await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                     "WHERE datname = current_database() AND pid <> pg_backend_pid()")  # fmt: skip
+    await db.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
     await db.fetchval("SELECT 1")
     for user_id in range(1, 21):
         await write(redis, "lesson", 1, user_id, 7)
@@ -338,8 +348,9 @@ async def test_a_backend_terminated_during_the_upsert_requeues_its_batch(
             pid = None
             for _ in range(200):
                 # asked on another connection: inside `lock`, pg_stat_activity is a frozen snapshot
-                pid = await db.fetchval("SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                                        "AND query LIKE '%WITH incoming%'")  # fmt: skip
+                pid = await db.fetchval(
+                    "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%WITH incoming%'"
+                )
                 if pid:
                     break
                 await asyncio.sleep(0.02)
@@ -361,9 +372,11 @@ async def test_a_row_completed_before_this_service_gets_no_event(
 ) -> None:
     await seed(db, users=1, duration_s=600)
     # completed by the monolith before the cutover: completed_at set, no event
-    await db.execute("INSERT INTO engagements_lessonprogress (user_id, lesson_id, position, completed_at, "
-                     "created_at, updated_at) VALUES (1, 1, 600, now() - interval '1 day', "
-                     "now() - interval '1 day', now() - interval '1 day')")  # fmt: skip
+    await db.execute(
+        "INSERT INTO engagements_lessonprogress (user_id, lesson_id, position, completed_at, "
+        "created_at, updated_at) VALUES (1, 1, 600, now() - interval '1 day', "
+        "now() - interval '1 day', now() - interval '1 day')"
+    )
     for position in (0, 599):  # a replay from the start, then the end again
         await write(redis, "lesson", 1, 1, position)
         await flusher.flush_cycle()

@@ -82,8 +82,9 @@ async def test_a_batch_read_of_100_ids_is_one_redis_round_trip_and_one_query(
     await seed(db, users=7, contents=100)
     writer = PositionWriter(counted.redis, ttl_s=3600)
     for content_id in range(1, 51):
-        await writer.write(content_type="audio", content_id=content_id, user_id=7, position=content_id,
-                           received_ms=1_700_000_000_000)  # fmt: skip
+        await writer.write(
+            content_type="audio", content_id=content_id, user_id=7, position=content_id, received_ms=1_700_000_000_000
+        )
     reader = ProgressReader(counted.redis, counted.pool, margin_s=10)
     await counted.reset()
     mgets = await calls(redis, "mget")
@@ -105,14 +106,17 @@ async def test_concurrent_reads_of_one_turn_share_the_mget_and_the_query(counted
     assert (sends, statements) == (1, [rows_sql(KINDS["lesson"])])
 
 
-async def test_500_items_in_one_sync_are_one_redis_round_trip(counted: Counted, db: asyncpg.Pool,
-                                                              redis: Redis) -> None:  # fmt: skip
+async def test_500_items_in_one_sync_are_one_redis_round_trip(counted: Counted, db: asyncpg.Pool, redis: Redis) -> None:
     await seed(db, users=7, contents=125)
-    sync = OfflineSync(PositionWriter(counted.redis, ttl_s=3600), counted.pool, ttl_s=3600, max_skew_s=300,
-                       max_backdate_s=6 * 3600)  # fmt: skip
+    sync = OfflineSync(
+        PositionWriter(counted.redis, ttl_s=3600), counted.pool, ttl_s=3600, max_skew_s=300, max_backdate_s=6 * 3600
+    )
     listened_at = datetime.now(UTC) - timedelta(minutes=5)
-    items = [SyncItem(content_type=kind.name, content_id=cid, position=float(cid), listened_at=listened_at)
-             for kind in CONTENT_KINDS for cid in range(1, 126)]  # fmt: skip
+    items = [
+        SyncItem(content_type=kind.name, content_id=cid, position=float(cid), listened_at=listened_at)
+        for kind in CONTENT_KINDS
+        for cid in range(1, 126)
+    ]
     assert len(items) == 500
     await counted.reset()
     scripts = await calls(redis, "evalsha")
@@ -132,8 +136,7 @@ async def test_a_stateless_fetch_skips_the_reset_on_release_and_every_other_use_
     """The reads' query goes back to the pool without the reset's round trip; the pool's other users
     (the sweep's advisory lock among them) still get a clean session. Session state left on purpose
     shows which release reset the connection: one connection, so every call gets the same one."""
-    pool = await create_db_pool(settings.model_copy(update={"database_pool_min_size": 1,
-                                                             "database_pool_max_size": 1}))  # fmt: skip
+    pool = await create_db_pool(settings.model_copy(update={"database_pool_min_size": 1, "database_pool_max_size": 1}))
     try:
         await fetch_stateless(pool, "SELECT set_config('application_name', 'left-behind', false)")
         assert await pool.fetchval("SHOW application_name") == "left-behind"  # not reset after the stateless fetch

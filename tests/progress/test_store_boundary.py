@@ -93,13 +93,17 @@ async def test_a_cluster_connection_closed_under_script_load_or_a_write_is_a_red
     its writes) on connections the cluster client closed under them raise ConnectionError, which the
     request path takes to degraded mode, instead of AttributeError, which was a 500."""
     client = connect_redis(cluster_settings)
-    commands = [write_args("lesson", content_id, user_id, 5.0, 1000.0, 60, cluster_layout)
-                for content_id in (1, 2, 3) for user_id in range(1, 21)]  # fmt: skip
+    commands = [
+        write_args("lesson", content_id, user_id, 5.0, 1000.0, 60, cluster_layout)
+        for content_id in (1, 2, 3)
+        for user_id in range(1, 21)
+    ]
     try:
         assert await execute_by_node(client, commands, key_index=3) == [1] * len(commands)
         # the boundary's connection class on every node the client discovered, not only on the URL's
-        assert {type(conn).__module__ for node in client.get_nodes() for conn in node._connections} \
-            == {"service.clients"}
+        assert {type(conn).__module__ for node in client.get_nodes() for conn in node._connections} == {
+            "service.clients"
+        }
         results = await closed_under_its_write(client, execute_by_node(client, commands, key_index=3))
         # each node's pipeline is its own task: those that took a connection before it was dropped failed
         assert all(result == 2 or isinstance(result, REDIS_UNAVAILABLE) for result in results), results
@@ -114,11 +118,14 @@ async def test_a_cluster_connection_closed_under_script_load_or_a_write_is_a_red
         await client.aclose()
 
 
-@pytest.mark.parametrize(("url", "redis_py_class"), [
-    ("redis://127.0.0.1:6379/0", Connection),
-    ("rediss://127.0.0.1:6379/0", SSLConnection),
-    ("unix:///tmp/valkey.sock?db=0", UnixDomainSocketConnection),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("url", "redis_py_class"),
+    [
+        ("redis://127.0.0.1:6379/0", Connection),
+        ("rediss://127.0.0.1:6379/0", SSLConnection),
+        ("unix:///tmp/valkey.sock?db=0", UnixDomainSocketConnection),
+    ],
+)
 def test_every_url_scheme_keeps_its_kind_of_connection_behind_the_boundary(
     settings: Settings, url: str, redis_py_class: type[AbstractConnection]
 ) -> None:
@@ -147,8 +154,9 @@ async def test_idle_cluster_connections_killed_by_the_servers_between_two_heartb
     quick_retry = cluster_settings.model_copy(update={"degraded_redis_retry_seconds": 0.2})
     async with running_app(quick_retry, raise_app_exceptions=False) as (_, client):
         assert await heartbeat(client, token, 10) == 201
-        await cluster_redis.execute_command("CLIENT KILL", "TYPE", "normal", "SKIPME", "yes",
-                                            target_nodes=RedisCluster.ALL_NODES)  # fmt: skip
+        await cluster_redis.execute_command(
+            "CLIENT KILL", "TYPE", "normal", "SKIPME", "yes", target_nodes=RedisCluster.ALL_NODES
+        )
         # no retry on a cluster: the heartbeat whose connection was killed goes to Postgres
         assert await heartbeat(client, token, 20) == 201
         await asyncio.sleep(0.25)  # past degraded_redis_retry_seconds: the next one tries Redis again
@@ -190,10 +198,15 @@ async def test_redis_and_postgres_stopped_together_under_load_answer_201_or_503_
         await seed(pool, users=48, contents=1)
     finally:
         await pool.close()
-    pod = settings.model_copy(update={
-        "redis_url": valkey.url, "database_url": postgres.url(), "degraded_redis_retry_seconds": 0.2,
-        "degraded_write_timeout_seconds": 1.0, "database_connect_timeout_seconds": 1.0,
-    })  # fmt: skip
+    pod = settings.model_copy(
+        update={
+            "redis_url": valkey.url,
+            "database_url": postgres.url(),
+            "degraded_redis_retry_seconds": 0.2,
+            "degraded_write_timeout_seconds": 1.0,
+            "database_connect_timeout_seconds": 1.0,
+        }
+    )
     statuses: Counter[int] = Counter()
     after_stop: Counter[int] = Counter()
     refused: dict[int, set[float]] = {user_id: set() for user_id in range(1, 49)}  # answered 503

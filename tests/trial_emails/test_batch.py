@@ -31,14 +31,18 @@ def with_blocks(settings: Settings, block_size: int) -> Settings:
 
 
 async def test_several_due_emails_per_trial_are_reserved_in_one_statement_and_all_enqueued(
-    trials_db: asyncpg.Pool, counted: tuple[asyncpg.Pool, Statements], redis: Redis, queue: RedisStreamQueue,
+    trials_db: asyncpg.Pool,
+    counted: tuple[asyncpg.Pool, Statements],
+    redis: Redis,
+    queue: RedisStreamQueue,
     settings: Settings,
-) -> None:  # fmt: skip
+) -> None:
     pool, statements = counted
     ids = await add_trials(trials_db, 3, **MIDWAY)
 
-    result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue,
-                                                   options=batch_options(settings), now=NOW)  # fmt: skip
+    result = await send_trial_journey_emails_batch(
+        ids, pool=pool, queue=queue, options=batch_options(settings), now=NOW
+    )
 
     assert result == {"status": "ok", "user_trials": 3, "sent": 9}
     # the reservation writes the outbox rows too; the mark records what the block published (one each)
@@ -48,19 +52,27 @@ async def test_several_due_emails_per_trial_are_reserved_in_one_statement_and_al
     assert await enqueued(redis, queue.stream) == dict.fromkeys(expected, 1)
     sent_at = await pool.fetchval("SELECT sent_at FROM emails_emaildispatch WHERE user_id = 1 LIMIT 1")
     entry = (await stream_entries(redis, queue.stream))[0]
-    assert entry == {"user_id": "1", "email_key": "trial_midpoint", "source": "trial_journey",
-                     "reserved_at": sent_at.isoformat()}  # fmt: skip
+    assert entry == {
+        "user_id": "1",
+        "email_key": "trial_midpoint",
+        "source": "trial_journey",
+        "reserved_at": sent_at.isoformat(),
+    }
 
 
 async def test_200_trials_owing_6_emails_take_6_reservation_statements(
-    trials_db: asyncpg.Pool, counted: tuple[asyncpg.Pool, Statements], redis: Redis, queue: RedisStreamQueue,
+    trials_db: asyncpg.Pool,
+    counted: tuple[asyncpg.Pool, Statements],
+    redis: Redis,
+    queue: RedisStreamQueue,
     settings: Settings,
-) -> None:  # fmt: skip
+) -> None:
     pool, statements = counted
     ids = await add_trials(trials_db, 200, **ALL_DUE)
 
-    result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue,
-                                                   options=batch_options(settings), now=NOW)  # fmt: skip
+    result = await send_trial_journey_emails_batch(
+        ids, pool=pool, queue=queue, options=batch_options(settings), now=NOW
+    )
 
     assert result == {"status": "ok", "user_trials": 200, "sent": 1200}
     # six reservation statements, each marking the previous block's published winners, and one closing mark
@@ -76,16 +88,20 @@ async def test_200_trials_owing_6_emails_take_6_reservation_statements(
 
 
 async def test_a_second_run_of_the_same_batch_enqueues_nothing(
-    trials_db: asyncpg.Pool, counted: tuple[asyncpg.Pool, Statements], redis: Redis, queue: RedisStreamQueue,
+    trials_db: asyncpg.Pool,
+    counted: tuple[asyncpg.Pool, Statements],
+    redis: Redis,
+    queue: RedisStreamQueue,
     settings: Settings,
-) -> None:  # fmt: skip
+) -> None:
     pool, statements = counted
     ids = await add_trials(trials_db, 5, **ALL_DUE)
     first = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, options=batch_options(settings), now=NOW)
     statements.sql.clear()
 
-    second = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue,
-                                                   options=batch_options(settings), now=NOW)  # fmt: skip
+    second = await send_trial_journey_emails_batch(
+        ids, pool=pool, queue=queue, options=batch_options(settings), now=NOW
+    )
 
     assert first["sent"] == 30
     assert second == {"status": "ok", "user_trials": 5, "sent": 0}
@@ -104,8 +120,9 @@ async def test_a_reservation_already_written_by_another_worker_is_not_enqueued(
         other_worker_at,
     )
 
-    result = await send_trial_journey_emails_batch(ids, pool=trials_db, queue=queue,
-                                                   options=batch_options(settings), now=NOW)  # fmt: skip
+    result = await send_trial_journey_emails_batch(
+        ids, pool=trials_db, queue=queue, options=batch_options(settings), now=NOW
+    )
 
     assert result["sent"] == 5
     counts = await enqueued(redis, queue.stream)
@@ -142,10 +159,14 @@ async def test_three_concurrent_runners_enqueue_each_pair_exactly_once(
     small_blocks = with_blocks(settings, 16)  # many blocks each, so the runners interleave
     pools = [await asyncpg.create_pool(migrated, min_size=1, max_size=1) for _ in range(3)]
     try:
-        results = await asyncio.gather(*(
-            send_trial_journey_emails_batch(ids, pool=pool, queue=queue, options=batch_options(small_blocks), now=NOW)
-            for pool in pools
-        ))  # fmt: skip
+        results = await asyncio.gather(
+            *(
+                send_trial_journey_emails_batch(
+                    ids, pool=pool, queue=queue, options=batch_options(small_blocks), now=NOW
+                )
+                for pool in pools
+            )
+        )
     finally:
         await asyncio.gather(*(pool.close() for pool in pools))
 
@@ -156,15 +177,19 @@ async def test_three_concurrent_runners_enqueue_each_pair_exactly_once(
 
 
 async def test_send_email_false_reserves_and_enqueues_nothing(
-    trials_db: asyncpg.Pool, counted: tuple[asyncpg.Pool, Statements], redis: Redis, queue: RedisStreamQueue,
+    trials_db: asyncpg.Pool,
+    counted: tuple[asyncpg.Pool, Statements],
+    redis: Redis,
+    queue: RedisStreamQueue,
     settings: Settings,
-) -> None:  # fmt: skip
+) -> None:
     pool, statements = counted
     ids = await add_trials(trials_db, 3, **ALL_DUE)
     disabled = settings.model_copy(update={"send_email": False})
 
-    result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue,
-                                                   options=batch_options(disabled), now=NOW)  # fmt: skip
+    result = await send_trial_journey_emails_batch(
+        ids, pool=pool, queue=queue, options=batch_options(disabled), now=NOW
+    )
 
     assert result == {"status": "disabled", "user_trials": 0, "sent": 0}
     assert await statements.settled() == []
@@ -187,17 +212,16 @@ class BrokerDownAfter:
 
 
 async def test_a_publish_failure_mid_block_leaves_the_rest_to_the_relay_and_stops_at_that_block(
-    trials_db: asyncpg.Pool, redis: Redis, queue: RedisStreamQueue, settings: Settings,
-    caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+    trials_db: asyncpg.Pool, redis: Redis, queue: RedisStreamQueue, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
     ids = await add_trials(trials_db, 2, **ALL_DUE)
     orphans_before = metric("progress_trial_email_orphans_total")
     broker = BrokerDownAfter(queue, limit=3)
 
     with caplog.at_level(logging.WARNING), pytest.raises(RedisConnectionError):
-        await send_trial_journey_emails_batch(ids, pool=trials_db, queue=broker,
-                                              options=batch_options(with_blocks(settings, 5)),
-                                              now=NOW)  # fmt: skip
+        await send_trial_journey_emails_batch(
+            ids, pool=trials_db, queue=broker, options=batch_options(with_blocks(settings, 5)), now=NOW
+        )
 
     # first block: 5 reserved, 3 published, 2 orphans; the second block was never reserved
     first_block = sorted((user, key) for user in (1, 2) for key in ALL_KEYS)[:5]
@@ -212,8 +236,9 @@ async def test_a_publish_failure_mid_block_leaves_the_rest_to_the_relay_and_stop
     assert len(outbox) == 5
 
     # a rerun sends the rest and not the two: their rows exist, and their messages are the relay's
-    rerun = await send_trial_journey_emails_batch(ids, pool=trials_db, queue=queue,
-                                                  options=batch_options(settings), now=NOW)  # fmt: skip
+    rerun = await send_trial_journey_emails_batch(
+        ids, pool=trials_db, queue=queue, options=batch_options(settings), now=NOW
+    )
     assert rerun["sent"] == 7
     counts = await enqueued(redis, queue.stream)
     assert len(counts) == 10 and not set(first_block[3:]) & set(counts)
@@ -241,9 +266,8 @@ async def test_a_failed_reservation_statement_reserves_nothing_and_a_rerun_does_
 
 
 async def test_a_batch_cancelled_mid_reservation_reports_what_the_statement_reserved(
-    trials_db: asyncpg.Pool, redis: Redis, queue: RedisStreamQueue, settings: Settings,
-    caplog: pytest.LogCaptureFixture,
-) -> None:  # fmt: skip
+    trials_db: asyncpg.Pool, redis: Redis, queue: RedisStreamQueue, settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
     ids = await add_trials(trials_db, 1, started_at=NOW - timedelta(hours=1), ends_at=NOW + timedelta(days=7))
     orphans_before = metric("progress_trial_email_orphans_total")
     async with trials_db.acquire() as blocker:
@@ -257,10 +281,12 @@ async def test_a_batch_cancelled_mid_reservation_reports_what_the_statement_rese
         batch = asyncio.create_task(
             send_trial_journey_emails_batch(ids, pool=trials_db, queue=queue, options=batch_options(settings), now=NOW)
         )
-        await wait_for(lambda: trials_db.fetchval(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND query LIKE '%INSERT INTO emails_emaildispatch%' AND pid <> pg_backend_pid()"
-        ))  # fmt: skip
+        await wait_for(
+            lambda: trials_db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE '%INSERT INTO emails_emaildispatch%' AND pid <> pg_backend_pid()"
+            )
+        )
         batch.cancel()
         with pytest.raises(asyncio.CancelledError):
             await batch

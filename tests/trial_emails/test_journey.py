@@ -35,9 +35,13 @@ def trial(length: timedelta) -> UserTrial:
 
 def test_the_journey_is_six_steps_in_order() -> None:
     assert [(step.email_key, step.share_percent) for step in JOURNEY] == [
-        ("trial_welcome", 0), ("trial_tips", 15), ("trial_midpoint", 50),
-        ("trial_ending_soon", 75), ("trial_last_day", 90), ("trial_ended", 100),
-    ]  # fmt: skip
+        ("trial_welcome", 0),
+        ("trial_tips", 15),
+        ("trial_midpoint", 50),
+        ("trial_ending_soon", 75),
+        ("trial_last_day", 90),
+        ("trial_ended", 100),
+    ]
 
 
 @pytest.mark.parametrize(("length", "offsets"), [(timedelta(days=20), TWENTY_DAYS), (timedelta(days=7), SEVEN_DAYS)])
@@ -53,8 +57,10 @@ def test_each_email_is_due_from_its_share_on(
 def test_every_step_reached_is_due_at_once_in_journey_order() -> None:
     now = START + timedelta(days=10)
     assert resolve_pending_emails(trial(timedelta(days=20)), set(), now) == [
-        "trial_welcome", "trial_tips", "trial_midpoint",
-    ]  # fmt: skip
+        "trial_welcome",
+        "trial_tips",
+        "trial_midpoint",
+    ]
 
 
 def test_keys_already_dispatched_are_not_due_again() -> None:

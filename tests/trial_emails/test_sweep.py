@@ -36,10 +36,12 @@ async def test_a_sweep_pages_only_the_trials_in_their_journey_in_batches(
     progress: list[tuple[int, int, BatchResult]] = []
 
     result = await sweep_journeys(
-        pool=trials_db, queue=queue,
-        options=batch_options(settings.model_copy(update={"journey_batch_size": 3})), now=NOW,
+        pool=trials_db,
+        queue=queue,
+        options=batch_options(settings.model_copy(update={"journey_batch_size": 3})),
+        now=NOW,
         on_batch=lambda done, total, batch: progress.append((done, total, batch)),
-    )  # fmt: skip
+    )
 
     assert result == {"status": "ok", "user_trials": 7, "sent": 42}
     assert [(done, total, batch["user_trials"]) for done, total, batch in progress] == [(3, 7, 3), (6, 7, 3), (7, 7, 1)]
@@ -50,11 +52,23 @@ async def test_run_once_prints_progress_on_stderr_and_the_summed_result_last_on_
     trials_db: asyncpg.Pool, redis: Redis, settings: Settings
 ) -> None:
     await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=5)
-    env = {**os.environ, "DATABASE_URL": settings.database_url, "REDIS_URL": settings.redis_url,
-           "JOURNEY_BATCH_SIZE": "2", "LOG_LEVEL": "INFO", "EMAIL_PUBLISHER": "redis-stream"}  # fmt: skip
+    env = {
+        **os.environ,
+        "DATABASE_URL": settings.database_url,
+        "REDIS_URL": settings.redis_url,
+        "JOURNEY_BATCH_SIZE": "2",
+        "LOG_LEVEL": "INFO",
+        "EMAIL_PUBLISHER": "redis-stream",
+    }
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "service", "trial-emails", "run-once", env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "service",
+        "trial-emails",
+        "run-once",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
 
@@ -120,8 +134,9 @@ async def test_the_periodic_sweep_survives_a_failed_sweep_and_stops_on_request(
     orphans_before = metric("progress_trial_email_orphans_total")
     nothing_listens = Redis(port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
     stop = asyncio.Event()
-    sweeper = asyncio.create_task(periodic_sweep(every(settings, 0.05), trials_db, stream(nothing_listens, settings),
-                                                 stop))  # fmt: skip
+    sweeper = asyncio.create_task(
+        periodic_sweep(every(settings, 0.05), trials_db, stream(nothing_listens, settings), stop)
+    )
     try:
         await wait_for(lambda: failed_above(failed_before))
         await wait_for(lambda: done_above(done_before))  # the loop went on after the failure
