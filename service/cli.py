@@ -116,10 +116,11 @@ def _dev(args: argparse.Namespace) -> int:
             "Ctrl-C stops the service and the embedded servers.\n",
             flush=True,
         )
-        try:
-            uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args.host, args.port))).run()
-        except KeyboardInterrupt:
-            pass  # uvicorn re-raises Ctrl-C after its graceful shutdown; ours follows below
+        # uvicorn shuts down gracefully on Ctrl-C, then re-raises it; with Python's own handler that is a
+        # KeyboardInterrupt in the middle of the lifespan's shutdown, which cut the final flush short. As
+        # `serve` does for SIGTERM: the re-raise is a no-op, the lifespan finishes, our servers stop after.
+        signal.signal(signal.SIGINT, lambda *_: None)
+        uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args.host, args.port))).run()
     finally:
         for server in reversed(servers):
             _progress(f"stopping embedded {server.name}")

@@ -1,5 +1,6 @@
 """`progress-service dev` as a new user runs it: starts, serves the printed curl, stops clean."""
 
+import asyncio
 import os
 import re
 import signal
@@ -12,6 +13,17 @@ import httpx
 import pytest
 
 from service.embedded import free_port
+
+
+async def _fetchval(url: str, query: str) -> object:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetchval(query)
+    finally:
+        await conn.close()
+
 
 pytestmark = pytest.mark.slow  # starts `progress-service dev` with its own servers
 
@@ -108,6 +120,15 @@ def test_dev_serves_the_printed_curl_stops_clean_and_keeps_data(tmp_path: Path) 
             check=True,
         ).stdout
         assert stored.startswith("42.5:")
+        # and Ctrl-C ran the final flush: the row was written before the servers stopped (the KeyboardInterrupt
+        # uvicorn re-raised used to cut the lifespan's shutdown short)
+        row = asyncio.run(
+            _fetchval(
+                f"postgresql://postgres@127.0.0.1:{ports[2]}/progress",
+                "SELECT position FROM engagements_lessonprogress WHERE user_id = 1 AND lesson_id = 1",
+            )
+        )
+        assert row == 42.5
     finally:
         assert _stop(process) == 0
     assert _processes_using(data_dir) == []
