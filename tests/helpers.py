@@ -204,6 +204,23 @@ async def assert_all_persisted(
     assert await backlog(redis, layout) == (0, 0)
 
 
+class RowsWatch:
+    """Samples the lesson progress rows; a row whose (updated_at, position) ever went back is recorded."""
+
+    def __init__(self, db: asyncpg.Pool) -> None:
+        self.db = db
+        self.seen: dict[tuple[int, int], tuple[float, float]] = {}  # key -> (updated_at, position) last sampled
+        self.moved_back: list[tuple[tuple[int, int], tuple[float, float], tuple[float, float]]] = []
+
+    async def sample(self) -> None:
+        query = "SELECT lesson_id, user_id, position, updated_at FROM engagements_lessonprogress"
+        for row in await self.db.fetch(query):
+            key, now = (row["lesson_id"], row["user_id"]), (row["updated_at"].timestamp(), row["position"])
+            if key in self.seen and now < self.seen[key]:
+                self.moved_back.append((key, self.seen[key], now))
+            self.seen[key] = now
+
+
 async def race_three_flushers(
     redis: RedisClient, db: asyncpg.Pool, env: dict[str, str], layout: KeyLayout = STANDALONE
 ) -> None:
@@ -223,15 +240,7 @@ async def race_three_flushers(
         )
         for _ in range(3)
     ]
-    seen: dict[tuple[int, int], tuple[float, float]] = {}  # key -> (updated_at, position) last sampled
-    moved_back = []
-
-    async def sample() -> None:
-        for row in await db.fetch("SELECT lesson_id, user_id, position, updated_at FROM engagements_lessonprogress"):
-            key, now = (row["lesson_id"], row["user_id"]), (row["updated_at"].timestamp(), row["position"])
-            if key in seen and now < seen[key]:
-                moved_back.append((key, seen[key], now))
-            seen[key] = now
+    watch = RowsWatch(db)
 
     last: dict[tuple[int, int], float] = {}
     try:
@@ -247,21 +256,21 @@ async def race_three_flushers(
                     pipe.execute_command(*_args(*key, position, layout))
                     last[key] = position
                 await pipe.execute()
-            await sample()
+            await watch.sample()
             await asyncio.sleep(0.15)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if sum(await backlog(redis, layout)) == 0:
                 break
-            await sample()
+            await watch.sample()
             await asyncio.sleep(0.1)
     finally:
         for process in flushers:
             process.send_signal(signal.SIGTERM)
         codes = [process.wait(timeout=30) for process in flushers]
     assert codes == [0, 0, 0], [p.stderr.read() if p.stderr else "" for p in flushers]
-    await sample()
-    assert moved_back == []
+    await watch.sample()
+    assert watch.moved_back == []
     await assert_all_persisted(redis, db, last, layout)
     assert sorted(await events(db)) == sorted(("lesson", c, u) for c, u in crossing)
 

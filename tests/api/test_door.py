@@ -83,18 +83,24 @@ async def test_content_created_after_a_404_is_accepted_within_a_second(
     assert await redis.smembers("progress:pending_flush:lesson") == {"5000:7"}
 
 
-async def test_concurrent_requests_for_one_unseen_id_share_one_query(
-    door: Settings, db: asyncpg.Pool, redis: Redis, token: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    await seed(db, users=7, contents=1)
-    queries: list[int] = []
+@pytest.fixture
+def queries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The content ids the catalog looks up in Postgres, in order (each lookup still runs)."""
+    looked_up: list[int] = []
     real_exists = catalog_module.exists
 
     async def counted(pool: asyncpg.Pool, kind: object, content_id: int, *, timeout_s: float) -> bool:
-        queries.append(content_id)
+        looked_up.append(content_id)
         return await real_exists(pool, kind, content_id, timeout_s=timeout_s)  # type: ignore[arg-type]
 
     monkeypatch.setattr(catalog_module, "exists", counted)
+    return looked_up
+
+
+async def test_concurrent_requests_for_one_unseen_id_share_one_query(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str, queries: list[int]
+) -> None:
+    await seed(db, users=7, contents=1)
     async with running_app(door.model_copy(update={"rate_limit_per_user_per_second": 0})) as (_, client):
         answers = await asyncio.gather(
             *(
@@ -227,17 +233,9 @@ async def test_a_flood_from_one_user_gets_429_and_only_the_last_position_per_con
 
 
 async def test_refused_made_up_ids_cost_no_lookup_and_leave_no_key(
-    door: Settings, db: asyncpg.Pool, redis: Redis, token: str, monkeypatch: pytest.MonkeyPatch
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str, queries: list[int]
 ) -> None:
     await seed(db, users=7, contents=1)
-    queries: list[int] = []
-    real_exists = catalog_module.exists
-
-    async def counted(pool: asyncpg.Pool, kind: object, content_id: int, *, timeout_s: float) -> bool:
-        queries.append(content_id)
-        return await real_exists(pool, kind, content_id, timeout_s=timeout_s)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(catalog_module, "exists", counted)
     async with running_app(door.model_copy(update={"rate_limit_burst": 1, "rate_limit_per_user_per_second": 0.01})) as (
         _,
         client,

@@ -24,6 +24,7 @@ from service.progress.keys import KeyLayout, latest_position_key
 from service.trial_emails.queue import QueuedEmail, RedisStreamQueue, publish_guard_key
 from tests.helpers import FLUSH_LEASE_S as LEASE_S
 from tests.helpers import (
+    RowsWatch,
     Servers,
     assert_all_persisted,
     auth,
@@ -309,15 +310,7 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
     )
     ledger: dict[tuple[int, int], tuple[float, float]] = {}  # key -> (last acknowledged position, its time)
     statuses: Counter[int] = Counter()
-    seen: dict[tuple[int, int], tuple[float, float]] = {}
-    moved_back = []
-
-    async def sample() -> None:
-        for row in await db.fetch("SELECT lesson_id, user_id, position, updated_at FROM engagements_lessonprogress"):
-            key, now = (row["lesson_id"], row["user_id"]), (row["updated_at"].timestamp(), row["position"])
-            if key in seen and now < seen[key]:
-                moved_back.append((key, seen[key], now))
-            seen[key] = now
+    watch = RowsWatch(db)
 
     async def post(client: httpx.AsyncClient, key: tuple[int, int], position: float) -> None:
         response = await client.post(
@@ -372,7 +365,7 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
                         assert decode_value(raw).position == 20, key
                 elif step > 20 and not failed_over_at and await failed_over():
                     failed_over_at = step
-                await sample()
+                await watch.sample()
                 await asyncio.sleep(0.03)
         valkey_cluster.wait_until_healthy(timeout_s=30)  # every replica in sync with its master
         async with RedisCluster.from_url(valkey_cluster.url, decode_responses=True) as fresh:
@@ -390,7 +383,7 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
         await witness.aclose()
         victim.start()  # it rejoins as a replica of the master that replaced it
         valkey_cluster.wait_until_healthy(timeout_s=30)
-    await sample()
+    await watch.sample()
     rows = await lesson_rows(db)
     lost = {key: acked for key, acked in ledger.items() if key not in rows or rows[key]["position"] != acked[0]}
     print(
@@ -401,7 +394,7 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
     )
     assert statuses[201] == sum(statuses.values())  # degraded mode answered for the dead master's slots
     assert _degraded_writes() > degraded_before
-    assert moved_back == []
+    assert watch.moved_back == []
     for key, (position, acked_at) in lost.items():
         assert key in victim_keys, key  # only the killed master's writes can be lost
         assert killed_at - 1.0 < acked_at <= killed_at, key  # and only those not yet replicated
