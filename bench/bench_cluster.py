@@ -54,7 +54,7 @@ async def write_and_flush(
 def main() -> None:
     args = harness.arguments(
         __doc__, keys=100_000, rounds=3, duration=10.0, warmup=3.0, users=10_000, repeat=2, wait_idle=60.0
-    ).parse_args()
+    )
     with harness.servers("cluster") as s:
         cluster = EmbeddedCluster(s.work / "cluster", masters=3)
         harness.say("starting a 3-master, 3-replica Valkey Cluster")
@@ -107,25 +107,15 @@ def main() -> None:
         per_core = 1e6 / (write_us + flush_us / per_flush)
         masters = [math.ceil(n / HEARTBEAT_EVERY_S / (per_core * MASTER_BUSY)) for n in (1_000_000, 10_000_000)]
         rows.append([name, write_us, flush_us, 1e6 / per_core, per_core, *masters])
-    harness.table(
-        [
-            "",
-            "write µs / heartbeat",
-            "claim + ack µs / key",
-            "µs / heartbeat",
-            "heartbeats/s per Redis core",
-            "masters for 1M listeners (200k/s)",
-            "for 10M (2M/s)",
-        ],
-        rows,
-    )
+    titles = "write µs / heartbeat | claim + ack µs / key | µs / heartbeat | heartbeats/s per Redis core"
+    harness.table(f" | {titles} | masters for 1M listeners (200k/s) | for 10M (2M/s)", rows)
     print(
         f"\nHTTP, one worker, wrk 64 connections, {args.duration:.0f}s after {args.warmup:.0f}s warm-up, "
         f"best of {args.repeat} interleaved runs"
     )
     base = http["standalone"].rps
     harness.table(
-        ["", "req/s", "p50 ms", "p99 ms", "share"],
+        " | req/s | p50 ms | p99 ms | share",
         [[name, r.rps, r.p50_ms, r.p99_ms, f"{r.rps / base:.0%}"] for name, r in http.items()],
     )
     share = http["cluster"].rps / base

@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from service.progress.buffer import decode_value
 from service.progress.keys import in_flight_key, latest_position_key, parse_member, pending_flush_key
 
+CORES = os.cpu_count() or 1
 LESSONS, DURATION_S, MARGIN_S = 10, 600, 10.0  # harness.fill: key i is lesson i % 10 + 1 of user i // 10 + 1
 TABLES = "engagements_lessonprogress, audios_audioprogress, audios_meditationprogress, lives_liveprogress"
 # One statement per entry, committed on its own, doing what the service's batch does for one row (known
@@ -67,14 +68,10 @@ class Drain:
 
 
 class Bench:
-    def __init__(self, s: harness.Servers, args: argparse.Namespace, db: asyncpg.Connection) -> None:
+    def __init__(self, s: harness.Servers, db: asyncpg.Connection) -> None:
         self.s, self.db, self.epoch = s, db, 0
         # the flush's own speed, with no write budget (bench_flush_budget.py measures it with one)
-        self.env = {
-            "PROGRESS_FLUSH_BATCH_SIZE": str(args.batch_size),
-            "PROGRESS_FLUSH_CONCURRENCY": str(args.concurrency),
-            "PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0",
-        }
+        self.env = {"PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0"}
         self.redis = Redis.from_url(s.redis_url)
         self.expected: dict[tuple[int, int], float] = {}
 
@@ -139,22 +136,16 @@ class Bench:
         event_keys = sorted((r["content_id"], r["user_id"]) for r in events)
         completed_rows = {(r["lesson_id"], r["user_id"]) for r in rows if r["completed_at"]}
         if any(left) or found != self.expected or event_keys != sorted(completed) or completed_rows != completed:
-            raise RuntimeError(
-                f"{how}: {len(found)} rows ({len(self.expected)} expected, positions "
-                f"{'right' if found == self.expected else 'WRONG'}), {len(events)} events "
-                f"({len(completed)} expected), {sum(left)} members left in Redis"
-            )
+            positions = "right" if found == self.expected else "WRONG"
+            counts = f"{len(found)} rows ({len(self.expected)} expected, positions {positions}), {len(events)} events"
+            raise RuntimeError(f"{how}: {counts} ({len(completed)} expected), {sum(left)} members left in Redis")
 
 
-async def run(s: harness.Servers, args: argparse.Namespace) -> bool:
-    bench = Bench(s, args, await asyncpg.connect(s.database_url))  # the checks' and the baseline's connection
+async def run(s: harness.Servers, args: argparse.Namespace) -> None:
+    bench = Bench(s, await asyncpg.connect(s.database_url))  # the checks' and the baseline's connection
     keys, hb = args.keys, args.heartbeats_per_key
-    await harness.seed(
-        s.database_url,
-        users=math.ceil(max(keys, args.baseline_keys) / LESSONS),
-        contents=LESSONS,
-        duration_s=DURATION_S,
-    )
+    users = math.ceil(max(keys, args.baseline_keys) / LESSONS)
+    await harness.seed(s.database_url, users=users, contents=LESSONS, duration_s=DURATION_S)
     await bench.drain("process", 0, 0)  # warm-up: file cache, bytecode
     startup = await bench.drain("process", 0, 0)
     scaling: list[dict[str, Drain]] = []
@@ -170,81 +161,43 @@ async def run(s: harness.Servers, args: argparse.Namespace) -> bool:
     await bench.db.close()
 
     main, flush = scaling[-1]["process"], scaling[-1]["in-process"]
-    print(
-        f"\n{keys:,} pending keys x {hb} heartbeats, verified row by row; "
-        f"{'median of ' + str(args.repeat) + ' drains' if args.repeat > 1 else 'one drain'}"
-    )
-    harness.table(
-        ["", "keys", "seconds", "rows/s", "statements"],
-        [
-            *(
-                [name, d.keys, d.seconds, d.rows_per_s, d.statements if d is baseline else f"{d.statements} upserts"]
-                for name, d in (
-                    ("`flush --once`, end to end (process start included)", main),
-                    ("the same drain in-process (`Flusher.flush_cycle`)", flush),
-                    ("baseline, one statement per entry", baseline),
-                )
-            ),
-            ["ratio", "", "", f"**{main.rows_per_s / baseline.rows_per_s:.1f}x**", ""],
-        ],
-    )
+    ratio = main.rows_per_s / baseline.rows_per_s
+    print(f"\n{keys:,} pending keys x {hb} heartbeats, verified row by row; median of {args.repeat} drains")
+    named = {
+        "`flush --once`, end to end (process start included)": main,
+        "the same drain in-process (`Flusher.flush_cycle`)": flush,
+        "baseline, one statement per entry": baseline,
+    }
+    rows = [[name, d.keys, d.seconds, d.rows_per_s, f"{d.statements} upserts"] for name, d in named.items()]
+    rows[-1][-1] = baseline.statements
+    harness.table(" | keys | seconds | rows/s | statements", [*rows, ["ratio", "", "", f"**{ratio:.1f}x**", ""]])
     print(f"`flush --once` with nothing pending (the process's fixed cost): {startup.seconds:.2f} s")
+    pids = (os.getpid(), s.postgres_pid, s.redis_pid, None)  # the flusher, Postgres, Redis, then the wall time
     harness.table(
-        ["CPU µs per key", "flusher", "Postgres", "Redis", "wall", "cores busy"],
+        "CPU µs per key | flusher | Postgres | Redis | wall | cores busy",
         [
-            [
-                name,
-                d.us_per_key(os.getpid()),
-                d.us_per_key(s.postgres_pid),
-                d.us_per_key(s.redis_pid),
-                d.us_per_key(),
-                f"{sum(d.cpu.seconds.values()) / d.seconds / (os.cpu_count() or 1):.0%}",
-            ]
+            [name, *(d.us_per_key(pid) for pid in pids), f"{sum(d.cpu.seconds.values()) / d.seconds / CORES:.0%}"]
             for name, d in (("`flush --once`", main), ("in-process", flush), ("baseline", baseline))
         ],
     )
     grown = [d["in-process"] for d in scaling]
-    print(
-        "\ngrowth, in-process: "
-        + ", ".join(f"{d.keys:,} keys {d.seconds:.2f} s ({d.us_per_key():.1f} µs/key)" for d in grown)
-    )
+    growth_text = ", ".join(f"{d.keys:,} keys {d.seconds:.2f} s ({d.us_per_key():.1f} µs/key)" for d in grown)
     one, five = by_beats
-    print(
-        "heartbeats per key, 1 vs 5: "
-        + "; ".join(f"{how} {one[how].seconds:.2f} vs {five[how].seconds:.2f} s" for how in one)
-    )
+    beats_text = "; ".join(f"{how} {one[how].seconds:.2f} vs {five[how].seconds:.2f} s" for how in one)
+    print(f"\ngrowth, in-process: {growth_text}\nheartbeats per key, 1 vs 5: {beats_text}")
     growth = flush.us_per_key() / grown[0].us_per_key()
     beats = five["in-process"].seconds / one["in-process"].seconds
-    return all(
-        [
-            harness.target("end to end >= 50,000 rows/s", f"{main.rows_per_s:,.0f}", main.rows_per_s >= 50_000),
-            harness.target(
-                ">= 20x the per-entry baseline",
-                f"{main.rows_per_s / baseline.rows_per_s:.1f}x",
-                main.rows_per_s >= 20 * baseline.rows_per_s,
-            ),
-            harness.target("linear in keys: µs/key at N <= 1.5x that at the smallest", f"{growth:.2f}x", growth <= 1.5),
-            harness.target(
-                "not in heartbeats: 5 heartbeats/key <= 1.25x the time of 1", f"{beats:.2f}x", beats <= 1.25
-            ),
-        ]
-    )
+    harness.target("end to end >= 50,000 rows/s", f"{main.rows_per_s:,.0f}", main.rows_per_s >= 50_000)
+    harness.target(">= 20x the per-entry baseline", f"{ratio:.1f}x", ratio >= 20)
+    harness.target("linear in keys: µs/key at N <= 1.5x that at the smallest", f"{growth:.2f}x", growth <= 1.5)
+    harness.target("not in heartbeats: 5 heartbeats/key <= 1.25x the time of 1", f"{beats:.2f}x", beats <= 1.25)
 
 
-def main() -> int:
-    args = harness.arguments(
-        __doc__,
-        keys=100_000,
-        baseline_keys=0,
-        heartbeats_per_key=3,
-        batch_size=500,
-        concurrency=4,
-        repeat=3,
-        no_fsync=False,
-    ).parse_args()
+def main() -> None:
+    args = harness.arguments(__doc__, keys=100_000, baseline_keys=0, heartbeats_per_key=3, repeat=3)
     args.baseline_keys = args.baseline_keys or args.keys
-    with harness.servers("flush", postgres=True, durable=not args.no_fsync) as s:
-        return 0 if asyncio.run(run(s, args)) else 1
+    with harness.servers("flush", postgres=True, durable=True) as s:
+        asyncio.run(run(s, args))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Request path over HTTP: `serve` (one worker) against bench/baseline_app.py, both under the same wrk load.
 
-req/s, latencies, server CPU per request, the ratio, RSS; --million [N]: then N requests in all and the RSS. --door: a
-second service with the door on, alternating rounds against the first (known ids), then made-up ids.
+req/s, latencies, server CPU per request, the ratio, RSS; --million: then --requests N (a million) in all and the
+RSS. --door: a second service with the door on, alternating rounds against the first (known ids), then made-up ids.
 
-    .venv/bin/python bench/bench_ingest.py [--duration 20] [--warmup 10] [--million [N]] [--door --rounds 3]
-    smallest: --duration 1 --warmup 1 --wait-idle 0 [--million 20000] [--door --rounds 1] (--door needs many --users)
+    .venv/bin/python bench/bench_ingest.py [--duration 20] [--warmup 10] [--million [--requests N]] [--door --rounds 3]
+    smallest: --duration 1 --warmup 1 --wait-idle 0 [--million --requests 20000] [--door --rounds 1]
+    (--door needs many --users)
 """
 
 import asyncio
@@ -13,9 +14,10 @@ import sys
 import urllib.request
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import harness
-from harness import Child, Servers, WrkResult
+from harness import WrkResult, median
 from redis import Redis
 
 BOGUS_IDS = (1_000_000_000, 2_000_000_000)  # made-up content ids: none exists
@@ -44,7 +46,7 @@ def check_writes(redis: Redis, name: str) -> None:
 
 
 def main() -> None:
-    parser = harness.arguments(
+    args = harness.arguments(
         __doc__,
         duration=20.0,
         warmup=10.0,
@@ -54,46 +56,32 @@ def main() -> None:
         door=False,
         rounds=3,
         wait_idle=120.0,
+        million=False,
+        requests=1_000_000,
     )
-    parser.add_argument("--million", type=int, nargs="?", const=1_000_000, metavar="N")
-    args = parser.parse_args()
     served: dict[str, int] = {}
-
-    def load(
-        s: Servers,
-        name: str,
-        child: Child,
-        seconds: float,
-        tokens: Path,
-        ids: tuple[int, int] | None = None,
-        expect: tuple[int, ...] = (201,),
-    ) -> WrkResult:
-        result = harness.wrk(
-            child.url,
-            tokens,
-            duration_s=seconds,
-            ids=ids or (1, args.contents),
-            expect=expect,
-            connections=args.connections,
-            pids=(child.pid, s.redis_pid),
-        )
-        served[name] = served.get(name, 0) + result.requests
-        return result
-
-    def measured(s: Servers, name: str, child: Child, redis: Redis, tokens: Path) -> WrkResult:
-        redis.flushdb()
-        harness.wait_until_idle(args.wait_idle)
-        result = load(s, name, child, args.duration, tokens)
-        check_writes(redis, name)
-        return result
 
     with harness.servers("ingest", postgres=args.door) as s:
         tokens = harness.tokens(s.work, args.users)
-        port, env = (
-            harness.embedded.free_port(),
-            {"JWT_SECRET": harness.JWT_SECRET, "REDIS_URL": harness.redis_db(s.redis_url, 1)},
-        )
+
+        def load(name: str, seconds: float, token_file: Path = tokens, **how: Any) -> WrkResult:
+            """`seconds` of wrk on children[name]; `how`: wrk's ids and expect, when not the known ids' 201."""
+            child = children[name]
+            how = {"ids": (1, args.contents), "connections": args.connections, **how}
+            result = harness.wrk(child.url, token_file, duration_s=seconds, pids=(child.pid, s.redis_pid), **how)
+            served[name] = served.get(name, 0) + result.requests
+            return result
+
+        def measured(name: str) -> WrkResult:
+            redis[name].flushdb()
+            harness.wait_until_idle(args.wait_idle)
+            result = load(name, args.duration)
+            check_writes(redis[name], name)
+            return result
+
+        port = harness.embedded.free_port()
         app = [sys.executable, str(harness.BENCH / "baseline_app.py"), "--port", str(port)]
+        env = {"JWT_SECRET": harness.JWT_SECRET, "REDIS_URL": harness.redis_db(s.redis_url, 1)}
         children = {
             "service": s.service("service", REDIS_URL=harness.redis_db(s.redis_url, 0), DATABASE_URL=""),
             "baseline": s.child("baseline", app, env, f"http://127.0.0.1:{port}/health/live"),
@@ -105,91 +93,71 @@ def main() -> None:
         service_pid = children["service"].pid
         rss_idle = rss_mib(service_pid)["VmRSS"]
         results = {}
-        for name, child in children.items():
-            load(s, name, child, args.warmup, tokens)
-            results[name] = measured(s, name, child, redis[name], tokens)
+        for name in children:
+            load(name, args.warmup)
+            results[name] = measured(name)
         service, baseline = results["service"], results["baseline"]
         ratio = service.rps / baseline.rps
         print(
             f"\nwrk 2 threads, {args.connections} connections, {args.duration:.0f}s after {args.warmup:.0f}s "
             f"warm-up; {args.users} users, content ids 1..{args.contents}, 4 routes"
         )
+        latencies = ("p50_ms", "p99_ms", "p999_ms")
+        rows = [
+            [n, r.rps, *(getattr(r, q) for q in latencies), 0, r.us_per_request(children[n].pid)]
+            for n, r in results.items()
+        ]
+        ratios = [getattr(service, q) / getattr(baseline, q) for q in latencies]
         harness.table(
-            ["", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "non-201", "server CPU µs/request"],
-            [
-                *(
-                    [n, r.rps, r.p50_ms, r.p99_ms, r.p999_ms, 0, r.us_per_request(children[n].pid)]
-                    for n, r in results.items()
-                ),
-                [
-                    "ratio",
-                    f"**{ratio:.2f}x**",
-                    service.p50_ms / baseline.p50_ms,
-                    service.p99_ms / baseline.p99_ms,
-                    service.p999_ms / baseline.p999_ms,
-                    "",
-                    "",
-                ],
-            ],
+            " | req/s | p50 ms | p99 ms | p99.9 ms | non-201 | server CPU µs/request",
+            [*rows, ["ratio", f"**{ratio:.2f}x**", *ratios, "", ""]],
         )
-        print(
-            f"service RSS: {rss_idle:.1f} MiB idle, {rss_mib(service_pid)['VmRSS']:.1f} MiB after "
-            f"{served['service']:,} requests"
-        )
+        rss = rss_mib(service_pid)["VmRSS"]
+        print(f"service RSS: {rss_idle:.1f} MiB idle, {rss:.1f} MiB after {served['service']:,} requests")
         harness.target("service req/s >= 4x baseline", f"{ratio:.2f}x", ratio >= 4)
-        harness.target(
-            f"service p99 < 15 ms at {args.connections} connections", f"{service.p99_ms:.2f} ms", service.p99_ms < 15
-        )
+        p99_target = f"service p99 < 15 ms at {args.connections} connections"
+        harness.target(p99_target, f"{service.p99_ms:.2f} ms", service.p99_ms < 15)
 
         if args.door:
             asyncio.run(harness.seed(s.database_url, users=0, contents=args.contents))
+            door_env = {"REDIS_URL": harness.redis_db(s.redis_url, 2), "CONTENT_CATALOG_ENABLED": "true"}
             # the catalog on, the rate limit at its defaults
-            door = s.service(
-                "service+door",
-                REDIS_URL=harness.redis_db(s.redis_url, 2),
-                CONTENT_CATALOG_ENABLED="true",
-                RATE_LIMIT_PER_USER_PER_SECOND=None,
-            )
-            load(s, "service+door", door, args.warmup, tokens)
-            pair = {"service": children["service"], "service+door": door}
-            runs = harness.rounds(
-                {n: partial(measured, s, n, c, redis[n], tokens) for n, c in pair.items()}, args.rounds
-            )
+            children["service+door"] = s.service("service+door", **door_env, RATE_LIMIT_PER_USER_PER_SECOND=None)
+            load("service+door", args.warmup)
+            runs = harness.rounds({n: partial(measured, n) for n in ("service", "service+door")}, args.rounds)
             print(
-                f"\ndoor: the same load, known ids, {args.rounds} alternating rounds of {args.duration:.0f}s; "
-                "every answer 201"
+                f"\ndoor: the same load, known ids, {args.rounds} alternating rounds of {args.duration:.0f}s; all 201"
             )
-            harness.table(
-                ["", "median req/s", "runs req/s", "median p99 ms", "server CPU µs/request"],
-                [
+            rows = []
+            for n, rs in runs.items():
+                rps, p99 = harness.medians(rs, "rps", "p99_ms")
+                rows.append(
                     [
                         n,
-                        harness.median([r.rps for r in rs]),
+                        rps,
                         ", ".join(f"{r.rps:,.0f}" for r in rs),
-                        harness.median([r.p99_ms for r in rs]),
-                        harness.median([r.us_per_request(pair[n].pid) for r in rs]),
+                        p99,
+                        median(r.us_per_request(children[n].pid) for r in rs),
                     ]
-                    for n, rs in runs.items()
-                ],
-            )
-            door_rps, plain_rps = (harness.median([r.rps for r in runs[n]]) for n in ("service+door", "service"))
-            share = door_rps / plain_rps
+                )
+            harness.table(" | median req/s | runs req/s | median p99 ms | server CPU µs/request", rows)
+            share = rows[1][1] / rows[0][1]
             harness.target("throughput with the door >= 95% of without", f"{share:.1%}", share >= 0.95)
             print(f"\ndoor: made-up content ids ({BOGUS_IDS[0]}..{BOGUS_IDS[1]}), {args.duration:.0f}s")
             one_token = s.work / "one_token.txt"
             one_token.write_text(tokens.read_text().splitlines()[0] + "\n")
             for label, token_file in (("one token", one_token), (f"{args.users} tokens", tokens)):
                 redis["service+door"].flushdb()
-                r = load(s, "service+door", door, args.duration, token_file, ids=BOGUS_IDS, expect=(404, 429))
+                r = load("service+door", args.duration, token_file, ids=BOGUS_IDS, expect=(404, 429))
                 keys = int(redis["service+door"].dbsize())
                 harness.target(f"{label}: {r.rps:,.0f} answers/s {r.statuses}, Redis keys left", str(keys), keys == 0)
 
         if args.million:
             before = rss_mib(service_pid)["VmRSS"]
             rate = service.rps
-            while served["service"] < args.million:
-                seconds = min(120.0, max(1.0, (args.million - served["service"]) / rate * 1.05 + 1))
-                rate = load(s, "service", children["service"], seconds, tokens).rps
+            while served["service"] < args.requests:
+                seconds = min(120.0, max(1.0, (args.requests - served["service"]) / rate * 1.05 + 1))
+                rate = load("service", seconds).rps
             with urllib.request.urlopen(f"{children['service'].url}/metrics", timeout=5) as answer:
                 metrics = answer.read().decode()
             pattern = r'^progress_http_requests_total\{[^}]*status="201"[^}]*\} ([\d.e+]+)$'
@@ -200,11 +168,8 @@ def main() -> None:
                 f"{served['service']:,} requests ({counted:,} counted 201 by /metrics), "
                 f"peak {after['VmHWM']:.1f} MiB"
             )
-            harness.target(
-                f"RSS < 150 MB after {args.million:,} requests",
-                f"{after['VmRSS'] * 1.048576:.1f} MB",
-                after["VmRSS"] * 1.048576 < 150 and counted >= args.million,
-            )
+            mb, all_counted = after["VmRSS"] * 1.048576, counted >= args.requests
+            harness.target(f"RSS < 150 MB after {args.requests:,} requests", f"{mb:.1f} MB", mb < 150 and all_counted)
             check_writes(redis["service"], "service")
 
 

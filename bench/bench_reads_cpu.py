@@ -23,7 +23,7 @@ KINDS = (("heartbeat POST", "heartbeat", (201,), 1.0), ("GET one", "one", (200,)
 def main() -> None:
     args = harness.arguments(
         __doc__, rounds=5, duration=8.0, warmup=4.0, connections=16, users=2000, contents=100, wait_idle=5.0
-    ).parse_args()
+    )
     with harness.servers("reads", postgres=True) as s:
         harness.say(f"seeding {args.users} users x {args.contents} contents of each type, a row for every pair")
         asyncio.run(harness.seed(s.database_url, users=args.users, contents=args.contents, rows=True))
@@ -39,17 +39,8 @@ def main() -> None:
 
         def load(mode: str, expect: tuple[int, ...], seconds: float, idle: float = 0.0) -> harness.WrkResult:
             harness.wait_until_idle(idle)
-            return harness.wrk(
-                service.url,
-                tokens,
-                duration_s=seconds,
-                mode=mode,
-                ids=(1, args.contents),
-                connections=args.connections,
-                expect=expect,
-                pids=(service.pid,),
-                timeout_s=30,
-            )
+            how = {"mode": mode, "expect": expect, "ids": (1, args.contents), "connections": args.connections}
+            return harness.wrk(service.url, tokens, duration_s=seconds, pids=(service.pid,), timeout_s=30, **how)
 
         load("heartbeat", (201,), args.warmup * 2)  # buffered values newer than their rows; each heartbeat run adds
         for _, mode, expect, _ in KINDS:
@@ -68,22 +59,19 @@ def main() -> None:
         f"{args.rounds} alternating rounds; {args.users} users x {args.contents} contents of each type, a row for "
         f"every pair, part buffered; {os.cpu_count()} CPUs shared by wrk, the server, Valkey and Postgres"
     )
-    harness.table(
-        ["request", "server CPU µs/request", "x heartbeat", "target", "req/s", "p50 ms", "p99 ms", "per round (µs)"],
+    rows = [
         [
-            [
-                label,
-                harness.median(us[label]),
-                ratio[label],
-                f"≤ {goal:g}x" if label != "heartbeat POST" else "",
-                harness.median([r.rps for r in runs[label]]),
-                harness.median([r.p50_ms for r in runs[label]]),
-                harness.median([r.p99_ms for r in runs[label]]),
-                " ".join(f"{v:.0f}" for v in us[label]),
-            ]
-            for label, _, _, goal in KINDS
-        ],
-    )
+            label,
+            harness.median(us[label]),
+            ratio[label],
+            f"≤ {goal:g}x" if label != "heartbeat POST" else "",
+            *harness.medians(runs[label], "rps", "p50_ms", "p99_ms"),
+            " ".join(f"{v:.0f}" for v in us[label]),
+        ]
+        for label, _, _, goal in KINDS
+    ]
+    titles = "server CPU µs/request | x heartbeat | target | req/s | p50 ms | p99 ms | per round (µs)"
+    harness.table(f"request | {titles}", rows)
     medians = {label: harness.median(v) for label, v in us.items()}
     per_id = (medians["GET 100 ids"] - medians["GET one"]) / 99
     per_item = (medians["sync 500 items"] - medians["heartbeat POST"]) / 500
@@ -92,9 +80,8 @@ def main() -> None:
         "synced item beyond a heartbeat (target about 8)"
     )
     for label, _, _, goal in KINDS[1:]:
-        harness.target(
-            f"{label} server CPU ≤ {goal:g}x the heartbeat POST's", f"{ratio[label]:.2f}x", ratio[label] <= goal
-        )
+        x = ratio[label]
+        harness.target(f"{label} server CPU ≤ {goal:g}x the heartbeat POST's", f"{x:.2f}x", x <= goal)
     harness.target("GET 100 ids: under 4 µs per id beyond the request itself", f"{per_id:.1f} µs", per_id < 4)
 
 

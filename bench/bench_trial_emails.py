@@ -32,26 +32,16 @@ async def blocks(conn: asyncpg.Connection, pairs: Sequence[Pair]) -> int:
     )
 
 
+GET = "SELECT id FROM emails_emaildispatch WHERE user_id = $1 AND source = $2 AND email_key = $3"
+CREATE = """INSERT INTO emails_emaildispatch (user_id, source, email_key, sent_at, created_at)
+    VALUES ($1, $2, $3, $4, $4) RETURNING id"""
+
+
 async def get_or_create(conn: asyncpg.Connection, pairs: Sequence[Pair]) -> int:
     reserved = 0
     for user_id, email_key in pairs:
-        if (
-            await conn.fetchval(
-                "SELECT id FROM emails_emaildispatch WHERE user_id = $1 AND source = $2 AND email_key = $3",
-                user_id,
-                SOURCE,
-                email_key,
-            )
-            is None
-        ):
-            await conn.fetchval(
-                "INSERT INTO emails_emaildispatch (user_id, source, email_key, sent_at, created_at) "
-                "VALUES ($1, $2, $3, $4, $4) RETURNING id",
-                user_id,
-                SOURCE,
-                email_key,
-                datetime.now(UTC),
-            )
+        if await conn.fetchval(GET, user_id, SOURCE, email_key) is None:
+            await conn.fetchval(CREATE, user_id, SOURCE, email_key, datetime.now(UTC))
             reserved += 1
     return reserved
 
@@ -98,16 +88,16 @@ async def measure(dsn: str, repeats: int) -> dict[str, tuple[int, list[float]]]:
         designs: dict[str, Reserve] = {"blocks": blocks, "get_or_create": get_or_create}
         counted = {name: int(await run(reserve, count=True)) for name, reserve in designs.items()}
         times: dict[str, list[float]] = {name: [] for name in designs}
-        for i in range(repeats):  # alternating, so neither always runs on a warmer cache
-            for name in list(designs) if i % 2 == 0 else list(reversed(designs)):
+        for order in harness.orders(list(designs), repeats):  # alternating: neither always on a warmer cache
+            for name in order:
                 times[name].append(await run(designs[name]))
         return {name: (counted[name], times[name]) for name in designs}
     finally:
         await conn.close()
 
 
-def main() -> int:
-    args = harness.arguments(__doc__, repeats=7, no_fsync=False).parse_args()
+def main() -> None:
+    args = harness.arguments(__doc__, repeats=7, no_fsync=False)
     with harness.servers("trial-emails", redis=False, postgres=True, durable=not args.no_fsync) as s:
         figures = asyncio.run(measure(s.database_url, args.repeats))
     (block_statements, block_ms), (baseline_statements, baseline_ms) = figures.values()
@@ -115,12 +105,12 @@ def main() -> int:
     fsync = "off" if args.no_fsync else "on"
     print(f"\nreservation of {TRIALS * 6:,} pairs, median of {args.repeats} runs, fsync {fsync}")
     harness.table(
-        ["design", "statements", "median ms", "min ms"],
+        "design | statements | median ms | min ms",
         [[name, n, harness.median(ms), min(ms)] for name, (n, ms) in figures.items()]
         + [["ratio", f"{baseline_statements / block_statements:.0f}x", f"**{speedup:.1f}x**", ""]],
     )
-    ok = harness.target("6 statements", str(block_statements), block_statements == 6)
-    return 0 if harness.target(">= 10x wall time", f"{speedup:.1f}x", speedup >= 10) and ok else 1
+    harness.target("6 statements", str(block_statements), block_statements == 6)
+    harness.target(">= 10x wall time", f"{speedup:.1f}x", speedup >= 10)
 
 
 if __name__ == "__main__":

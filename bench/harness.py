@@ -58,55 +58,67 @@ def say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def target(name: str, value: str, ok: bool) -> bool:
+MISSED: list[str] = []  # the targets missed so far: main() exits 1 if any
+
+
+def target(name: str, value: str, ok: bool) -> None:
     print(f"target: {name}: {value} {'PASS' if ok else 'MISS'}")
-    return ok
+    if not ok:
+        MISSED.append(name)
 
 
-def table(headers: list[str], rows: list[list[Any]]) -> None:
-    """A Markdown table, as the README quotes them: floats to 2 decimals below 1,000, else whole."""
+def cell(v: object) -> str:
+    """A table's cell, as the README quotes them: floats to 2 decimals below 1,000, else whole."""
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
 
-    def cell(v: object) -> str:
-        return (
-            (f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}")
-            if isinstance(v, float)
-            else f"{v:,}"
-            if isinstance(v, int)
-            else str(v)
-        )
 
-    print("\n| " + " | ".join(headers) + " |\n|" + "---|" * len(headers))
+def table(header: str, rows: list[list[Any]]) -> None:
+    """A Markdown table under `header`, its titles as the table prints them: "a | b | c"."""
+    print(f"\n| {header} |\n|" + "---|" * (header.count(" | ") + 1))
     for row in rows:
         print("| " + " | ".join(cell(value) for value in row) + " |")
+
+
+def medians(results: list[Any], *fields: str) -> list[float]:
+    """The median of each field over `results` (e.g. the rounds of one variant)."""
+    return [median(getattr(r, field) for r in results) for field in fields]
 
 
 def rounds(variants: dict[str, Callable[[], T]], count: int) -> dict[str, list[T]]:
     """`count` rounds of every variant, in reverse order every other round, so a drift hits all alike."""
     runs: dict[str, list[T]] = {name: [] for name in variants}
-    for round_no in range(count):
-        for name in list(variants) if round_no % 2 == 0 else list(reversed(variants)):
+    for order in orders(list(variants), count):
+        for name in order:
             runs[name].append(variants[name]())
     return runs
 
 
-def arguments(doc: str, **flags: float | bool) -> argparse.ArgumentParser:
+def orders(names: list[str], count: int) -> Iterator[list[str]]:
+    """`count` rounds of `names`, reversed every other round (the order of `rounds`, for async variants)."""
+    return (names if i % 2 == 0 else names[::-1] for i in range(count))
+
+
+def arguments(doc: str, **flags: float | bool) -> argparse.Namespace:
     """The flags of a script: `wait_idle=60.0` is `--wait-idle`, default 60.0; False is a switch."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, default in flags.items():
-        kind = (
-            {"action": "store_true"}
-            if default is False
-            else {"type": type(default), "default": default, "help": f"default {default}"}
-        )
-        parser.add_argument(f"--{name.replace('_', '-')}", **kind)  # type: ignore[arg-type]
-    return parser
+        flag = f"--{name.replace('_', '-')}"
+        if default is False:
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=f"default {default}")
+    return parser.parse_args()
 
 
-def main(run: Callable[[], int | None]) -> None:
-    """Runs a scenario: a SIGTERM unwinds like Ctrl-C (so every server started is stopped), exit 1 on failure."""
+def main(run: Callable[[], None]) -> None:
+    """Runs a scenario: a SIGTERM unwinds like Ctrl-C (so every server started is stopped); exit 1 on a failure or a
+    missed target."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        sys.exit(run() or 0)
+        run()
+        sys.exit(1 if MISSED else 0)
     except KeyboardInterrupt:
         sys.exit(130)
     except RuntimeError as exc:
@@ -249,20 +261,17 @@ class Servers:
     def service(self, name: str, **env: str | None) -> Child:
         """`python -m service serve --workers 1`, as production starts it, with service_env(**env)."""
         port = embedded.free_port()
+        args = f"-m service serve --workers 1 --host 127.0.0.1 --port {port}".split()
         return self.child(
-            name,
-            [sys.executable, "-m", "service", "serve", "--workers", "1", "--host", "127.0.0.1", "--port", str(port)],
-            self.service_env(**env),
-            f"http://127.0.0.1:{port}/health/ready",
+            name, [sys.executable, *args], self.service_env(**env), f"http://127.0.0.1:{port}/health/ready"
         )
 
     def command(self, *args: str, **env: str | None) -> dict[str, Any]:
         """A one-shot `python -m service ...` (e.g. `flush --once`): its JSON summary, the last line it prints."""
-        full_env = {**os.environ, **self.service_env(**env)}
         done = subprocess.run(
             [sys.executable, "-m", "service", *args],
             cwd=BENCH.parent,
-            env=full_env,
+            env={**os.environ, **self.service_env(**env)},
             capture_output=True,
             text=True,
             timeout=900,
@@ -275,27 +284,9 @@ class Servers:
     def monolith_worker(self, broker_url: str, threads: int = 4) -> Child:
         """A real Celery worker of the monolith's completion task (bench/monolith_worker.py)."""
         env = {"PYTHONPATH": str(BENCH), "MONOLITH_BROKER_URL": broker_url, "MONOLITH_DATABASE_URL": self.database_url}
-        worker = self.child(
-            "worker",
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "monolith_worker",
-                "worker",
-                "--pool=threads",
-                f"--concurrency={threads}",
-                "-Q",
-                "onion-progress",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
-                "-l",
-                "INFO",
-            ],
-            env,
-        )
+        args = f"-m celery -A monolith_worker worker --pool=threads --concurrency={threads} -Q onion-progress"
+        quiet = "--without-gossip --without-mingle --without-heartbeat -l INFO"
+        worker = self.child("worker", [sys.executable, *args.split(), *quiet.split()], env)
         worker.wait_for(lambda: " ready." in worker.log_path.read_text(errors="replace"))
         return worker
 
@@ -376,12 +367,8 @@ def tokens(work: Path, users: int) -> Path:
     """A file of one HS256 token per user 1..users, a line each (what bench/requests.lua reads)."""
     expires = int(time.time()) + 7 * 24 * 3600
     path = work / "tokens.txt"
-    path.write_text(
-        "".join(
-            jwt.encode({"user_id": u, "exp": expires}, JWT_SECRET, algorithm="HS256") + "\n"
-            for u in range(1, users + 1)
-        )
-    )
+    lines = (jwt.encode({"user_id": u, "exp": expires}, JWT_SECRET, algorithm="HS256") for u in range(1, users + 1))
+    path.write_text("".join(f"{line}\n" for line in lines))
     return path
 
 
@@ -435,24 +422,10 @@ def wrk(
     """
     say(f"wrk {mode} {url}: {duration_s:.0f}s, {connections} connections")
     meter = CpuMeter(os.getpid(), *pids)  # wrk is our child: its time is ours once it is reaped
+    flags = f"-t2 -c{connections} -d{max(1, round(duration_s))}s --latency --timeout {timeout_s}s"
+    script = [str(BENCH / "requests.lua"), url, "--", str(tokens_file), mode, str(ids[0]), str(ids[1])]
     done = subprocess.run(
-        [
-            ensure_wrk(),
-            "-t2",
-            f"-c{connections}",
-            f"-d{max(1, round(duration_s))}s",
-            "--latency",
-            "--timeout",
-            f"{timeout_s}s",
-            "-s",
-            str(BENCH / "requests.lua"),
-            url,
-            "--",
-            str(tokens_file),
-            mode,
-            str(ids[0]),
-            str(ids[1]),
-        ],
+        [ensure_wrk(), *flags.split(), "-s", *script],
         capture_output=True,
         text=True,
         timeout=duration_s + 60,
@@ -467,15 +440,8 @@ def wrk(
     unexpected = {s: n for s, n in data["statuses"].items() if int(s) not in expect}
     if unexpected or data["socket_errors"]:
         raise RuntimeError(f"{url} {mode}: unexpected answers {unexpected}, {data['socket_errors']} socket errors")
-    return WrkResult(
-        data["requests"],
-        data["duration_us"] / 1e6,
-        data["p50_us"] / 1000,
-        data["p99_us"] / 1000,
-        data["p999_us"] / 1000,
-        data["statuses"],
-        meter,
-    )
+    latencies = (data[f"{q}_us"] / 1000 for q in ("p50", "p99", "p999"))
+    return WrkResult(data["requests"], data["duration_us"] / 1e6, *latencies, data["statuses"], meter)
 
 
 # --- service parts built in-process: the one place to adapt when their constructors change ---
@@ -492,8 +458,7 @@ async def flush_cycle(config: Settings) -> CycleResult:
         return await build_flusher(config, redis, pool).flush_cycle()
 
 
-def publisher(config: Settings) -> CeleryPublisher:
-    return publisher_from_settings(config)
+publisher = publisher_from_settings
 
 
 def completion_relay(pool: asyncpg.Pool, celery: CeleryPublisher, config: Settings) -> Relay:
