@@ -195,6 +195,16 @@ def _dying_with_us() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def run_to_end(args: list[str], timeout_s: float, env: dict[str, str] | None = None) -> str:
+    """Runs `args` in the repository (dying with this script) to its end: its stdout; a RuntimeError if it fails."""
+    done = subprocess.run(
+        args, cwd=BENCH.parent, env=env, capture_output=True, text=True, timeout=timeout_s, preexec_fn=_dying_with_us
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{args[:3]} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    return done.stdout
+
+
 class Child:
     """A process in its own session, stopped (SIGTERM, then SIGKILL) with its whole group."""
 
@@ -268,18 +278,8 @@ class Servers:
 
     def command(self, *args: str, **env: str | None) -> dict[str, Any]:
         """A one-shot `python -m service ...` (e.g. `flush --once`): its JSON summary, the last line it prints."""
-        done = subprocess.run(
-            [sys.executable, "-m", "service", *args],
-            cwd=BENCH.parent,
-            env={**os.environ, **self.service_env(**env)},
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
-        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+        out = run_to_end([sys.executable, "-m", "service", *args], 900, {**os.environ, **self.service_env(**env)})
+        return dict(json.loads(out.strip().splitlines()[-1]))
 
     def monolith_worker(self, broker_url: str, threads: int = 4) -> Child:
         """A real Celery worker of the monolith's completion task (bench/monolith_worker.py)."""
@@ -322,27 +322,25 @@ def redis_db(url: str, db: int) -> str:
 async def seed(database_url: str, *, users: int, contents: int, duration_s: int = 600, rows: bool = False) -> None:
     """Users 1..users and content ids 1..contents of every type (each lasting duration_s), nothing else; rows: and a
     progress row for every (user, content) of every type, two hours old, one in five completed."""
+    statements = [
+        f"TRUNCATE users_user, {', '.join(CONTENT_TABLES)} RESTART IDENTITY CASCADE",
+        f"INSERT INTO users_user (id, email) SELECT i, 'u' || i || '@example.com' FROM generate_series(1, {users}) i",
+    ]
+    for name, (progress, column) in CONTENT_TABLES.items():
+        statements.append(
+            f"INSERT INTO {name} (id, title, duration) SELECT i, 'c' || i, {duration_s} "
+            f"FROM generate_series(1, {contents}) i"
+        )
+        if rows:
+            statements.append(
+                f"INSERT INTO {progress} (user_id, {column}, position, completed_at, created_at, updated_at) "
+                "SELECT u, c, (u * 7 + c) % 500, CASE WHEN (u + c) % 5 = 0 THEN now() - interval '3 hours' END, "
+                f"now() - interval '3 hours', now() - interval '2 hours' "
+                f"FROM generate_series(1, {users}) u, generate_series(1, {contents}) c"
+            )
     conn = await asyncpg.connect(database_url)
     try:
-        await conn.execute(f"TRUNCATE users_user, {', '.join(CONTENT_TABLES)} RESTART IDENTITY CASCADE")
-        await conn.execute(
-            "INSERT INTO users_user (id, email) SELECT i, 'u' || i || '@example.com' FROM generate_series(1, $1) i",
-            users,
-        )
-        for name, (progress, column) in CONTENT_TABLES.items():
-            await conn.execute(
-                f"INSERT INTO {name} (id, title, duration) SELECT i, 'c' || i, $2 FROM generate_series(1, $1) i",
-                contents,
-                duration_s,
-            )
-            await conn.execute(
-                f"INSERT INTO {progress} (user_id, {column}, position, completed_at, created_at, "
-                "updated_at) SELECT u, c, (u * 7 + c) % 500, CASE WHEN (u + c) % 5 = 0 THEN now() - "
-                "interval '3 hours' END, now() - interval '3 hours', now() - interval '2 hours' "
-                "FROM generate_series(1, $1) u, generate_series(1, $2) c",
-                users if rows else 0,
-                contents,
-            )
+        await conn.execute(";\n".join(statements))  # one implicit transaction; VACUUM cannot run in one
         await conn.execute("VACUUM ANALYZE")
     finally:
         await conn.close()
@@ -373,16 +371,6 @@ def tokens(work: Path, users: int) -> Path:
 
 
 # --- wrk ---
-
-
-def ensure_wrk() -> str:
-    if not shutil.which("wrk"):
-        say("wrk not found: installing it from the distribution's packages (apt-get install -y wrk)")
-        if os.geteuid() != 0:
-            raise RuntimeError("wrk is missing and we are not root: run `sudo apt-get install -y wrk`")
-        for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "wrk"]):
-            subprocess.run(command, check=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=300)
-    return shutil.which("wrk") or "wrk"
 
 
 @dataclass(frozen=True)
@@ -424,18 +412,12 @@ def wrk(
     meter = CpuMeter(os.getpid(), *pids)  # wrk is our child: its time is ours once it is reaped
     flags = f"-t2 -c{connections} -d{max(1, round(duration_s))}s --latency --timeout {timeout_s}s"
     script = [str(BENCH / "requests.lua"), url, "--", str(tokens_file), mode, str(ids[0]), str(ids[1])]
-    done = subprocess.run(
-        [ensure_wrk(), *flags.split(), "-s", *script],
-        capture_output=True,
-        text=True,
-        timeout=duration_s + 60,
-        check=False,
-        preexec_fn=_dying_with_us,
-    )
+    if not (path := shutil.which("wrk")):
+        raise RuntimeError("wrk is not installed: run `apt-get install wrk` (as root)")
+    out = run_to_end([path, *flags.split(), "-s", *script], duration_s + 60)
     meter.stop()
-    match = re.search(r"^BENCH_RESULT (\{.*\})$", done.stdout, re.MULTILINE)
-    if done.returncode != 0 or match is None:
-        raise RuntimeError(f"wrk failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    if (match := re.search(r"^BENCH_RESULT (\{.*\})$", out, re.MULTILINE)) is None:
+        raise RuntimeError(f"wrk printed no BENCH_RESULT:\n{out}")
     data = json.loads(match.group(1))
     unexpected = {s: n for s, n in data["statuses"].items() if int(s) not in expect}
     if unexpected or data["socket_errors"]:
