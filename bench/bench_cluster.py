@@ -17,9 +17,12 @@ from redis import Redis, RedisCluster
 from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio import RedisCluster as AsyncRedisCluster
 
+from service.app import build_key_layout
+from service.config import Settings
 from service.embedded import EmbeddedCluster
 from service.progress.buffer import now_ms
 from service.progress.keys import KeyLayout
+from service.progress.leases import Leases
 
 HEARTBEAT_EVERY_S, FLUSH_INTERVAL_S, MASTER_BUSY = 5.0, 60.0, 0.5
 
@@ -41,7 +44,7 @@ async def write_and_flush(
     for round_ in range(rounds):
         await harness.fill(redis, keys, lambda _, r=round_: float(r * 10), lessons=1000, layout=layout)
     calls, usec = evalsha(nodes)
-    leases, flushed = harness.leases(redis), 0
+    leases, flushed = Leases(redis), 0
     for shard in layout.shards_of("lesson"):
         while (claim := await leases.claim_batch(shard, count=500, now_ms=now_ms(), lease_ms=60_000)).entries:
             flushed += await leases.ack(claim)
@@ -65,9 +68,10 @@ def main() -> None:
             for n in s.stack.enter_context(RedisCluster.from_url(cluster.url)).get_primaries()
         ]
         standalone = s.stack.enter_context(Redis.from_url(s.redis_url))
+        sharded = build_key_layout(Settings(redis_cluster=True))  # the layout `serve` runs with on the cluster
         setups: dict[str, tuple[Callable[[], Any], KeyLayout, list[Redis]]] = {
             "standalone": (lambda: AsyncRedis.from_url(s.redis_url), KeyLayout(), [standalone]),
-            "cluster": (lambda: AsyncRedisCluster.from_url(cluster.url), harness.layout(cluster=True), masters),
+            "cluster": (lambda: AsyncRedisCluster.from_url(cluster.url), sharded, masters),
         }
         figures: dict[str, tuple[float, float]] = {}
         for _ in range(args.repeat):  # the lowest of each: the run least disturbed by other processes

@@ -17,7 +17,9 @@ import asyncpg
 import harness
 from monolith_worker import CREATE_TABLE_SQL
 
+from service.app import build_relay, completion_route
 from service.config import Settings
+from service.outbox.celery_publisher import publisher_from_settings
 from service.progress.content import CONTENT_KINDS
 from service.progress.store import Heartbeat, persist_batch
 
@@ -27,7 +29,7 @@ COMPLETION = {"content_type": "lesson", "content_id": 1, "completed_at": "2026-0
 
 def bare_loop(settings: Settings, count: int) -> float:
     """Seconds for `count` send_task calls, one thread, one producer: nothing but Celery's client."""
-    with closing(harness.publisher(settings)) as publisher, publisher.app.producer_or_acquire() as producer:
+    with closing(publisher_from_settings(settings)) as publisher, publisher.app.producer_or_acquire() as producer:
         publisher.app.send_task("bench.warmup", kwargs={}, queue="bench-bare", producer=producer)
         started = time.perf_counter()  # the producer connected before the clock starts
         send = partial(publisher.app.send_task, queue="bench-bare", serializer="json", producer=producer)
@@ -43,8 +45,8 @@ async def relay_drain(settings: Settings, pool: asyncpg.Pool, count: int) -> flo
         "SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i",
         count,
     )
-    with closing(harness.publisher(settings)) as publisher:
-        relay = harness.completion_relay(pool, publisher, settings)
+    with closing(publisher_from_settings(settings)) as publisher:
+        relay = build_relay(settings, pool, [completion_route(settings, publisher)])
         await publisher.publish([])  # nothing: the thread pool exists before the clock starts
         started = time.perf_counter()
         result = await relay.relay_once()
@@ -58,8 +60,8 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
     """Commit `rate` completions per second (10 flush statements a second) while relay and worker run."""
     await pool.execute("TRUNCATE progress_completion_event, monolith_task_execution, engagements_lessonprogress")
     total = int(rate * seconds)
-    publisher, stop = harness.publisher(settings), asyncio.Event()
-    relay = asyncio.create_task(harness.completion_relay(pool, publisher, settings).run(stop))
+    publisher, stop = publisher_from_settings(settings), asyncio.Event()
+    relay = asyncio.create_task(build_relay(settings, pool, [completion_route(settings, publisher)]).run(stop))
     try:
         await asyncio.sleep(1.0)  # LISTEN in place
         per_tick, next_tick = max(1, rate // 10), time.perf_counter()
@@ -112,13 +114,8 @@ def main() -> None:
 
         runs, (ran, marked) = asyncio.run(measure())
     bare, relay = (harness.median(seconds) for seconds in runs.values())
-    harness.table(
-        " | messages | seconds | messages/s",
-        [
-            *([name, args.events, harness.median(x), args.events / harness.median(x)] for name, x in runs.items()),
-            ["ratio", "", "", f"**{bare / relay:.0%}**"],
-        ],
-    )
+    rows = [[name, args.events, harness.median(x), args.events / harness.median(x)] for name, x in runs.items()]
+    harness.table(" | messages | seconds | messages/s", [*rows, ["ratio", "", "", f"**{bare / relay:.0%}**"]])
     p99, p99_marked = (values[int(0.99 * (len(values) - 1))] * 1000 for values in (ran, marked))
     print(
         f"\ncommit -> the worker's execution at {args.rate}/s over {len(ran):,} completions: median "

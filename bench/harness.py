@@ -1,7 +1,7 @@
 """The benchmarks' one harness: servers, the service as a subprocess, wrk, a CPU meter, rounds and tables.
 
-Each bench/bench_*.py is a short scenario on top of it; everything runs on 127.0.0.1, in embedded servers. The
-service parts a scenario builds in-process (flusher, relay, leases) are built here only, at the end.
+Each bench/bench_*.py is a short scenario on top of it; everything runs on 127.0.0.1, in embedded servers. A scenario
+builds the service parts it runs in-process (flusher, relay, leases) itself, on `settings` (at the end).
 """
 
 import argparse
@@ -28,15 +28,9 @@ import asyncpg
 import jwt
 
 from service import embedded
-from service.app import build_flusher, build_key_layout, build_relay, completion_route
-from service.clients import connect_redis, create_db_pool
 from service.config import Settings
-from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
-from service.outbox.relay import Relay
 from service.progress.buffer import WRITE_SCRIPT, now_ms, write_args
-from service.progress.flusher import CycleResult
 from service.progress.keys import STANDALONE, KeyLayout
-from service.progress.leases import Leases
 
 BENCH = Path(__file__).resolve().parent
 JWT_SECRET = "bench-secret-0123456789-abcdefghijklmnopqrstuvwxyz"
@@ -159,7 +153,6 @@ class CpuMeter:
     def __init__(self, *pids: int | None) -> None:
         self.pids = [pid for pid in dict.fromkeys(pids) if pid]
         self.seconds: dict[int, float] = {}
-        self.other = 0.0
         self._start = self._sample()
 
     def _sample(self) -> tuple[float, float, list[float]]:
@@ -168,9 +161,8 @@ class CpuMeter:
     def stop(self) -> "CpuMeter":
         (wall0, busy0, cpu0), (wall1, busy1, cpu1) = self._start, self._sample()
         self.seconds = {pid: b - a for pid, a, b in zip(self.pids, cpu0, cpu1, strict=True)}
-        self.other = max(0.0, busy1 - busy0 - sum(self.seconds.values())) / (wall1 - wall0)
-        if self.other > 0.2:
-            say(f"WARNING: other processes used {self.other:.2f} cores meanwhile: the figures are low")
+        if (other := max(0.0, busy1 - busy0 - sum(self.seconds.values())) / (wall1 - wall0)) > 0.2:
+            say(f"WARNING: other processes used {other:.2f} cores meanwhile: the figures are low")
         return self
 
     def of(self, pid: int | None) -> float:
@@ -195,48 +187,40 @@ def _dying_with_us() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+# how every child runs: in the repository, reading nothing, dying with this script
+IN_REPO = {"cwd": BENCH.parent, "stdin": subprocess.DEVNULL, "preexec_fn": _dying_with_us}
+
+
 def run_to_end(args: list[str], timeout_s: float, env: dict[str, str] | None = None) -> str:
-    """Runs `args` in the repository (dying with this script) to its end: its stdout; a RuntimeError if it fails."""
-    done = subprocess.run(
-        args, cwd=BENCH.parent, env=env, capture_output=True, text=True, timeout=timeout_s, preexec_fn=_dying_with_us
-    )
+    """Runs `args` (IN_REPO) to its end: its stdout; a RuntimeError if it fails."""
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout_s, **IN_REPO)
     if done.returncode != 0:
         raise RuntimeError(f"{args[:3]} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
     return done.stdout
 
 
-class Child:
-    """A process in its own session, stopped (SIGTERM, then SIGKILL) with its whole group."""
+class Child(subprocess.Popen[bytes]):
+    """A process in its own session (IN_REPO, its output to `log_path`), stopped with its whole group."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.name, self.log_path, self.url = name, log_path, ""
         with open(log_path, "ab") as out:
-            self.process = subprocess.Popen(
-                args,
-                cwd=BENCH.parent,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                start_new_session=True,
-                preexec_fn=_dying_with_us,
-            )
-        self.pid = self.process.pid
+            super().__init__(args, env=env, stdout=out, stderr=out, start_new_session=True, **IN_REPO)
 
     def wait_for(self, ready: Callable[[], bool], timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not ready():
-            if self.process.poll() is not None or time.monotonic() > deadline:
+            if self.poll() is not None or time.monotonic() > deadline:
                 log = self.log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.name} not ready in {timeout_s:.0f}s ({self.process.poll()}):\n{log}")
+                raise RuntimeError(f"{self.name} not ready in {timeout_s:.0f}s ({self.poll()}):\n{log}")
             time.sleep(0.1)
 
     def stop(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL only if SIGTERM did not stop it in 10 s
             with suppress(ProcessLookupError, subprocess.TimeoutExpired):
-                if self.process.poll() is None:
+                if self.poll() is None:
                     os.killpg(self.pid, sig)
-                    self.process.wait(10)
+                    self.wait(10)
 
 
 def http_ok(url: str) -> bool:
@@ -426,30 +410,9 @@ def wrk(
     return WrkResult(data["requests"], data["duration_us"] / 1e6, *latencies, data["statuses"], meter)
 
 
-# --- service parts built in-process: the one place to adapt when their constructors change ---
+# --- the settings of a service part built in-process ---
 
 
 def settings(s: Servers, **env: str | None) -> Settings:
     """The settings `s.service(**env)` would run with, for a part built in this process (names as in service_env)."""
     return Settings(**{name.lower(): value for name, value in s.service_env(**env).items() if value})
-
-
-async def flush_cycle(config: Settings) -> CycleResult:
-    """One cycle of the service's flusher in this process, on its own connections."""
-    async with await create_db_pool(config) as pool, connect_redis(config) as redis:
-        return await build_flusher(config, redis, pool).flush_cycle()
-
-
-publisher = publisher_from_settings
-
-
-def completion_relay(pool: asyncpg.Pool, celery: CeleryPublisher, config: Settings) -> Relay:
-    return build_relay(config, pool, [completion_route(config, celery)])
-
-
-def leases(redis: Any) -> Leases:
-    return Leases(redis)
-
-
-def layout(*, cluster: bool) -> KeyLayout:
-    return build_key_layout(Settings(redis_cluster=cluster))
