@@ -65,14 +65,14 @@ class Drain:
     keys: int
     seconds: float
     statements: int
-    cpu: harness.CpuMeter
+    cpu: dict[int, float]  # CPU seconds by pid
 
     @property
     def rows_per_s(self) -> float:
         return self.keys / self.seconds
 
     def us_per_key(self, pid: int | None = None) -> float:
-        return (self.cpu.of(pid) if pid else self.seconds) / max(1, self.keys) * 1e6
+        return (self.cpu.get(pid, 0.0) if pid else self.seconds) / max(1, self.keys) * 1e6
 
 
 async def drain(s: harness.Servers, db: asyncpg.Connection, redis: Redis, how: str, keys: int, beats: int) -> Drain:
@@ -89,7 +89,7 @@ async def drain(s: harness.Servers, db: asyncpg.Connection, redis: Redis, how: s
         if not (await redis.info("persistence")).get("aof_rewrite_in_progress"):
             break
         await asyncio.sleep(0.1)
-    meter = harness.CpuMeter(os.getpid(), s.postgres_pid, s.redis_pid)
+    stop = harness.cpu_meter(os.getpid(), s.postgres_pid, s.redis_pid)
     started = time.perf_counter()
     if how == "baseline":
         statements = await baseline(db, redis)
@@ -103,7 +103,7 @@ async def drain(s: harness.Servers, db: asyncpg.Connection, redis: Redis, how: s
         if result["written"] != keys or result["failed_batches"] or result["dropped"] or result["expired"]:
             raise RuntimeError(f"{how}: {result}, expected {keys} written")
         statements = result["batches"]  # one upsert statement per batch
-    done = Drain(keys, time.perf_counter() - started, statements, meter.stop())
+    done = Drain(keys, time.perf_counter() - started, statements, stop())
     harness.say(f"{how}, {keys} keys x {beats}: {done.seconds:.2f}s, {done.rows_per_s:,.0f} rows/s")
     await verify(how, db, redis, {(i % LESSONS + 1, i // LESSONS + 1): last_position(i, epoch) for i in range(keys)})
     return done
@@ -166,7 +166,7 @@ async def run(s: harness.Servers, args: argparse.Namespace) -> None:
     harness.table(" | keys | seconds | rows/s | statements", [*rows, ["ratio", "", "", f"**{ratio:.1f}x**", ""]])
     print(f"`flush --once` with nothing pending (the process's fixed cost): {startup.seconds:.2f} s")
     pids = (os.getpid(), s.postgres_pid, s.redis_pid, None)  # the flusher, Postgres, Redis, then the wall time
-    busy = {short: f"{sum(d.cpu.seconds.values()) / d.seconds / CORES:.0%}" for _, short, d, _ in named}
+    busy = {short: f"{sum(d.cpu.values()) / d.seconds / CORES:.0%}" for _, short, d, _ in named}
     cpu = [[short, *(d.us_per_key(pid) for pid in pids), busy[short]] for _, short, d, _ in named]
     harness.table("CPU µs per key | flusher | Postgres | Redis | wall | cores busy", cpu)
     grown = [d["in-process"] for d in scaling]

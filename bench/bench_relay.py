@@ -8,6 +8,7 @@ real Celery worker (bench/monolith_worker.py) while the flush commits --rate com
 """
 
 import asyncio
+import sys
 import time
 import uuid
 from contextlib import closing
@@ -24,7 +25,20 @@ from service.progress.content import CONTENT_KINDS
 from service.progress.store import Heartbeat, persist_batch
 
 LESSON = next(kind for kind in CONTENT_KINDS if kind.name == "lesson")
+# `$1` completion events in the outbox, as the flush leaves them
+EVENTS_SQL = """INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at)
+    SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i"""
 COMPLETION = {"content_type": "lesson", "content_id": 1, "completed_at": "2026-01-01T00:00:00+00:00"}
+
+
+def monolith_worker(s: harness.Servers, broker_url: str, threads: int) -> harness.Child:
+    """A real Celery worker of the monolith's completion task (bench/monolith_worker.py)."""
+    env = {"PYTHONPATH": str(harness.BENCH), "MONOLITH_BROKER_URL": broker_url, "MONOLITH_DATABASE_URL": s.database_url}
+    args = f"-m celery -A monolith_worker worker --pool=threads --concurrency={threads} -Q onion-progress"
+    quiet = "--without-gossip --without-mingle --without-heartbeat -l INFO"
+    worker = s.child("worker", [sys.executable, *args.split(), *quiet.split()], env)
+    worker.wait_for(lambda: " ready." in worker.log_path.read_text(errors="replace"))
+    return worker
 
 
 def bare_loop(settings: Settings, count: int) -> float:
@@ -40,11 +54,7 @@ def bare_loop(settings: Settings, count: int) -> float:
 
 async def relay_drain(settings: Settings, pool: asyncpg.Pool, count: int) -> float:
     await pool.execute("TRUNCATE progress_completion_event")
-    await pool.execute(
-        "INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
-        "SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i",
-        count,
-    )
+    await pool.execute(EVENTS_SQL, count)
     with closing(publisher_from_settings(settings)) as publisher:
         relay = build_relay(settings, pool, [completion_route(settings, publisher)])
         await publisher.publish([])  # nothing: the thread pool exists before the clock starts
@@ -66,10 +76,8 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
         await asyncio.sleep(1.0)  # LISTEN in place
         per_tick, next_tick = max(1, rate // 10), time.perf_counter()
         for first in range(1, total + 1, per_tick):
-            batch = [
-                Heartbeat(1, user, 595.0, time.time_ns() // 1_000_000, 595.0)
-                for user in range(first, min(first + per_tick, total + 1))
-            ]
+            users = range(first, min(first + per_tick, total + 1))
+            batch = [Heartbeat(1, user, 595.0, time.time_ns() // 1_000_000, 595.0) for user in users]
             await persist_batch(pool, LESSON, batch, margin_s=10.0)
             next_tick += 0.1
             await asyncio.sleep(max(0.0, next_tick - time.perf_counter()))
@@ -107,7 +115,7 @@ def main() -> None:
                     runs["bare `send_task` loop"].append(await asyncio.to_thread(bare_loop, settings, args.events))
                     runs["relay draining the outbox"].append(await relay_drain(settings, pool, args.events))
                 broker = harness.redis_db(s.redis_url, 1)
-                await asyncio.to_thread(s.monolith_worker, broker, args.worker_threads)
+                await asyncio.to_thread(monolith_worker, s, broker, args.worker_threads)
                 harness.say(f"latency: {args.rate} completions/s for {args.seconds:g} s, a real worker consuming")
                 latency = settings.model_copy(update={"celery_broker_url": broker})
                 return runs, await steady_latency(latency, pool, args.rate, args.seconds)

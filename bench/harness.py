@@ -147,26 +147,20 @@ def machine_busy_s() -> float:
     return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
 
 
-class CpuMeter:
-    """The CPU seconds some processes use from now to stop(), and the cores everything else used meanwhile."""
+def cpu_meter(*pids: int | None) -> Callable[[], dict[int, float]]:
+    """Meters the CPU seconds of `pids` from now: call the result to stop, for {pid: seconds}; it warns if everything
+    else used more than 0.2 cores meanwhile."""
+    metered = [pid for pid in dict.fromkeys(pids) if pid]
+    wall0, busy0, cpu0 = time.monotonic(), machine_busy_s(), [cpu_seconds(pid) for pid in metered]
 
-    def __init__(self, *pids: int | None) -> None:
-        self.pids = [pid for pid in dict.fromkeys(pids) if pid]
-        self.seconds: dict[int, float] = {}
-        self._start = self._sample()
-
-    def _sample(self) -> tuple[float, float, list[float]]:
-        return time.monotonic(), machine_busy_s(), [cpu_seconds(pid) for pid in self.pids]
-
-    def stop(self) -> "CpuMeter":
-        (wall0, busy0, cpu0), (wall1, busy1, cpu1) = self._start, self._sample()
-        self.seconds = {pid: b - a for pid, a, b in zip(self.pids, cpu0, cpu1, strict=True)}
-        if (other := max(0.0, busy1 - busy0 - sum(self.seconds.values())) / (wall1 - wall0)) > 0.2:
+    def stop() -> dict[int, float]:
+        wall1, busy1, cpu1 = time.monotonic(), machine_busy_s(), [cpu_seconds(pid) for pid in metered]
+        seconds = {pid: b - a for pid, a, b in zip(metered, cpu0, cpu1, strict=True)}
+        if (other := max(0.0, busy1 - busy0 - sum(seconds.values())) / (wall1 - wall0)) > 0.2:
             say(f"WARNING: other processes used {other:.2f} cores meanwhile: the figures are low")
-        return self
+        return seconds
 
-    def of(self, pid: int | None) -> float:
-        return self.seconds.get(pid or 0, 0.0)
+    return stop
 
 
 def wait_until_idle(limit_s: float) -> None:
@@ -255,24 +249,13 @@ class Servers:
     def service(self, name: str, **env: str | None) -> Child:
         """`python -m service serve --workers 1`, as production starts it, with service_env(**env)."""
         port = embedded.free_port()
-        args = f"-m service serve --workers 1 --host 127.0.0.1 --port {port}".split()
-        return self.child(
-            name, [sys.executable, *args], self.service_env(**env), f"http://127.0.0.1:{port}/health/ready"
-        )
+        args = [sys.executable, *f"-m service serve --workers 1 --host 127.0.0.1 --port {port}".split()]
+        return self.child(name, args, self.service_env(**env), f"http://127.0.0.1:{port}/health/ready")
 
     def command(self, *args: str, **env: str | None) -> dict[str, Any]:
         """A one-shot `python -m service ...` (e.g. `flush --once`): its JSON summary, the last line it prints."""
         out = run_to_end([sys.executable, "-m", "service", *args], 900, {**os.environ, **self.service_env(**env)})
         return dict(json.loads(out.strip().splitlines()[-1]))
-
-    def monolith_worker(self, broker_url: str, threads: int = 4) -> Child:
-        """A real Celery worker of the monolith's completion task (bench/monolith_worker.py)."""
-        env = {"PYTHONPATH": str(BENCH), "MONOLITH_BROKER_URL": broker_url, "MONOLITH_DATABASE_URL": self.database_url}
-        args = f"-m celery -A monolith_worker worker --pool=threads --concurrency={threads} -Q onion-progress"
-        quiet = "--without-gossip --without-mingle --without-heartbeat -l INFO"
-        worker = self.child("worker", [sys.executable, *args.split(), *quiet.split()], env)
-        worker.wait_for(lambda: " ready." in worker.log_path.read_text(errors="replace"))
-        return worker
 
 
 @contextmanager
@@ -365,14 +348,14 @@ class WrkResult:
     p99_ms: float
     p999_ms: float
     statuses: dict[str, int]
-    cpu: CpuMeter
+    cpu: dict[int, float]  # CPU seconds by pid (cpu_meter)
 
     @property
     def rps(self) -> float:
         return self.requests / self.seconds
 
     def us_per_request(self, pid: int | None) -> float:
-        return self.cpu.of(pid) / self.requests * 1e6
+        return self.cpu.get(pid or 0, 0.0) / self.requests * 1e6
 
 
 def wrk(
@@ -393,13 +376,13 @@ def wrk(
     sync (POST /progress/sync of 500 items); content ids drawn from `ids`, users from the tokens.
     """
     say(f"wrk {mode} {url}: {duration_s:.0f}s, {connections} connections")
-    meter = CpuMeter(os.getpid(), *pids)  # wrk is our child: its time is ours once it is reaped
+    stop = cpu_meter(os.getpid(), *pids)  # wrk is our child: its time is ours once it is reaped
     flags = f"-t2 -c{connections} -d{max(1, round(duration_s))}s --latency --timeout {timeout_s}s"
     script = [str(BENCH / "requests.lua"), url, "--", str(tokens_file), mode, str(ids[0]), str(ids[1])]
     if not (path := shutil.which("wrk")):
         raise RuntimeError("wrk is not installed: run `apt-get install wrk` (as root)")
     out = run_to_end([path, *flags.split(), "-s", *script], duration_s + 60)
-    meter.stop()
+    cpu = stop()
     if (match := re.search(r"^BENCH_RESULT (\{.*\})$", out, re.MULTILINE)) is None:
         raise RuntimeError(f"wrk printed no BENCH_RESULT:\n{out}")
     data = json.loads(match.group(1))
@@ -407,7 +390,7 @@ def wrk(
     if unexpected or data["socket_errors"]:
         raise RuntimeError(f"{url} {mode}: unexpected answers {unexpected}, {data['socket_errors']} socket errors")
     latencies = (data[f"{q}_us"] / 1000 for q in ("p50", "p99", "p999"))
-    return WrkResult(data["requests"], data["duration_us"] / 1e6, *latencies, data["statuses"], meter)
+    return WrkResult(data["requests"], data["duration_us"] / 1e6, *latencies, data["statuses"], cpu)
 
 
 # --- the settings of a service part built in-process ---
