@@ -84,14 +84,5 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if len(JWT_SECRET) < 32:
         parser.error("set JWT_SECRET (at least 32 characters) in the environment")
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        workers=1,
-        loop="uvloop",
-        http="httptools",
-        access_log=False,
-        log_level="warning",
-        server_header=False,
-    )
+    options = {"loop": "uvloop", "http": "httptools", "access_log": False, "server_header": False}
+    uvicorn.run(app, host=args.host, port=args.port, workers=1, log_level="warning", **options)

@@ -9,21 +9,29 @@ upsert per entry as save_progress did; at 10k, 30k and N keys, 1 and 5 heartbeat
 
 import argparse
 import asyncio
+import itertools
 import math
 import os
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 
 import asyncpg
 import harness
 from redis.asyncio import Redis
 
+from service.app import build_flusher
+from service.clients import connect_redis, create_db_pool
 from service.progress.buffer import decode_value
 from service.progress.keys import in_flight_key, latest_position_key, parse_member, pending_flush_key
 
 CORES = os.cpu_count() or 1
+EPOCHS = itertools.count(1)  # each fill's positions differ from the last's
+# the flush's own speed, with no write budget (bench_flush_budget.py measures it with one)
+NO_BUDGET = {"PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0"}
 LESSONS, DURATION_S, MARGIN_S = 10, 600, 10.0  # harness.fill: key i is lesson i % 10 + 1 of user i // 10 + 1
+TYPES = ("lesson", "audio", "meditation", "live")
 TABLES = "engagements_lessonprogress, audios_audioprogress, audios_meditationprogress, lives_liveprogress"
 # One statement per entry, committed on its own, doing what the service's batch does for one row (known
 # content only, monotonic upsert, completion event once): one statement where save_progress needed several.
@@ -57,129 +65,110 @@ class Drain:
     keys: int
     seconds: float
     statements: int
-    cpu: harness.CpuMeter
+    cpu: dict[int, float]  # CPU seconds by pid
 
     @property
     def rows_per_s(self) -> float:
         return self.keys / self.seconds
 
     def us_per_key(self, pid: int | None = None) -> float:
-        return (self.cpu.of(pid) if pid else self.seconds) / max(1, self.keys) * 1e6
+        return (self.cpu.get(pid, 0.0) if pid else self.seconds) / max(1, self.keys) * 1e6
 
 
-class Bench:
-    def __init__(self, s: harness.Servers, db: asyncpg.Connection) -> None:
-        self.s, self.db, self.epoch = s, db, 0
-        # the flush's own speed, with no write budget (bench_flush_budget.py measures it with one)
-        self.env = {"PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0"}
-        self.redis = Redis.from_url(s.redis_url)
-        self.expected: dict[tuple[int, int], float] = {}
+async def drain(s: harness.Servers, db: asyncpg.Connection, redis: Redis, how: str, keys: int, beats: int) -> Drain:
+    """Empty tables and buffer, `keys` pending keys of `beats` request-path writes each, drained by `how`, verified."""
+    await redis.flushdb()
+    await db.execute(f"TRUNCATE {TABLES}, progress_completion_event RESTART IDENTITY")
+    epoch = next(EPOCHS)
+    for back in range(beats - 1, -1, -1):  # 10 s apart, ending at last_position
+        await harness.fill(redis, keys, lambda i, b=back: max(0.0, last_position(i, epoch) - 10.0 * b))
+    if await redis.scard(pending_flush_key("lesson")) != keys:
+        raise RuntimeError(f"fill: not {keys} pending members")
+    await db.execute("CHECKPOINT")  # none lands in a drain by chance
+    for _ in range(1200):  # a rewrite of the append-only file forks Redis: none during a drain
+        if not (await redis.info("persistence")).get("aof_rewrite_in_progress"):
+            break
+        await asyncio.sleep(0.1)
+    stop = harness.cpu_meter(os.getpid(), s.postgres_pid, s.redis_pid)
+    started = time.perf_counter()
+    if how == "baseline":
+        statements = await baseline(db, redis)
+    else:
+        if how == "process":
+            result = await asyncio.to_thread(s.command, "flush", "--once", **NO_BUDGET)
+        else:  # one cycle of the service's flusher in this process, on its own connections
+            config = harness.settings(s, **NO_BUDGET)
+            async with await create_db_pool(config) as pool, connect_redis(config) as own:
+                result = vars(await build_flusher(config, own, pool).flush_cycle())
+        if result["written"] != keys or result["failed_batches"] or result["dropped"] or result["expired"]:
+            raise RuntimeError(f"{how}: {result}, expected {keys} written")
+        statements = result["batches"]  # one upsert statement per batch
+    done = Drain(keys, time.perf_counter() - started, statements, stop())
+    harness.say(f"{how}, {keys} keys x {beats}: {done.seconds:.2f}s, {done.rows_per_s:,.0f} rows/s")
+    await verify(how, db, redis, {(i % LESSONS + 1, i // LESSONS + 1): last_position(i, epoch) for i in range(keys)})
+    return done
 
-    async def fill(self, keys: int, heartbeats: int) -> None:
-        """An empty buffer and tables, then `keys` pending keys of `heartbeats` request-path writes each."""
-        await self.redis.flushdb()
-        await self.db.execute(f"TRUNCATE {TABLES}, progress_completion_event RESTART IDENTITY")
-        self.epoch += 1
-        for back in range(heartbeats - 1, -1, -1):  # 10 s apart, ending at last_position
-            await harness.fill(self.redis, keys, lambda i, b=back: max(0.0, last_position(i, self.epoch) - 10.0 * b))
-        self.expected = {(i % LESSONS + 1, i // LESSONS + 1): last_position(i, self.epoch) for i in range(keys)}
-        if await self.redis.scard(pending_flush_key("lesson")) != keys:
-            raise RuntimeError(f"fill: not {keys} pending members")
 
-    async def drain(self, how: str, keys: int, heartbeats: int) -> Drain:
-        await self.fill(keys, heartbeats)
-        await self.db.execute("CHECKPOINT")  # none lands in a drain by chance
-        for _ in range(1200):  # a rewrite of the append-only file forks Redis: none during a drain
-            if not (await self.redis.info("persistence")).get("aof_rewrite_in_progress"):
-                break
-            await asyncio.sleep(0.1)
-        meter = harness.CpuMeter(os.getpid(), self.s.postgres_pid, self.s.redis_pid)
-        started = time.perf_counter()
-        if how == "baseline":
-            statements = await self.baseline()
-        else:
-            result = (
-                await asyncio.to_thread(self.s.command, "flush", "--once", **self.env)
-                if how == "process"
-                else vars(await harness.flush_cycle(harness.settings(self.s, **self.env)))
-            )
-            if result["written"] != keys or result["failed_batches"] or result["dropped"] or result["expired"]:
-                raise RuntimeError(f"{how}: {result}, expected {keys} written")
-            statements = result["batches"]  # one upsert statement per batch
-        drain = Drain(keys, time.perf_counter() - started, statements, meter.stop())
-        harness.say(f"{how}, {keys} keys x {heartbeats}: {drain.seconds:.2f}s, {drain.rows_per_s:,.0f} rows/s")
-        await self.verify(how)
-        return drain
+async def baseline(db: asyncpg.Connection, redis: Redis) -> int:
+    statements = 0
+    while members := await redis.spop(pending_flush_key("lesson"), 500):
+        for member in members:
+            lesson_id, user_id = parse_member(member.decode())
+            if (raw := await redis.get(latest_position_key("lesson", lesson_id, user_id))) is not None:
+                stored = decode_value(raw)
+                received_at = datetime.fromtimestamp(stored.received_ms / 1000, UTC)
+                await db.execute(BASELINE_SQL, user_id, lesson_id, stored.position, received_at, MARGIN_S)
+                statements += 1
+    return statements
 
-    async def baseline(self) -> int:
-        statements = 0
-        while members := await self.redis.spop(pending_flush_key("lesson"), 500):
-            for member in members:
-                lesson_id, user_id = parse_member(member.decode())
-                if (raw := await self.redis.get(latest_position_key("lesson", lesson_id, user_id))) is not None:
-                    stored = decode_value(raw)
-                    received_at = datetime.fromtimestamp(stored.received_ms / 1000, UTC)
-                    await self.db.execute(BASELINE_SQL, user_id, lesson_id, stored.position, received_at, MARGIN_S)
-                    statements += 1
-        return statements
 
-    async def verify(self, how: str) -> None:
-        """Every key a row with its last position, one event per completed key, nothing left in Redis."""
-        left = [
-            await self.redis.scard(pending_flush_key(t)) + await self.redis.zcard(in_flight_key(t))
-            for t in ("lesson", "audio", "meditation", "live")
-        ]
-        rows = await self.db.fetch("SELECT lesson_id, user_id, position, completed_at FROM engagements_lessonprogress")
-        events = await self.db.fetch("SELECT content_id, user_id FROM progress_completion_event")
-        found = {(r["lesson_id"], r["user_id"]): r["position"] for r in rows}
-        completed = {key for key, position in self.expected.items() if position >= DURATION_S - MARGIN_S}
-        event_keys = sorted((r["content_id"], r["user_id"]) for r in events)
-        completed_rows = {(r["lesson_id"], r["user_id"]) for r in rows if r["completed_at"]}
-        if any(left) or found != self.expected or event_keys != sorted(completed) or completed_rows != completed:
-            positions = "right" if found == self.expected else "WRONG"
-            counts = f"{len(found)} rows ({len(self.expected)} expected, positions {positions}), {len(events)} events"
-            raise RuntimeError(f"{how}: {counts} ({len(completed)} expected), {sum(left)} members left in Redis")
+async def verify(how: str, db: asyncpg.Connection, redis: Redis, expected: dict[tuple[int, int], float]) -> None:
+    """Every key a row with its last position, one event per completed key, nothing left in Redis."""
+    left = [await redis.scard(pending_flush_key(t)) + await redis.zcard(in_flight_key(t)) for t in TYPES]
+    rows = await db.fetch("SELECT lesson_id, user_id, position, completed_at FROM engagements_lessonprogress")
+    events = await db.fetch("SELECT content_id, user_id FROM progress_completion_event")
+    found = {(r["lesson_id"], r["user_id"]): r["position"] for r in rows}
+    completed = {key for key, position in expected.items() if position >= DURATION_S - MARGIN_S}
+    event_keys = sorted((r["content_id"], r["user_id"]) for r in events)
+    completed_rows = {(r["lesson_id"], r["user_id"]) for r in rows if r["completed_at"]}
+    if any(left) or found != expected or event_keys != sorted(completed) or completed_rows != completed:
+        positions = "right" if found == expected else "WRONG"
+        counts = f"{len(found)} rows ({len(expected)} expected, positions {positions}), {len(events)} events"
+        raise RuntimeError(f"{how}: {counts} ({len(completed)} expected), {sum(left)} members left in Redis")
 
 
 async def run(s: harness.Servers, args: argparse.Namespace) -> None:
-    bench = Bench(s, await asyncpg.connect(s.database_url))  # the checks' and the baseline's connection
+    db, redis = await asyncpg.connect(s.database_url), Redis.from_url(s.redis_url)  # the checks' and the baseline's
+    bench = partial(drain, s, db, redis)
     keys, hb = args.keys, args.heartbeats_per_key
     users = math.ceil(max(keys, args.baseline_keys) / LESSONS)
     await harness.seed(s.database_url, users=users, contents=LESSONS, duration_s=DURATION_S)
-    await bench.drain("process", 0, 0)  # warm-up: file cache, bytecode
-    startup = await bench.drain("process", 0, 0)
+    await bench("process", 0, 0)  # warm-up: file cache, bytecode
+    startup = await bench("process", 0, 0)
     scaling: list[dict[str, Drain]] = []
-    for size in [n for n in (10_000, 30_000) if n < keys] + [keys]:
-        runs = {
-            how: [await bench.drain(how, size, hb) for _ in range(args.repeat if size == keys else 1)]
-            for how in ("process", "in-process")
-        }
-        scaling.append({how: sorted(drains, key=lambda d: d.seconds)[len(drains) // 2] for how, drains in runs.items()})
-    by_beats = [{how: await bench.drain(how, keys, beats) for how in ("process", "in-process")} for beats in (1, 5)]
-    baseline = await bench.drain("baseline", args.baseline_keys, hb)
-    await bench.redis.aclose()
-    await bench.db.close()
+    for size, repeat in [(n, 1) for n in (10_000, 30_000) if n < keys] + [(keys, args.repeat)]:
+        runs = {how: [await bench(how, size, hb) for _ in range(repeat)] for how in ("process", "in-process")}
+        scaling.append({how: sorted(ds, key=lambda d: d.seconds)[len(ds) // 2] for how, ds in runs.items()})
+    by_beats = [{how: await bench(how, keys, beats) for how in ("process", "in-process")} for beats in (1, 5)]
+    baseline = await bench("baseline", args.baseline_keys, hb)
+    await redis.aclose()
+    await db.close()
 
     main, flush = scaling[-1]["process"], scaling[-1]["in-process"]
     ratio = main.rows_per_s / baseline.rows_per_s
     print(f"\n{keys:,} pending keys x {hb} heartbeats, verified row by row; median of {args.repeat} drains")
-    named = {
-        "`flush --once`, end to end (process start included)": main,
-        "the same drain in-process (`Flusher.flush_cycle`)": flush,
-        "baseline, one statement per entry": baseline,
-    }
-    rows = [[name, d.keys, d.seconds, d.rows_per_s, f"{d.statements} upserts"] for name, d in named.items()]
-    rows[-1][-1] = baseline.statements
+    named = [  # the drains' names in the first table and in the CPU one, their statements
+        ("`flush --once`, end to end (process start included)", "`flush --once`", main, f"{main.statements} upserts"),
+        ("the same drain in-process (`Flusher.flush_cycle`)", "in-process", flush, f"{flush.statements} upserts"),
+        ("baseline, one statement per entry", "baseline", baseline, baseline.statements),
+    ]
+    rows = [[name, d.keys, d.seconds, d.rows_per_s, statements] for name, _, d, statements in named]
     harness.table(" | keys | seconds | rows/s | statements", [*rows, ["ratio", "", "", f"**{ratio:.1f}x**", ""]])
     print(f"`flush --once` with nothing pending (the process's fixed cost): {startup.seconds:.2f} s")
     pids = (os.getpid(), s.postgres_pid, s.redis_pid, None)  # the flusher, Postgres, Redis, then the wall time
-    harness.table(
-        "CPU µs per key | flusher | Postgres | Redis | wall | cores busy",
-        [
-            [name, *(d.us_per_key(pid) for pid in pids), f"{sum(d.cpu.seconds.values()) / d.seconds / CORES:.0%}"]
-            for name, d in (("`flush --once`", main), ("in-process", flush), ("baseline", baseline))
-        ],
-    )
+    busy = {short: f"{sum(d.cpu.values()) / d.seconds / CORES:.0%}" for _, short, d, _ in named}
+    cpu = [[short, *(d.us_per_key(pid) for pid in pids), busy[short]] for _, short, d, _ in named]
+    harness.table("CPU µs per key | flusher | Postgres | Redis | wall | cores busy", cpu)
     grown = [d["in-process"] for d in scaling]
     growth_text = ", ".join(f"{d.keys:,} keys {d.seconds:.2f} s ({d.us_per_key():.1f} µs/key)" for d in grown)
     one, five = by_beats

@@ -30,12 +30,8 @@ def main() -> None:
         tokens = harness.tokens(s.work, args.users)
         # the catalog on and every request charged to the rate limiter, but none refused: a user's share of a run
         # is dozens of reads and several syncs of 500 items, past the default bursts
-        service = s.service(
-            "service",
-            CONTENT_CATALOG_ENABLED=None,
-            RATE_LIMIT_PER_USER_PER_SECOND="1000000",
-            SYNC_ITEMS_PER_USER_PER_SECOND="1000000",
-        )
+        limits = dict.fromkeys(("RATE_LIMIT_PER_USER_PER_SECOND", "SYNC_ITEMS_PER_USER_PER_SECOND"), "1000000")
+        service = s.service("service", CONTENT_CATALOG_ENABLED=None, **limits)
 
         def load(mode: str, expect: tuple[int, ...], seconds: float, idle: float = 0.0) -> harness.WrkResult:
             harness.wait_until_idle(idle)
@@ -59,17 +55,12 @@ def main() -> None:
         f"{args.rounds} alternating rounds; {args.users} users x {args.contents} contents of each type, a row for "
         f"every pair, part buffered; {os.cpu_count()} CPUs shared by wrk, the server, Valkey and Postgres"
     )
-    rows = [
-        [
-            label,
-            harness.median(us[label]),
-            ratio[label],
-            f"≤ {goal:g}x" if label != "heartbeat POST" else "",
-            *harness.medians(runs[label], "rps", "p50_ms", "p99_ms"),
-            " ".join(f"{v:.0f}" for v in us[label]),
-        ]
-        for label, _, _, goal in KINDS
-    ]
+    rows = []
+    for label, _, _, goal in KINDS:
+        target = f"≤ {goal:g}x" if label != "heartbeat POST" else ""
+        timing = harness.medians(runs[label], "rps", "p50_ms", "p99_ms")
+        per_round = " ".join(f"{v:.0f}" for v in us[label])
+        rows.append([label, harness.median(us[label]), ratio[label], target, *timing, per_round])
     titles = "server CPU µs/request | x heartbeat | target | req/s | p50 ms | p99 ms | per round (µs)"
     harness.table(f"request | {titles}", rows)
     medians = {label: harness.median(v) for label, v in us.items()}

@@ -8,6 +8,7 @@ real Celery worker (bench/monolith_worker.py) while the flush commits --rate com
 """
 
 import asyncio
+import sys
 import time
 import uuid
 from contextlib import closing
@@ -17,17 +18,32 @@ import asyncpg
 import harness
 from monolith_worker import CREATE_TABLE_SQL
 
+from service.app import build_relay, completion_route
 from service.config import Settings
+from service.outbox.celery_publisher import publisher_from_settings
 from service.progress.content import CONTENT_KINDS
 from service.progress.store import Heartbeat, persist_batch
 
 LESSON = next(kind for kind in CONTENT_KINDS if kind.name == "lesson")
+# `$1` completion events in the outbox, as the flush leaves them
+EVENTS_SQL = """INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at)
+    SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i"""
 COMPLETION = {"content_type": "lesson", "content_id": 1, "completed_at": "2026-01-01T00:00:00+00:00"}
+
+
+def monolith_worker(s: harness.Servers, broker_url: str, threads: int) -> harness.Child:
+    """A real Celery worker of the monolith's completion task (bench/monolith_worker.py)."""
+    env = {"PYTHONPATH": str(harness.BENCH), "MONOLITH_BROKER_URL": broker_url, "MONOLITH_DATABASE_URL": s.database_url}
+    args = f"-m celery -A monolith_worker worker --pool=threads --concurrency={threads} -Q onion-progress"
+    quiet = "--without-gossip --without-mingle --without-heartbeat -l INFO"
+    worker = s.child("worker", [sys.executable, *args.split(), *quiet.split()], env)
+    worker.wait_for(lambda: " ready." in worker.log_path.read_text(errors="replace"))
+    return worker
 
 
 def bare_loop(settings: Settings, count: int) -> float:
     """Seconds for `count` send_task calls, one thread, one producer: nothing but Celery's client."""
-    with closing(harness.publisher(settings)) as publisher, publisher.app.producer_or_acquire() as producer:
+    with closing(publisher_from_settings(settings)) as publisher, publisher.app.producer_or_acquire() as producer:
         publisher.app.send_task("bench.warmup", kwargs={}, queue="bench-bare", producer=producer)
         started = time.perf_counter()  # the producer connected before the clock starts
         send = partial(publisher.app.send_task, queue="bench-bare", serializer="json", producer=producer)
@@ -38,13 +54,9 @@ def bare_loop(settings: Settings, count: int) -> float:
 
 async def relay_drain(settings: Settings, pool: asyncpg.Pool, count: int) -> float:
     await pool.execute("TRUNCATE progress_completion_event")
-    await pool.execute(
-        "INSERT INTO progress_completion_event (content_type, content_id, user_id, completed_at) "
-        "SELECT 'lesson', 1, i, now() FROM generate_series(1, $1) i",
-        count,
-    )
-    with closing(harness.publisher(settings)) as publisher:
-        relay = harness.completion_relay(pool, publisher, settings)
+    await pool.execute(EVENTS_SQL, count)
+    with closing(publisher_from_settings(settings)) as publisher:
+        relay = build_relay(settings, pool, [completion_route(settings, publisher)])
         await publisher.publish([])  # nothing: the thread pool exists before the clock starts
         started = time.perf_counter()
         result = await relay.relay_once()
@@ -58,16 +70,14 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
     """Commit `rate` completions per second (10 flush statements a second) while relay and worker run."""
     await pool.execute("TRUNCATE progress_completion_event, monolith_task_execution, engagements_lessonprogress")
     total = int(rate * seconds)
-    publisher, stop = harness.publisher(settings), asyncio.Event()
-    relay = asyncio.create_task(harness.completion_relay(pool, publisher, settings).run(stop))
+    publisher, stop = publisher_from_settings(settings), asyncio.Event()
+    relay = asyncio.create_task(build_relay(settings, pool, [completion_route(settings, publisher)]).run(stop))
     try:
         await asyncio.sleep(1.0)  # LISTEN in place
         per_tick, next_tick = max(1, rate // 10), time.perf_counter()
         for first in range(1, total + 1, per_tick):
-            batch = [
-                Heartbeat(1, user, 595.0, time.time_ns() // 1_000_000, 595.0)
-                for user in range(first, min(first + per_tick, total + 1))
-            ]
+            users = range(first, min(first + per_tick, total + 1))
+            batch = [Heartbeat(1, user, 595.0, time.time_ns() // 1_000_000, 595.0) for user in users]
             await persist_batch(pool, LESSON, batch, margin_s=10.0)
             next_tick += 0.1
             await asyncio.sleep(max(0.0, next_tick - time.perf_counter()))
@@ -105,20 +115,15 @@ def main() -> None:
                     runs["bare `send_task` loop"].append(await asyncio.to_thread(bare_loop, settings, args.events))
                     runs["relay draining the outbox"].append(await relay_drain(settings, pool, args.events))
                 broker = harness.redis_db(s.redis_url, 1)
-                await asyncio.to_thread(s.monolith_worker, broker, args.worker_threads)
+                await asyncio.to_thread(monolith_worker, s, broker, args.worker_threads)
                 harness.say(f"latency: {args.rate} completions/s for {args.seconds:g} s, a real worker consuming")
                 latency = settings.model_copy(update={"celery_broker_url": broker})
                 return runs, await steady_latency(latency, pool, args.rate, args.seconds)
 
         runs, (ran, marked) = asyncio.run(measure())
     bare, relay = (harness.median(seconds) for seconds in runs.values())
-    harness.table(
-        " | messages | seconds | messages/s",
-        [
-            *([name, args.events, harness.median(x), args.events / harness.median(x)] for name, x in runs.items()),
-            ["ratio", "", "", f"**{bare / relay:.0%}**"],
-        ],
-    )
+    rows = [[name, args.events, harness.median(x), args.events / harness.median(x)] for name, x in runs.items()]
+    harness.table(" | messages | seconds | messages/s", [*rows, ["ratio", "", "", f"**{bare / relay:.0%}**"]])
     p99, p99_marked = (values[int(0.99 * (len(values) - 1))] * 1000 for values in (ran, marked))
     print(
         f"\ncommit -> the worker's execution at {args.rate}/s over {len(ran):,} completions: median "

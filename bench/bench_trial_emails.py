@@ -10,6 +10,7 @@ email, on one connection, for users from id 2,000,000,001: statements counted, t
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import nullcontext
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -20,16 +21,18 @@ from service.trial_emails.reservations import Pair, load_sent_keys, load_trials,
 
 TRIALS, BLOCK_SIZE, FIRST_USER = 200, 200, 2_000_000_001
 LAST_USER = FIRST_USER + TRIALS - 1
+# users FIRST_USER..LAST_USER, each with a trial started at $3 and ended at $4: the trials' ids
+TRIALS_SQL = """WITH users AS (
+    INSERT INTO users_user (id, email) SELECT i, 'bench' || i || '@example.com'
+    FROM generate_series($1::bigint, $2::bigint) i RETURNING id
+)
+INSERT INTO trials_usertrial (user_id, started_at, ends_at) SELECT id, $3, $4 FROM users RETURNING id"""
 Reserve = Callable[[asyncpg.Connection, Sequence[Pair]], Awaitable[int]]
 
 
 async def blocks(conn: asyncpg.Connection, pairs: Sequence[Pair]) -> int:
-    return sum(
-        [
-            len(await reserve_block(conn, pairs[i : i + BLOCK_SIZE], datetime.now(UTC)))
-            for i in range(0, len(pairs), BLOCK_SIZE)
-        ]
-    )
+    chunks = [pairs[i : i + BLOCK_SIZE] for i in range(0, len(pairs), BLOCK_SIZE)]
+    return sum([len(await reserve_block(conn, chunk, datetime.now(UTC))) for chunk in chunks])
 
 
 GET = "SELECT id FROM emails_emaildispatch WHERE user_id = $1 AND source = $2 AND email_key = $3"
@@ -51,20 +54,7 @@ async def measure(dsn: str, repeats: int) -> dict[str, tuple[int, list[float]]]:
     conn = await asyncpg.connect(dsn)
     try:
         now = datetime.now(UTC)
-        await conn.execute(
-            "INSERT INTO users_user (id, email) SELECT i, 'bench' || i || '@example.com' "
-            "FROM generate_series($1::bigint, $2::bigint) i",
-            FIRST_USER,
-            LAST_USER,
-        )
-        ids = await conn.fetch(
-            "INSERT INTO trials_usertrial (user_id, started_at, ends_at) SELECT i, $3, $4 "
-            "FROM generate_series($1::bigint, $2::bigint) i RETURNING id",
-            FIRST_USER,
-            LAST_USER,
-            now - timedelta(days=7),
-            now - timedelta(hours=1),
-        )
+        ids = await conn.fetch(TRIALS_SQL, FIRST_USER, LAST_USER, now - timedelta(days=7), now - timedelta(hours=1))
         trials = await load_trials(conn, [row["id"] for row in ids])
         pairs = pending_reservations(trials, await load_sent_keys(conn, (t.user_id for t in trials)), now)
         harness.say(f"{len(pairs)} pairs to reserve ({TRIALS} trials x 6 emails)")
@@ -73,16 +63,13 @@ async def measure(dsn: str, repeats: int) -> dict[str, tuple[int, list[float]]]:
             await conn.execute("DELETE FROM emails_emaildispatch")  # the last run's reservations: the database is ours
             await conn.execute("VACUUM emails_emaildispatch")  # both start without the last run's dead rows
             statements: list[object] = []
-            if count:
-                conn.add_query_logger(statements.append)
-            started = time.perf_counter()
-            reserved = await reserve(conn, pairs)
-            elapsed = (time.perf_counter() - started) * 1000
-            if count:
-                conn.remove_query_logger(statements.append)
-                await asyncio.sleep(0)  # the logger runs in a call_soon after each statement
-                if reserved != len(pairs):
-                    raise RuntimeError(f"{reserve.__name__} reserved {reserved} of {len(pairs)} pairs")
+            with conn.query_logger(statements.append) if count else nullcontext():
+                started = time.perf_counter()
+                reserved = await reserve(conn, pairs)
+                elapsed = (time.perf_counter() - started) * 1000
+            await asyncio.sleep(0)  # the logger runs in a call_soon after each statement
+            if reserved != len(pairs):
+                raise RuntimeError(f"{reserve.__name__} reserved {reserved} of {len(pairs)} pairs")
             return len(statements) if count else elapsed
 
         designs: dict[str, Reserve] = {"blocks": blocks, "get_or_create": get_or_create}

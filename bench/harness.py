@@ -1,7 +1,7 @@
 """The benchmarks' one harness: servers, the service as a subprocess, wrk, a CPU meter, rounds and tables.
 
-Each bench/bench_*.py is a short scenario on top of it; everything runs on 127.0.0.1, in embedded servers. The
-service parts a scenario builds in-process (flusher, relay, leases) are built here only, at the end.
+Each bench/bench_*.py is a short scenario on top of it; everything runs on 127.0.0.1, in embedded servers. A scenario
+builds the service parts it runs in-process (flusher, relay, leases) itself, on `settings` (at the end).
 """
 
 import argparse
@@ -28,15 +28,9 @@ import asyncpg
 import jwt
 
 from service import embedded
-from service.app import build_flusher, build_key_layout, build_relay, completion_route
-from service.clients import connect_redis, create_db_pool
 from service.config import Settings
-from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
-from service.outbox.relay import Relay
 from service.progress.buffer import WRITE_SCRIPT, now_ms, write_args
-from service.progress.flusher import CycleResult
 from service.progress.keys import STANDALONE, KeyLayout
-from service.progress.leases import Leases
 
 BENCH = Path(__file__).resolve().parent
 JWT_SECRET = "bench-secret-0123456789-abcdefghijklmnopqrstuvwxyz"
@@ -153,28 +147,20 @@ def machine_busy_s() -> float:
     return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
 
 
-class CpuMeter:
-    """The CPU seconds some processes use from now to stop(), and the cores everything else used meanwhile."""
+def cpu_meter(*pids: int | None) -> Callable[[], dict[int, float]]:
+    """Meters the CPU seconds of `pids` from now: call the result to stop, for {pid: seconds}; it warns if everything
+    else used more than 0.2 cores meanwhile."""
+    metered = [pid for pid in dict.fromkeys(pids) if pid]
+    wall0, busy0, cpu0 = time.monotonic(), machine_busy_s(), [cpu_seconds(pid) for pid in metered]
 
-    def __init__(self, *pids: int | None) -> None:
-        self.pids = [pid for pid in dict.fromkeys(pids) if pid]
-        self.seconds: dict[int, float] = {}
-        self.other = 0.0
-        self._start = self._sample()
+    def stop() -> dict[int, float]:
+        wall1, busy1, cpu1 = time.monotonic(), machine_busy_s(), [cpu_seconds(pid) for pid in metered]
+        seconds = {pid: b - a for pid, a, b in zip(metered, cpu0, cpu1, strict=True)}
+        if (other := max(0.0, busy1 - busy0 - sum(seconds.values())) / (wall1 - wall0)) > 0.2:
+            say(f"WARNING: other processes used {other:.2f} cores meanwhile: the figures are low")
+        return seconds
 
-    def _sample(self) -> tuple[float, float, list[float]]:
-        return time.monotonic(), machine_busy_s(), [cpu_seconds(pid) for pid in self.pids]
-
-    def stop(self) -> "CpuMeter":
-        (wall0, busy0, cpu0), (wall1, busy1, cpu1) = self._start, self._sample()
-        self.seconds = {pid: b - a for pid, a, b in zip(self.pids, cpu0, cpu1, strict=True)}
-        self.other = max(0.0, busy1 - busy0 - sum(self.seconds.values())) / (wall1 - wall0)
-        if self.other > 0.2:
-            say(f"WARNING: other processes used {self.other:.2f} cores meanwhile: the figures are low")
-        return self
-
-    def of(self, pid: int | None) -> float:
-        return self.seconds.get(pid or 0, 0.0)
+    return stop
 
 
 def wait_until_idle(limit_s: float) -> None:
@@ -195,48 +181,40 @@ def _dying_with_us() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+# how every child runs: in the repository, reading nothing, dying with this script
+IN_REPO = {"cwd": BENCH.parent, "stdin": subprocess.DEVNULL, "preexec_fn": _dying_with_us}
+
+
 def run_to_end(args: list[str], timeout_s: float, env: dict[str, str] | None = None) -> str:
-    """Runs `args` in the repository (dying with this script) to its end: its stdout; a RuntimeError if it fails."""
-    done = subprocess.run(
-        args, cwd=BENCH.parent, env=env, capture_output=True, text=True, timeout=timeout_s, preexec_fn=_dying_with_us
-    )
+    """Runs `args` (IN_REPO) to its end: its stdout; a RuntimeError if it fails."""
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout_s, **IN_REPO)
     if done.returncode != 0:
         raise RuntimeError(f"{args[:3]} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
     return done.stdout
 
 
-class Child:
-    """A process in its own session, stopped (SIGTERM, then SIGKILL) with its whole group."""
+class Child(subprocess.Popen[bytes]):
+    """A process in its own session (IN_REPO, its output to `log_path`), stopped with its whole group."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str], log_path: Path) -> None:
         self.name, self.log_path, self.url = name, log_path, ""
         with open(log_path, "ab") as out:
-            self.process = subprocess.Popen(
-                args,
-                cwd=BENCH.parent,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=out,
-                start_new_session=True,
-                preexec_fn=_dying_with_us,
-            )
-        self.pid = self.process.pid
+            super().__init__(args, env=env, stdout=out, stderr=out, start_new_session=True, **IN_REPO)
 
     def wait_for(self, ready: Callable[[], bool], timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while not ready():
-            if self.process.poll() is not None or time.monotonic() > deadline:
+            if self.poll() is not None or time.monotonic() > deadline:
                 log = self.log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.name} not ready in {timeout_s:.0f}s ({self.process.poll()}):\n{log}")
+                raise RuntimeError(f"{self.name} not ready in {timeout_s:.0f}s ({self.poll()}):\n{log}")
             time.sleep(0.1)
 
     def stop(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):  # SIGKILL only if SIGTERM did not stop it in 10 s
             with suppress(ProcessLookupError, subprocess.TimeoutExpired):
-                if self.process.poll() is None:
+                if self.poll() is None:
                     os.killpg(self.pid, sig)
-                    self.process.wait(10)
+                    self.wait(10)
 
 
 def http_ok(url: str) -> bool:
@@ -271,24 +249,13 @@ class Servers:
     def service(self, name: str, **env: str | None) -> Child:
         """`python -m service serve --workers 1`, as production starts it, with service_env(**env)."""
         port = embedded.free_port()
-        args = f"-m service serve --workers 1 --host 127.0.0.1 --port {port}".split()
-        return self.child(
-            name, [sys.executable, *args], self.service_env(**env), f"http://127.0.0.1:{port}/health/ready"
-        )
+        args = [sys.executable, *f"-m service serve --workers 1 --host 127.0.0.1 --port {port}".split()]
+        return self.child(name, args, self.service_env(**env), f"http://127.0.0.1:{port}/health/ready")
 
     def command(self, *args: str, **env: str | None) -> dict[str, Any]:
         """A one-shot `python -m service ...` (e.g. `flush --once`): its JSON summary, the last line it prints."""
         out = run_to_end([sys.executable, "-m", "service", *args], 900, {**os.environ, **self.service_env(**env)})
         return dict(json.loads(out.strip().splitlines()[-1]))
-
-    def monolith_worker(self, broker_url: str, threads: int = 4) -> Child:
-        """A real Celery worker of the monolith's completion task (bench/monolith_worker.py)."""
-        env = {"PYTHONPATH": str(BENCH), "MONOLITH_BROKER_URL": broker_url, "MONOLITH_DATABASE_URL": self.database_url}
-        args = f"-m celery -A monolith_worker worker --pool=threads --concurrency={threads} -Q onion-progress"
-        quiet = "--without-gossip --without-mingle --without-heartbeat -l INFO"
-        worker = self.child("worker", [sys.executable, *args.split(), *quiet.split()], env)
-        worker.wait_for(lambda: " ready." in worker.log_path.read_text(errors="replace"))
-        return worker
 
 
 @contextmanager
@@ -381,14 +348,14 @@ class WrkResult:
     p99_ms: float
     p999_ms: float
     statuses: dict[str, int]
-    cpu: CpuMeter
+    cpu: dict[int, float]  # CPU seconds by pid (cpu_meter)
 
     @property
     def rps(self) -> float:
         return self.requests / self.seconds
 
     def us_per_request(self, pid: int | None) -> float:
-        return self.cpu.of(pid) / self.requests * 1e6
+        return self.cpu.get(pid or 0, 0.0) / self.requests * 1e6
 
 
 def wrk(
@@ -409,13 +376,13 @@ def wrk(
     sync (POST /progress/sync of 500 items); content ids drawn from `ids`, users from the tokens.
     """
     say(f"wrk {mode} {url}: {duration_s:.0f}s, {connections} connections")
-    meter = CpuMeter(os.getpid(), *pids)  # wrk is our child: its time is ours once it is reaped
+    stop = cpu_meter(os.getpid(), *pids)  # wrk is our child: its time is ours once it is reaped
     flags = f"-t2 -c{connections} -d{max(1, round(duration_s))}s --latency --timeout {timeout_s}s"
     script = [str(BENCH / "requests.lua"), url, "--", str(tokens_file), mode, str(ids[0]), str(ids[1])]
     if not (path := shutil.which("wrk")):
         raise RuntimeError("wrk is not installed: run `apt-get install wrk` (as root)")
     out = run_to_end([path, *flags.split(), "-s", *script], duration_s + 60)
-    meter.stop()
+    cpu = stop()
     if (match := re.search(r"^BENCH_RESULT (\{.*\})$", out, re.MULTILINE)) is None:
         raise RuntimeError(f"wrk printed no BENCH_RESULT:\n{out}")
     data = json.loads(match.group(1))
@@ -423,33 +390,12 @@ def wrk(
     if unexpected or data["socket_errors"]:
         raise RuntimeError(f"{url} {mode}: unexpected answers {unexpected}, {data['socket_errors']} socket errors")
     latencies = (data[f"{q}_us"] / 1000 for q in ("p50", "p99", "p999"))
-    return WrkResult(data["requests"], data["duration_us"] / 1e6, *latencies, data["statuses"], meter)
+    return WrkResult(data["requests"], data["duration_us"] / 1e6, *latencies, data["statuses"], cpu)
 
 
-# --- service parts built in-process: the one place to adapt when their constructors change ---
+# --- the settings of a service part built in-process ---
 
 
 def settings(s: Servers, **env: str | None) -> Settings:
     """The settings `s.service(**env)` would run with, for a part built in this process (names as in service_env)."""
     return Settings(**{name.lower(): value for name, value in s.service_env(**env).items() if value})
-
-
-async def flush_cycle(config: Settings) -> CycleResult:
-    """One cycle of the service's flusher in this process, on its own connections."""
-    async with await create_db_pool(config) as pool, connect_redis(config) as redis:
-        return await build_flusher(config, redis, pool).flush_cycle()
-
-
-publisher = publisher_from_settings
-
-
-def completion_relay(pool: asyncpg.Pool, celery: CeleryPublisher, config: Settings) -> Relay:
-    return build_relay(config, pool, [completion_route(config, celery)])
-
-
-def leases(redis: Any) -> Leases:
-    return Leases(redis)
-
-
-def layout(*, cluster: bool) -> KeyLayout:
-    return build_key_layout(Settings(redis_cluster=cluster))

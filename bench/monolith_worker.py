@@ -1,4 +1,4 @@
-"""The monolith's Celery worker for bench_relay.py (harness.Servers.monolith_worker starts it, bench/ on PYTHONPATH):
+"""The monolith's Celery worker for bench_relay.py (its `monolith_worker` starts it, bench/ on PYTHONPATH):
 its completion task, each execution one row of monolith_task_execution in MONOLITH_DATABASE_URL."""
 
 import asyncio
@@ -20,6 +20,7 @@ app.conf.update(
 CREATE_TABLE_SQL = """CREATE TABLE IF NOT EXISTS monolith_task_execution (id bigserial PRIMARY KEY,
     task_id text NOT NULL, task_name text NOT NULL, kwargs jsonb NOT NULL,
     executed_at timestamptz NOT NULL DEFAULT clock_timestamp())"""
+RECORD_SQL = "INSERT INTO monolith_task_execution (task_id, task_name, kwargs) VALUES ($1, $2, $3)"
 _local = threading.local()  # one event loop and one connection per worker thread
 
 
@@ -28,11 +29,4 @@ def advance_user_journey(self: Task, **kwargs: Any) -> None:
     if getattr(_local, "loop", None) is None:
         _local.loop = asyncio.new_event_loop()
         _local.conn = _local.loop.run_until_complete(asyncpg.connect(os.environ["MONOLITH_DATABASE_URL"]))
-    _local.loop.run_until_complete(
-        _local.conn.execute(
-            "INSERT INTO monolith_task_execution (task_id, task_name, kwargs) VALUES ($1, $2, $3)",
-            self.request.id,
-            self.name,
-            json.dumps(kwargs),
-        )
-    )
+    _local.loop.run_until_complete(_local.conn.execute(RECORD_SQL, self.request.id, self.name, json.dumps(kwargs)))
