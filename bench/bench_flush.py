@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 from service.app import build_flusher
 from service.clients import connect_redis, create_db_pool
 from service.progress.buffer import decode_value
+from service.progress.content import CONTENT_KINDS
 from service.progress.keys import in_flight_key, latest_position_key, parse_member, pending_flush_key
 
 CORES = os.cpu_count() or 1
@@ -31,8 +32,6 @@ EPOCHS = itertools.count(1)  # each fill's positions differ from the last's
 # the flush's own speed, with no write budget (bench_flush_budget.py measures it with one)
 NO_BUDGET = {"PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0"}
 LESSONS, DURATION_S, MARGIN_S = 10, 600, 10.0  # harness.fill: key i is lesson i % 10 + 1 of user i // 10 + 1
-TYPES = ("lesson", "audio", "meditation", "live")
-TABLES = "engagements_lessonprogress, audios_audioprogress, audios_meditationprogress, lives_liveprogress"
 # One statement per entry, committed on its own, doing what the service's batch does for one row (known
 # content only, monotonic upsert, completion event once): one statement where save_progress needed several.
 BASELINE_SQL = """
@@ -78,7 +77,8 @@ class Drain:
 async def drain(s: harness.Servers, db: asyncpg.Connection, redis: Redis, how: str, keys: int, beats: int) -> Drain:
     """Empty tables and buffer, `keys` pending keys of `beats` request-path writes each, drained by `how`, verified."""
     await redis.flushdb()
-    await db.execute(f"TRUNCATE {TABLES}, progress_completion_event RESTART IDENTITY")
+    tables = ", ".join(kind.progress_table for kind in CONTENT_KINDS)
+    await db.execute(f"TRUNCATE {tables}, progress_completion_event RESTART IDENTITY")
     epoch = next(EPOCHS)
     for back in range(beats - 1, -1, -1):  # 10 s apart, ending at last_position
         await harness.fill(redis, keys, lambda i, b=back: max(0.0, last_position(i, epoch) - 10.0 * b))
@@ -124,7 +124,10 @@ async def baseline(db: asyncpg.Connection, redis: Redis) -> int:
 
 async def verify(how: str, db: asyncpg.Connection, redis: Redis, expected: dict[tuple[int, int], float]) -> None:
     """Every key a row with its last position, one event per completed key, nothing left in Redis."""
-    left = [await redis.scard(pending_flush_key(t)) + await redis.zcard(in_flight_key(t)) for t in TYPES]
+    left = [
+        await redis.scard(pending_flush_key(t)) + await redis.zcard(in_flight_key(t))
+        for t in (kind.name for kind in CONTENT_KINDS)
+    ]
     rows = await db.fetch("SELECT lesson_id, user_id, position, completed_at FROM engagements_lessonprogress")
     events = await db.fetch("SELECT content_id, user_id FROM progress_completion_event")
     found = {(r["lesson_id"], r["user_id"]): r["position"] for r in rows}

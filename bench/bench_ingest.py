@@ -19,6 +19,8 @@ import harness
 from harness import WrkResult, median
 from redis import Redis
 
+from service.progress.content import CONTENT_KINDS
+
 BOGUS_IDS = (1_000_000_000, 2_000_000_000)  # made-up content ids: none exists
 LOAD = {"duration": 20.0, "warmup": 10.0, "connections": 64, "users": 10_000, "contents": 2000, "wait_idle": 120.0}
 
@@ -33,7 +35,7 @@ def rss_mib(pid: int) -> dict[str, float]:
 def check_writes(redis: Redis, name: str) -> None:
     """The run left pending members, and a pending member's latest position is stored and well formed."""
     found = 0
-    for kind in ("lesson", "audio", "meditation", "live"):
+    for kind in (kind.name for kind in CONTENT_KINDS):
         member = redis.srandmember(f"progress:pending_flush:{kind}")
         if isinstance(member, bytes):
             found += 1

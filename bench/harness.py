@@ -30,15 +30,11 @@ import jwt
 from service import embedded
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, now_ms, write_args
+from service.progress.content import CONTENT_KINDS
 from service.progress.keys import STANDALONE, KeyLayout
 
 BENCH = Path(__file__).resolve().parent
 JWT_SECRET = "bench-secret-0123456789-abcdefghijklmnopqrstuvwxyz"
-# each content table, its progress table and that table's content id column
-CONTENT_TABLES = {"courses_lesson": ("engagements_lessonprogress", "lesson_id"),
-                  "audios_audio": ("audios_audioprogress", "audio_id"),
-                  "audios_meditation": ("audios_meditationprogress", "meditation_id"),
-                  "lives_live": ("lives_liveprogress", "live_id")}  # fmt: skip
 # what `serve` runs with in a benchmark unless a scenario says otherwise: the request path alone, door off
 SERVICE_ENV = {"LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1", "JWT_SECRET": JWT_SECRET,
                "PROGRESS_FLUSHER_ENABLED": "false", "TRIAL_JOURNEY_INTERVAL_SECONDS": "0", "RELAY_ENABLED": "false",
@@ -290,10 +286,10 @@ async def seed(database_url: str, *, users: int, contents: int, duration_s: int 
     """Users 1..users and content ids 1..contents of every type (each lasting duration_s), nothing else; rows: and a
     progress row for every (user, content) of every type, two hours old, one in five completed."""
     statements = [
-        f"TRUNCATE users_user, {', '.join(CONTENT_TABLES)} RESTART IDENTITY CASCADE",
+        f"TRUNCATE users_user, {', '.join(k.content_table for k in CONTENT_KINDS)} RESTART IDENTITY CASCADE",
         f"INSERT INTO users_user (id, email) SELECT i, 'u' || i || '@example.com' FROM generate_series(1, {users}) i",
     ]
-    for name, (progress, column) in CONTENT_TABLES.items():
+    for name, progress, column in ((k.content_table, k.progress_table, k.id_column) for k in CONTENT_KINDS):
         statements.append(
             f"INSERT INTO {name} (id, title, duration) SELECT i, 'c' || i, {duration_s} "
             f"FROM generate_series(1, {contents}) i"
