@@ -193,10 +193,6 @@ class OfflineSync:
         self._max_skew_ms = int(max_skew_s * 1000)
         self._max_backdate_ms = int(max_backdate_s * 1000)
 
-    def check_time(self, listened_at: datetime, now_ms: int) -> str | None:
-        """Why an item's time is refused, or None."""
-        return self._check_ms(as_ms(listened_at), now_ms)
-
     def _check_ms(self, listened_ms: float, now_ms: int) -> str | None:
         if listened_ms > now_ms + self._max_skew_ms:
             return f"listened_at is more than {self._max_skew_ms / 1000:g} s in the future"
