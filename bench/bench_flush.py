@@ -7,7 +7,6 @@ upsert per entry as save_progress did; at 10k, 30k and N keys, 1 and 5 heartbeat
     smallest: --keys 2000 --baseline-keys 500 --repeat 1
 """
 
-import argparse
 import asyncio
 import itertools
 import math
@@ -25,9 +24,8 @@ from service.app import build_flusher
 from service.clients import connect_redis, create_db_pool
 from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS
-from service.progress.keys import in_flight_key, latest_position_key, parse_member, pending_flush_key
+from service.progress.keys import latest_position_key, parse_member, pending_flush_key
 
-CORES = os.cpu_count() or 1
 EPOCHS = itertools.count(1)  # each fill's positions differ from the last's
 # the flush's own speed, with no write budget (bench_flush_budget.py measures it with one)
 NO_BUDGET = {"PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0"}
@@ -124,23 +122,20 @@ async def baseline(db: asyncpg.Connection, redis: Redis) -> int:
 
 async def verify(how: str, db: asyncpg.Connection, redis: Redis, expected: dict[tuple[int, int], float]) -> None:
     """Every key a row with its last position, one event per completed key, nothing left in Redis."""
-    left = [
-        await redis.scard(pending_flush_key(t)) + await redis.zcard(in_flight_key(t))
-        for t in (kind.name for kind in CONTENT_KINDS)
-    ]
+    left = await harness.buffered(redis)
     rows = await db.fetch("SELECT lesson_id, user_id, position, completed_at FROM engagements_lessonprogress")
     events = await db.fetch("SELECT content_id, user_id FROM progress_completion_event")
     found = {(r["lesson_id"], r["user_id"]): r["position"] for r in rows}
     completed = {key for key, position in expected.items() if position >= DURATION_S - MARGIN_S}
     event_keys = sorted((r["content_id"], r["user_id"]) for r in events)
     completed_rows = {(r["lesson_id"], r["user_id"]) for r in rows if r["completed_at"]}
-    if any(left) or found != expected or event_keys != sorted(completed) or completed_rows != completed:
+    if left or found != expected or event_keys != sorted(completed) or completed_rows != completed:
         positions = "right" if found == expected else "WRONG"
         counts = f"{len(found)} rows ({len(expected)} expected, positions {positions}), {len(events)} events"
-        raise RuntimeError(f"{how}: {counts} ({len(completed)} expected), {sum(left)} members left in Redis")
+        raise RuntimeError(f"{how}: {counts} ({len(completed)} expected), {left} members left in Redis")
 
 
-async def run(s: harness.Servers, args: argparse.Namespace) -> None:
+async def run(s: harness.Servers, args: harness.Namespace) -> None:
     db, redis = await asyncpg.connect(s.database_url), Redis.from_url(s.redis_url)  # the checks' and the baseline's
     bench = partial(drain, s, db, redis)
     keys, hb = args.keys, args.heartbeats_per_key
@@ -169,7 +164,7 @@ async def run(s: harness.Servers, args: argparse.Namespace) -> None:
     harness.table(" | keys | seconds | rows/s | statements", [*rows, ["ratio", "", "", f"**{ratio:.1f}x**", ""]])
     print(f"`flush --once` with nothing pending (the process's fixed cost): {startup.seconds:.2f} s")
     pids = (os.getpid(), s.postgres_pid, s.redis_pid, None)  # the flusher, Postgres, Redis, then the wall time
-    busy = {short: f"{sum(d.cpu.values()) / d.seconds / CORES:.0%}" for _, short, d, _ in named}
+    busy = {short: f"{sum(d.cpu.values()) / d.seconds / (os.cpu_count() or 1):.0%}" for _, short, d, _ in named}
     cpu = [[short, *(d.us_per_key(pid) for pid in pids), busy[short]] for _, short, d, _ in named]
     harness.table("CPU µs per key | flusher | Postgres | Redis | wall | cores busy", cpu)
     grown = [d["in-process"] for d in scaling]
@@ -185,12 +180,8 @@ async def run(s: harness.Servers, args: argparse.Namespace) -> None:
     harness.target("not in heartbeats: 5 heartbeats/key <= 1.25x the time of 1", f"{beats:.2f}x", beats <= 1.25)
 
 
-def main() -> None:
-    args = harness.arguments(__doc__, keys=100_000, baseline_keys=0, heartbeats_per_key=3, repeat=3)
+@harness.main(keys=100_000, baseline_keys=0, heartbeats_per_key=3, repeat=3)
+def main(args: harness.Namespace) -> None:
     args.baseline_keys = args.baseline_keys or args.keys
     with harness.servers("flush", postgres=True, durable=True) as s:
         asyncio.run(run(s, args))
-
-
-if __name__ == "__main__":
-    harness.main(main)

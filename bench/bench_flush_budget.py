@@ -13,7 +13,6 @@ per second counted by Postgres (statement triggers). Target: the budgeted drain'
 import asyncio
 import random
 import time
-from argparse import Namespace
 from functools import partial
 from typing import Any
 
@@ -74,7 +73,7 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-async def phase(s: harness.Servers, args: Namespace, pool: asyncpg.Pool, budget: int | None) -> list[Any]:
+async def phase(s: harness.Servers, args: harness.Namespace, pool: asyncpg.Pool, budget: int | None) -> list[Any]:
     """[p50, p99, drain time (writing), peak rows/s] of the stand-in idle (budget None) or during a drain (the write
     log read on the stand-in's pool too, outside the measured window)."""
     await pool.execute("TRUNCATE bench_write_log")
@@ -102,7 +101,7 @@ async def phase(s: harness.Servers, args: Namespace, pool: asyncpg.Pool, budget:
     return [quantile(during, 0.5), quantile(during, 0.99), f"{drain_s:.1f} s ({writing_s:.1f} s)", peak_rows_per_s(log)]
 
 
-async def run(s: harness.Servers, args: Namespace) -> dict[str, list[Any]]:
+async def run(s: harness.Servers, args: harness.Namespace) -> dict[str, list[Any]]:
     users = -(-args.keys // LESSONS)
     # the rows exist already (the monolith's listeners have listened before): the flush updates them
     await harness.seed(s.database_url, users=users, contents=LESSONS, duration_s=3600, rows=True)
@@ -117,8 +116,7 @@ async def run(s: harness.Servers, args: Namespace) -> dict[str, list[Any]]:
             await pool.execute("CHECKPOINT")
             phases[name] = await phase(s, args, pool, budget)
             harness.say(f"{name}: p50 {phases[name][0]:.2f} ms, p99 {phases[name][1]:.2f} ms, {phases[name][2:]}")
-            left = await redis.scard("progress:pending_flush:lesson") + await redis.zcard("progress:in_flight:lesson")
-            if left:
+            if left := await harness.buffered(redis):
                 raise RuntimeError(f"{name}: {left} keys left in the buffer")
         return phases
     finally:
@@ -126,10 +124,8 @@ async def run(s: harness.Servers, args: Namespace) -> dict[str, list[Any]]:
         await pool.close()
 
 
-def main() -> None:
-    args = harness.arguments(
-        __doc__, keys=200_000, flushers=3, budget=20_000, load_per_second=500.0, idle_seconds=10.0, no_fsync=False
-    )
+@harness.main(keys=200_000, flushers=3, budget=20_000, load_per_second=500.0, idle_seconds=10.0, no_fsync=False)
+def main(args: harness.Namespace) -> None:
     with harness.servers("flush-budget", postgres=True, durable=not args.no_fsync) as s:
         phases = asyncio.run(run(s, args))
     print(
@@ -142,7 +138,3 @@ def main() -> None:
     )
     ratio = list(phases.values())[-1][1] / phases["idle"][1]
     harness.target("stand-in p99, budgeted drain within 1.5x idle", f"{ratio:.2f}x", ratio <= 1.5)
-
-
-if __name__ == "__main__":
-    harness.main(main)

@@ -47,8 +47,8 @@ def check_writes(redis: Redis, name: str) -> None:
         raise RuntimeError(f"{name}: the pending sets are empty after the run")
 
 
-def main() -> None:
-    args = harness.arguments(__doc__, **LOAD, door=False, rounds=3, million=False, requests=1_000_000)
+@harness.main(**LOAD, door=False, rounds=3, million=False, requests=1_000_000)
+def main(args: harness.Namespace) -> None:
     served: dict[str, int] = {}
 
     with harness.servers("ingest", postgres=args.door) as s:
@@ -148,7 +148,3 @@ def main() -> None:
             mb = after["VmRSS"] * 1.048576
             harness.target(f"RSS < 150 MB after {args.requests:,} requests", f"{mb:.1f} MB", mb < 150)
             check_writes(redis["service"], "service")
-
-
-if __name__ == "__main__":
-    harness.main(main)

@@ -20,10 +20,8 @@ KINDS = (("heartbeat POST", "heartbeat", (201,), 1.0), ("GET one", "one", (200,)
          ("GET 100 ids", "many", (200,), 4.0), ("sync 500 items", "sync", (200,), 50.0))  # fmt: skip
 
 
-def main() -> None:
-    args = harness.arguments(
-        __doc__, rounds=5, duration=8.0, warmup=4.0, connections=16, users=2000, contents=100, wait_idle=5.0
-    )
+@harness.main(rounds=5, duration=8.0, warmup=4.0, connections=16, users=2000, contents=100, wait_idle=5.0)
+def main(args: harness.Namespace) -> None:
     with harness.servers("reads", postgres=True) as s:
         harness.say(f"seeding {args.users} users x {args.contents} contents of each type, a row for every pair")
         asyncio.run(harness.seed(s.database_url, users=args.users, contents=args.contents, rows=True))
@@ -47,9 +45,8 @@ def main() -> None:
         )
 
     us = {label: [r.us_per_request(service.pid) for r in results] for label, results in runs.items()}
-    ratio = {
-        label: harness.median([a / b for a, b in zip(v, us["heartbeat POST"], strict=True)]) for label, v in us.items()
-    }
+    base = us["heartbeat POST"]
+    ratio = {label: harness.median([a / b for a, b in zip(v, base, strict=True)]) for label, v in us.items()}
     print(
         f"\nserve --workers 1; wrk 2 threads, {args.connections} connections, {args.duration:.0f}s per run, "
         f"{args.rounds} alternating rounds; {args.users} users x {args.contents} contents of each type, a row for "
@@ -74,7 +71,3 @@ def main() -> None:
         x = ratio[label]
         harness.target(f"{label} server CPU ≤ {goal:g}x the heartbeat POST's", f"{x:.2f}x", x <= goal)
     harness.target("GET 100 ids: under 4 µs per id beyond the request itself", f"{per_id:.1f} µs", per_id < 4)
-
-
-if __name__ == "__main__":
-    harness.main(main)

@@ -99,8 +99,8 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
     return sorted(row["run_s"] for row in rows), sorted(row["marked_s"] for row in rows)
 
 
-def main() -> None:
-    args = harness.arguments(__doc__, events=10_000, rate=200, seconds=15.0, repeats=3, worker_threads=4)
+@harness.main(events=10_000, rate=200, seconds=15.0, repeats=3, worker_threads=4)
+def main(args: harness.Namespace) -> None:
     with harness.servers("relay", postgres=True, durable=True) as s:
         settings = harness.settings(
             s, CELERY_BROKER_URL=s.redis_url, RELAY_BATCH_SIZE="500", RELAY_POLL_INTERVAL_SECONDS="1"
@@ -132,7 +132,3 @@ def main() -> None:
     )
     harness.target("relay >= 80% of the bare loop", f"{bare / relay:.0%}", bare / relay >= 0.8)
     harness.target("p99 < 2 s", f"{p99:.0f} ms", p99 < 2000)
-
-
-if __name__ == "__main__":
-    harness.main(main)

@@ -83,8 +83,8 @@ async def measure(dsn: str, repeats: int) -> dict[str, tuple[int, list[float]]]:
         await conn.close()
 
 
-def main() -> None:
-    args = harness.arguments(__doc__, repeats=7, no_fsync=False)
+@harness.main(repeats=7, no_fsync=False)
+def main(args: harness.Namespace) -> None:
     with harness.servers("trial-emails", redis=False, postgres=True, durable=not args.no_fsync) as s:
         figures = asyncio.run(measure(s.database_url, args.repeats))
     (block_statements, block_ms), (baseline_statements, baseline_ms) = figures.values()
@@ -98,7 +98,3 @@ def main() -> None:
     )
     harness.target("6 statements", str(block_statements), block_statements == 6)
     harness.target(">= 10x wall time", f"{speedup:.1f}x", speedup >= 10)
-
-
-if __name__ == "__main__":
-    harness.main(main)

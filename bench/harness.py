@@ -4,7 +4,6 @@ Each bench/bench_*.py is a short scenario on top of it; everything runs on 127.0
 builds the service parts it runs in-process (flusher, relay, leases) itself, on `settings` (at the end).
 """
 
-import argparse
 import asyncio
 import ctypes
 import json
@@ -18,6 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from argparse import ArgumentParser, Namespace, RawDescriptionHelpFormatter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
@@ -29,6 +29,7 @@ import jwt
 
 from service import embedded
 from service.config import Settings
+from service.progress.backlog import measure_backlog
 from service.progress.buffer import WRITE_SCRIPT, now_ms, write_args
 from service.progress.content import CONTENT_KINDS
 from service.progress.keys import STANDALONE, KeyLayout
@@ -90,30 +91,34 @@ def orders(names: list[str], count: int) -> Iterator[list[str]]:
     return (names if i % 2 == 0 else names[::-1] for i in range(count))
 
 
-def arguments(doc: str, **flags: float | bool) -> argparse.Namespace:
-    """The flags of a script: `wait_idle=60.0` is `--wait-idle`, default 60.0; False is a switch."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in flags.items():
-        flag = f"--{name.replace('_', '-')}"
-        if default is False:
-            parser.add_argument(flag, action="store_true")
-        else:
-            parser.add_argument(flag, type=type(default), default=default, help=f"default {default}")
-    return parser.parse_args()
+def main(**flags: float | bool) -> Callable[[Callable[[Namespace], None]], None]:
+    """The decorator of a scenario's main(args), which it runs when the scenario runs as a script: the flags from the
+    script's docstring and `flags` (`wait_idle=60.0` is `--wait-idle`, default 60.0; False is a switch); a SIGTERM
+    unwinds like Ctrl-C (so every server started is stopped); exit 1 on a failure or a missed target."""
 
+    def run(scenario: Callable[[Namespace], None]) -> None:
+        if scenario.__module__ != "__main__":
+            return
+        parser = ArgumentParser(
+            description=sys.modules["__main__"].__doc__, formatter_class=RawDescriptionHelpFormatter
+        )
+        for name, default in flags.items():
+            flag = f"--{name.replace('_', '-')}"
+            if default is False:
+                parser.add_argument(flag, action="store_true")
+            else:
+                parser.add_argument(flag, type=type(default), default=default, help=f"default {default}")
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        try:
+            scenario(parser.parse_args())
+            sys.exit(1 if MISSED else 0)
+        except KeyboardInterrupt:
+            sys.exit(130)
+        except RuntimeError as exc:
+            print(f"bench failed: {exc}", file=sys.stderr)
+            sys.exit(1)
 
-def main(run: Callable[[], None]) -> None:
-    """Runs a scenario: a SIGTERM unwinds like Ctrl-C (so every server started is stopped); exit 1 on a failure or a
-    missed target."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        run()
-        sys.exit(1 if MISSED else 0)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except RuntimeError as exc:
-        print(f"bench failed: {exc}", file=sys.stderr)
-        sys.exit(1)
+    return run
 
 
 # --- CPU ---
@@ -322,6 +327,12 @@ async def fill(
                     *write_args("lesson", i % lessons + 1, i // lessons + 1, position(i), now_ms(), 3600, layout)
                 )
             await pipe.execute()
+
+
+async def buffered(redis: Any, layout: KeyLayout = STANDALONE) -> int:
+    """The members the buffer still holds, pending or in flight, over every type and shard (the service's own count)."""
+    backlog = await measure_backlog(redis, layout)
+    return sum(sizes.pending + sizes.in_flight for sizes in backlog.by_type.values())
 
 
 def tokens(work: Path, users: int) -> Path:
