@@ -140,18 +140,31 @@ def clean_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.upper() not in names and k != "PROMETHEUS_MULTIPROC_DIR"}
 
 
-def flusher_env(servers: Servers, **extra: str) -> dict[str, str]:
-    env = clean_environment()
-    env.update(
-        REDIS_URL=servers.redis_url,
-        DATABASE_URL=servers.database_url,
-        LOG_LEVEL="WARNING",
-        PROGRESS_FLUSH_LEASE_SECONDS=str(FLUSH_LEASE_S),
-        PROGRESS_FLUSH_BATCH_SIZE="100",
-        PROGRESS_FLUSH_CONCURRENCY="2",
+def service_env(servers: Servers, **settings: str) -> dict[str, str]:
+    """The environment of a service subprocess on the session's servers: clean_environment(), quiet logs, `settings`."""
+    return {
+        **clean_environment(),
+        "REDIS_URL": servers.redis_url,
+        "DATABASE_URL": servers.database_url,
+        "LOG_LEVEL": "WARNING",
+        **settings,
+    }
+
+
+async def start_service_command(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+    """`python -m service <args>` in its own process, its stdout and stderr piped."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "service", *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
-    env.update(extra)
-    return env
+
+
+def flusher_env(servers: Servers, **extra: str) -> dict[str, str]:
+    defaults = {
+        "PROGRESS_FLUSH_LEASE_SECONDS": str(FLUSH_LEASE_S),
+        "PROGRESS_FLUSH_BATCH_SIZE": "100",
+        "PROGRESS_FLUSH_CONCURRENCY": "2",
+    }
+    return service_env(servers, **{**defaults, **extra})
 
 
 def flush_once(servers: Servers, **extra: str) -> subprocess.CompletedProcess[str]:
@@ -322,31 +335,17 @@ async def add_events(db: asyncpg.Pool, count: int) -> None:
 
 
 def relay_env(servers: Servers, broker: Broker, **extra: str) -> dict[str, str]:
-    env = clean_environment()
-    env.update(
-        REDIS_URL=servers.redis_url,
-        DATABASE_URL=servers.database_url,
-        CELERY_BROKER_URL=broker.url,
-        LOG_LEVEL="WARNING",
-        RELAY_LEASE_SECONDS=str(RELAY_LEASE_S),
-        CELERY_PUBLISH_TIMEOUT_SECONDS="2",
-        RELAY_BATCH_SIZE="50",
-    )
-    env.update(extra)
-    return env
+    defaults = {
+        "CELERY_BROKER_URL": broker.url,
+        "RELAY_LEASE_SECONDS": str(RELAY_LEASE_S),
+        "CELERY_PUBLISH_TIMEOUT_SECONDS": "2",
+        "RELAY_BATCH_SIZE": "50",
+    }
+    return service_env(servers, **{**defaults, **extra})
 
 
 async def relay_once(servers: Servers, broker: Broker, **extra: str) -> tuple[int, dict[str, Any] | None]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "service",
-        "relay",
-        "--once",
-        env=relay_env(servers, broker, **extra),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await start_service_command("relay", "--once", env=relay_env(servers, broker, **extra))
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
     assert process.returncode is not None
     summary = json.loads(stdout.decode().splitlines()[-1]) if stdout.strip() else None
@@ -441,16 +440,7 @@ class StatusRun(NamedTuple):
 
 async def run_status(servers: Servers, **extra: str) -> StatusRun:
     """`progress-service status --json` in its own process, configured from the environment as `serve` is."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "service",
-        "status",
-        "--json",
-        env=flusher_env(servers, **extra),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await start_service_command("status", "--json", env=flusher_env(servers, **extra))
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode is not None
     lines = stdout.decode().splitlines()

@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import sys
 import time
 
 import asyncpg
@@ -10,7 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from service.embedded import free_port
-from tests.helpers import FLUSH_LEASE_S, Servers, flusher_env, run_status, seed, write
+from tests.helpers import FLUSH_LEASE_S, Servers, flusher_env, run_status, seed, start_service_command, write
 
 TYPES = ("lesson", "audio", "meditation", "live")
 
@@ -129,14 +128,8 @@ async def test_the_screen_is_plain_text_with_every_section(
     servers: Servers, redis: Redis, db: asyncpg.Pool, extra: dict[str, str]
 ) -> None:
     await write(redis, "lesson", 1, 1, 1.0)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "service",
-        "status",
-        env=flusher_env(servers, DATABASE_CONNECT_TIMEOUT_SECONDS="2", **extra),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    process = await start_service_command(
+        "status", env=flusher_env(servers, DATABASE_CONNECT_TIMEOUT_SECONDS="2", **extra)
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
     screen = stdout.decode()

@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import sys
 from typing import Any
 
 import asyncpg
@@ -10,7 +9,7 @@ import pytest
 
 from service.outbox.admin import count_parked, redrive_parked
 from service.outbox.outboxes import COMPLETIONS, completion_task_id, email_task_id
-from tests.helpers import Servers, add_events, limited_broker_user, relay_env, relay_once
+from tests.helpers import Servers, add_events, limited_broker_user, relay_env, relay_once, start_service_command
 from tests.monolith.fixtures import Broker, Executions
 
 LIST_KEYS = {"outbox", "id", "error", "failed_at", "attempts"}
@@ -18,16 +17,7 @@ LIST_KEYS = {"outbox", "id", "error", "failed_at", "attempts"}
 
 async def outbox_command(servers: Servers, broker: Broker, *args: str) -> tuple[str, str]:
     """`progress-service outbox ...` as its own process, off a terminal; (stdout, stderr), exit 0 asserted."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "service",
-        "outbox",
-        *args,
-        env=relay_env(servers, broker, LOG_LEVEL="INFO"),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await start_service_command("outbox", *args, env=relay_env(servers, broker, LOG_LEVEL="INFO"))
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode == 0, stderr.decode()[-2000:]
     return stdout.decode(), stderr.decode()

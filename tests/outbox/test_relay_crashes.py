@@ -2,14 +2,13 @@
 
 import asyncio
 import signal
-import sys
 
 import asyncpg
 import pytest
 
 from service.embedded import free_port
 from tests.helpers import RELAY_LEASE_S as LEASE_S
-from tests.helpers import Servers, add_events, limited_broker_user, relay_env, relay_once
+from tests.helpers import Servers, add_events, limited_broker_user, relay_env, relay_once, start_service_command
 from tests.monolith.fixtures import Broker, Executions
 
 pytestmark = pytest.mark.slow  # relay processes and a real Celery worker
@@ -103,15 +102,7 @@ async def test_the_long_running_relay_publishes_then_stops_on_sigterm_with_exit_
     servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
 ) -> None:
     await add_events(db, 5)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "service",
-        "relay",
-        env=relay_env(servers, broker, RELAY_POLL_INTERVAL_SECONDS="0.2"),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await start_service_command("relay", env=relay_env(servers, broker, RELAY_POLL_INTERVAL_SECONDS="0.2"))
     try:
         assert len(await executions.wait_for(5)) == 5
     finally:

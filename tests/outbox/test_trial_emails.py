@@ -3,7 +3,6 @@
 import asyncio
 import json
 import signal
-import sys
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -17,7 +16,16 @@ from service.outbox.outboxes import email_task_id
 from service.trial_emails.batch import send_trial_journey_emails_batch
 from service.trial_emails.queue import CeleryEmailQueue
 from tests.helpers import RELAY_LEASE_S as LEASE_S
-from tests.helpers import Servers, add_trials, limited_broker_user, relay_env, relay_once, running_app, wait_for
+from tests.helpers import (
+    Servers,
+    add_trials,
+    limited_broker_user,
+    relay_env,
+    relay_once,
+    running_app,
+    start_service_command,
+    wait_for,
+)
 from tests.monolith.fixtures import Broker, Executions, kwargs_of
 
 pytestmark = pytest.mark.slow  # relay processes and a real Celery worker
@@ -126,16 +134,7 @@ async def test_three_concurrent_runners_deliver_each_email_once(
 
 async def run_once(servers: Servers, broker_url: str, **extra: str) -> asyncio.subprocess.Process:
     env = relay_env(servers, type("B", (), {"url": broker_url})(), **extra)  # type: ignore[arg-type]
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "service",
-        "trial-emails",
-        "run-once",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    return await start_service_command("trial-emails", "run-once", env=env)
 
 
 async def test_killed_between_reservation_and_publish_the_relay_publishes_the_rest(

@@ -3,7 +3,6 @@
 import asyncio
 import json
 import os
-import sys
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
@@ -17,7 +16,7 @@ from service.embedded import free_port
 from service.trial_emails.batch import BatchResult
 from service.trial_emails.queue import RedisStreamQueue
 from service.trial_emails.sweep import SWEEP_LOCK_KEY, sweep_journeys
-from tests.helpers import add_trials, enqueued, metric, reserved, wait_for
+from tests.helpers import add_trials, enqueued, metric, reserved, start_service_command, wait_for
 
 NOW = datetime(2025, 3, 10, 12, tzinfo=UTC)
 
@@ -60,16 +59,7 @@ async def test_run_once_prints_progress_on_stderr_and_the_summed_result_last_on_
         "LOG_LEVEL": "INFO",
         "EMAIL_PUBLISHER": "redis-stream",
     }
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "service",
-        "trial-emails",
-        "run-once",
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
+    process = await start_service_command("trial-emails", "run-once", env=env)
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
 
     assert process.returncode == 0, stderr.decode()
