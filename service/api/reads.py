@@ -66,7 +66,19 @@ def _kind(name: str) -> ContentKind:
     return kind
 
 
-def _ids(query_string: bytes) -> list[int]:
+def read_ids(query_string: bytes) -> list[int]:
+    """The ids asked for, each once, in order; 422 unless they are ids=1,2,3 with at most MAX_IDS."""
+    if query_string.startswith(b"ids="):  # the app's form, read from the bytes with one int() per id
+        texts = query_string[4:].split(b",")
+        # bytes.isdigit() is ASCII digits only; anything else, a valid %-escape included, goes the long way
+        ids = [int(text) for text in texts if text.isdigit() and len(text) <= 20]
+        if len(ids) == len(texts) <= MAX_IDS and min(ids) >= 1 and max(ids) <= MAX_ID:
+            return list(dict.fromkeys(ids))  # a repeated id is one id
+    return parse_ids(query_string)
+
+
+def parse_ids(query_string: bytes) -> list[int]:
+    """read_ids the long way, for any query string: what refuses one words the 422."""
     values = [
         value for name, value in parse_qsl(query_string.decode("latin-1"), keep_blank_values=True) if name == "ids"
     ]
@@ -81,23 +93,27 @@ def _ids(query_string: bytes) -> list[int]:
     return list(dict.fromkeys(_content_id(text, "query", "ids") for text in texts))
 
 
-_DAY_TEXT: dict[int, str] = {}  # days since the epoch -> "YYYY-MM-DDT"; a few hundred at most in practice
+_DAY_TEXT: dict[int, str] = {}  # days since the epoch -> "YYYY-MM-DD"; a few hundred at most in practice
+# the rest of the text from tables: a format spec (:02d) costs as much as the lookup and its divmod together
+_HOUR_MINUTE = [f"T{hour:02d}:{minute:02d}:" for hour in range(24) for minute in range(60)]
+_TWO_DIGITS = [f"{n:02d}" for n in range(60)]
+_THREE_DIGITS = [f"{n:03d}" for n in range(1000)]
 
 
 def iso_utc(us: int) -> str:
-    """datetime.isoformat() of the UTC time `us` µs after the epoch, byte for byte, in half its time."""
+    """datetime.isoformat() of the UTC time `us` µs after the epoch, byte for byte, in a third of its time."""
     seconds, micro = divmod(us, 1_000_000)
     days, seconds = divmod(seconds, 86_400)
     day = _DAY_TEXT.get(days)
     if day is None:
-        day = (EPOCH + timedelta(days=days)).date().isoformat() + "T"
+        day = (EPOCH + timedelta(days=days)).date().isoformat()
         if len(_DAY_TEXT) < 100_000:
             _DAY_TEXT[days] = day
-    hours, seconds = divmod(seconds, 3600)
     minutes, seconds = divmod(seconds, 60)
     if micro:
-        return f"{day}{hours:02d}:{minutes:02d}:{seconds:02d}.{micro:06d}+00:00"
-    return f"{day}{hours:02d}:{minutes:02d}:{seconds:02d}+00:00"
+        milli, micro = divmod(micro, 1000)
+        return f"{day}{_HOUR_MINUTE[minutes]}{_TWO_DIGITS[seconds]}.{_THREE_DIGITS[milli]}{_THREE_DIGITS[micro]}+00:00"
+    return f"{day}{_HOUR_MINUTE[minutes]}{_TWO_DIGITS[seconds]}+00:00"
 
 
 def progress_json(content_type: str, progress: Progress) -> str:
@@ -159,7 +175,7 @@ class ProgressReads:
             if not found:
                 raise HttpError(404, f"no progress for {kind.name} {content_id}")
             return progress_json(kind.name, found[0]).encode()
-        found = await self._read(kind, user_id, _ids(scope["query_string"]))
+        found = await self._read(kind, user_id, read_ids(scope["query_string"]))
         return ('{"data":[' + ",".join([progress_json(kind.name, progress) for progress in found]) + "]}").encode()
 
     async def _read(self, kind: ContentKind, user_id: int, content_ids: list[int]) -> list[Progress]:

@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import NamedTuple, TypeAlias
+from typing import TypeAlias
 
 import asyncpg
 from redis.exceptions import RedisError
@@ -37,13 +37,9 @@ StoredRow: TypeAlias = tuple[int, float | None, datetime | None, datetime | None
 updated_at and completed_at, or Nones when there is no row."""
 Buffered: TypeAlias = tuple[float, int, float]
 """A buffered value as decode_value reads it: position, receive time (µs since the epoch), peak."""
-
-
-class Progress(NamedTuple):
-    content_id: int
-    position: float
-    updated_us: int  # µs since the epoch, UTC
-    completed_us: int | None
+Progress: TypeAlias = tuple[int, float, int, int | None]
+"""What a read answers for one id: content_id, position, updated_at and completed_at (or None), the times
+in µs since the epoch, UTC."""
 
 
 # One row per asked (user, content) that exists, with its progress row if any. Inner joins on the
@@ -68,7 +64,7 @@ def value_keys(
     kind: ContentKind, user_id: int, content_ids: Iterable[int], layout: KeyLayout = STANDALONE
 ) -> list[str]:
     """Every value key a read names goes through here (and through keys.py)."""
-    return [layout.value_key(kind.name, content_id, user_id) for content_id in content_ids]
+    return layout.value_keys(kind.name, user_id, content_ids)
 
 
 def as_us(moment: datetime) -> int:
@@ -102,15 +98,21 @@ def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | N
             decoded.append(None)
             continue
         try:
-            fields = (raw.decode() if isinstance(raw, bytes) else raw).split(":")
-            if len(fields) == 4:  # what this service writes: position:ms:peak:µs
-                decoded.append((float(fields[0]), int(fields[1]) * 1000 + int(fields[3]), float(fields[2])))
-                continue
-            value = decode_value(raw)  # an older release's value: two or three fields
-            decoded.append((value.position, round(value.received_ms * 1000), value.peak))
-        except ValueError:  # UnicodeDecodeError is a ValueError
-            decoded.append(None)  # not written by this service's script: the flush drops it too
+            # what this service writes, position:ms:peak:µs, read from the bytes: float() and int() of bytes accept
+            # a subset of what they accept of the decoded text, with the same values
+            position, ms, peak, us = raw.split(b":") if isinstance(raw, bytes) else raw.split(":")
+            decoded.append((float(position), int(ms) * 1000 + int(us), float(peak)))
+        except ValueError:
+            decoded.append(_decoded(raw))  # anything else, by the flush's own decoder
     return decoded
+
+
+def _decoded(raw: bytes | str) -> Buffered | None:
+    try:
+        value = decode_value(raw)  # an older release's value (two or three fields), or a str
+    except ValueError:
+        return None  # not written by this service's script: the flush drops it too
+    return value.position, round(value.received_ms * 1000), value.peak
 
 
 def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, *, margin_s: float) -> Progress | None:
@@ -124,10 +126,10 @@ def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, 
         if completed_us is None and peak >= duration_s - margin_s:
             completed_us = received_us  # the time the flush will set
         if updated_us is None or received_us > updated_us:
-            return Progress(content_id, buffered_position, received_us, completed_us)
+            return content_id, buffered_position, received_us, completed_us
     if updated_us is None or position is None:
         return None
-    return Progress(content_id, position, updated_us, completed_us)
+    return content_id, position, updated_us, completed_us
 
 
 @dataclass(slots=True)

@@ -240,10 +240,10 @@ async def test_a_value_nobody_could_read_spoils_no_other_read_of_its_turn(
 @pytest.mark.parametrize("completed", [False, True])
 def test_an_entry_is_written_as_json_dumps_wrote_its_dict(position: float, completed: bool) -> None:
     updated_at = datetime(2026, 11, 30, 10, 0, 0, 123456, UTC) if completed else datetime(2026, 11, 30, tzinfo=UTC)
-    progress = Progress(2**63 - 1, position, as_us(updated_at), as_us(updated_at) if completed else None)
+    progress: Progress = (2**63 - 1, position, as_us(updated_at), as_us(updated_at) if completed else None)
     as_dict = {
         "content_type": "meditation",
-        "content_id": progress.content_id,
+        "content_id": 2**63 - 1,
         "position": position,
         "updated_at": updated_at.isoformat(),
         "completed_at": updated_at.isoformat() if completed else None,
