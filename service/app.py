@@ -243,7 +243,11 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
         ingest.sink = sink
         if pool is not None:
             reader = ProgressReader(
-                redis, pool, margin_s=settings.progress_completion_margin_seconds, layout=writer.layout
+                redis,
+                pool,
+                margin_s=settings.progress_completion_margin_seconds,
+                batches_in_flight=settings.progress_read_batches_in_flight,
+                layout=writer.layout,
             )
             resources.push_async_callback(reader.aclose)
             reads.reader = reader

@@ -77,6 +77,9 @@ class Settings(BaseSettings):
     progress_flush_max_rows_per_second: int = Field(5000, ge=0)
     progress_completion_margin_seconds: float = Field(10.0, ge=0)
     progress_shutdown_timeout_seconds: float = Field(20.0, gt=0)
+    # GET /progress: batches (one MGET, one query per type) out at once per process; the reads that come
+    # meanwhile wait and go together in the next, so the reads never hold more of the database than this
+    progress_read_batches_in_flight: int = Field(2, ge=1)
 
     # POST /progress/sync: positions listened offline, uploaded later
     sync_max_body_bytes: int = Field(262_144, ge=4096, le=4_194_304)

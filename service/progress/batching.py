@@ -1,4 +1,9 @@
-"""Many concurrent callers, one round trip: items submitted in the same event-loop turn go together."""
+"""Many concurrent callers, one round trip: items submitted in the same event-loop turn go together.
+
+With `max_in_flight`, at most that many batches are out at once, and what is submitted meanwhile
+waits for one to come back, then goes in one batch of at most `max_batch` (group commit): under load
+the batches grow instead of their number. Without it (the writes), every turn's batch goes at once.
+"""
 
 import asyncio
 from collections.abc import Awaitable, Callable
@@ -11,9 +16,18 @@ SendBatch = Callable[[list[T]], Awaitable[list[BaseException | None]]]
 
 
 class TurnBatcher(Generic[T]):
-    def __init__(self, send: SendBatch[T], *, interrupted: Callable[[], BaseException]) -> None:
+    def __init__(
+        self,
+        send: SendBatch[T],
+        *,
+        interrupted: Callable[[], BaseException],
+        max_in_flight: int = 0,
+        max_batch: int = 0,
+    ) -> None:
         self._send_batch = send
         self._interrupted = interrupted  # the error a caller gets if its batch never finished
+        self._max_in_flight = max_in_flight
+        self._max_batch = max_batch
         self._queue: list[tuple[T, asyncio.Future[None]]] = []
         self._sending: set[asyncio.Task[None]] = set()
 
@@ -27,13 +41,17 @@ class TurnBatcher(Generic[T]):
         await future
 
     def _send_queued(self) -> None:
-        batch, self._queue = self._queue, []
-        if not batch:
-            return
-        task = asyncio.get_running_loop().create_task(self._send(batch))
-        # keep a handle: an unreferenced task can be garbage-collected mid-flight
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        while self._queue and not (self._max_in_flight and len(self._sending) >= self._max_in_flight):
+            cut = self._max_batch or len(self._queue)
+            batch, self._queue = self._queue[:cut], self._queue[cut:]
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            # keep a handle: an unreferenced task can be garbage-collected mid-flight
+            self._sending.add(task)
+            task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._sending.discard(task)
+        self._send_queued()  # what waited for this batch to come back
 
     async def _send(self, batch: list[tuple[T, asyncio.Future[None]]]) -> None:
         error: BaseException | None = None
@@ -57,5 +75,5 @@ class TurnBatcher(Generic[T]):
     async def aclose(self) -> None:
         """Let the batches already queued finish, so no caller that will get an answer is cut short."""
         self._send_queued()
-        if self._sending:
+        while self._sending:  # each batch that comes back sends the next of those waiting
             await asyncio.gather(*self._sending, return_exceptions=True)

@@ -2,7 +2,7 @@
 
 A read costs one Redis MGET of the value keys and one query of the rows, whatever the number of
 ids (and the reads of one event-loop turn share both: one MGET for all of them, one query per
-content type). The answer is what the next flush will leave in Postgres, before it runs:
+content type; so do the reads that wait while PROGRESS_READ_BATCHES_IN_FLIGHT batches are out). The answer is what the next flush will leave in Postgres, before it runs:
 - the position and `updated_at` of the buffered value when it was received after the row's
   `updated_at` (the flush's upsert only moves forward the same way), else the row's;
 - `completed_at`: the row's, or, when the buffered peak reached `duration - margin` and the row
@@ -132,6 +132,10 @@ def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, 
     return content_id, position, updated_us, completed_us
 
 
+# a batch names at most 2,000 ids (20 reads of 100): one MGET of that many keys, one query of that many pairs
+MAX_LOOKUPS_PER_BATCH = 20
+
+
 @dataclass(slots=True)
 class _Lookup:
     kind: ContentKind
@@ -141,17 +145,30 @@ class _Lookup:
 
 
 class ProgressReader:
-    """Freshest progress of one user for some ids of one content type; concurrent reads share round trips."""
+    """Freshest progress of one user for some ids of one content type; concurrent reads share round trips.
+
+    At most `batches_in_flight` batches are out at once: the reads that come meanwhile go together in the
+    next, up to MAX_LOOKUPS_PER_BATCH of them, so a busier pod sends bigger batches, not more of them.
+    """
 
     def __init__(
-        self, redis: RedisClient, pool: asyncpg.Pool, *, margin_s: float, layout: KeyLayout = STANDALONE
+        self,
+        redis: RedisClient,
+        pool: asyncpg.Pool,
+        *,
+        margin_s: float,
+        batches_in_flight: int,
+        layout: KeyLayout = STANDALONE,
     ) -> None:
         self._redis = redis
         self._layout = layout
         self._pool = pool
         self._margin_s = margin_s
         self._batcher: TurnBatcher[_Lookup] = TurnBatcher(
-            self._send, interrupted=lambda: RedisError("the read was interrupted before it finished")
+            self._send,
+            interrupted=lambda: RedisError("the read was interrupted before it finished"),
+            max_in_flight=batches_in_flight,
+            max_batch=MAX_LOOKUPS_PER_BATCH,
         )
 
     async def read(self, kind: ContentKind, user_id: int, content_ids: Sequence[int]) -> list[Progress]:

@@ -85,7 +85,7 @@ async def test_a_batch_read_of_100_ids_is_one_redis_round_trip_and_one_query(
         await writer.write(
             content_type="audio", content_id=content_id, user_id=7, position=content_id, received_ms=1_700_000_000_000
         )
-    reader = ProgressReader(counted.redis, counted.pool, margin_s=10)
+    reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=2)
     await counted.reset()
     mgets = await calls(redis, "mget")
 
@@ -99,11 +99,50 @@ async def test_a_batch_read_of_100_ids_is_one_redis_round_trip_and_one_query(
 
 async def test_concurrent_reads_of_one_turn_share_the_mget_and_the_query(counted: Counted, db: asyncpg.Pool) -> None:
     await seed(db, users=20, contents=3)
-    reader = ProgressReader(counted.redis, counted.pool, margin_s=10)
+    reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=2)
     await counted.reset()
     await asyncio.gather(*(reader.read(KINDS["lesson"], user_id, [1, 2, 3]) for user_id in range(1, 21)))
     sends, statements = await counted.round_trips()
     assert (sends, statements) == (1, [rows_sql(KINDS["lesson"])])
+
+
+async def test_reads_that_come_while_two_batches_are_out_go_together_in_the_next(
+    counted: Counted, db: asyncpg.Pool, redis: Redis
+) -> None:
+    """Two batches held out (Redis paused under their MGET), then 27 reads in separate turns: they wait and go
+    in the next batches, 20 and 7, not one each; each read gets its own user's position."""
+    await seed(db, users=30, contents=3)
+    writer = PositionWriter(counted.redis, ttl_s=3600)
+    for user_id in range(1, 30):
+        await writer.write(content_type="lesson", content_id=1, user_id=user_id, position=user_id, received_ms=10**12)
+    reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=2)
+    await counted.reset()
+    mgets = await calls(redis, "mget")
+
+    await redis.execute_command("CLIENT", "PAUSE", 400, "ALL")
+    reads = []
+    for user_id in range(1, 30):
+        reads.append(asyncio.create_task(reader.read(KINDS["lesson"], user_id, [1, 2])))
+        await asyncio.sleep(0.005)  # a turn of its own: without the limit, a batch of its own
+    found = await asyncio.gather(*reads)
+
+    assert [[position for _, position, *_ in one] for one in found] == [[float(u)] for u in range(1, 30)]
+    _, statements = await counted.round_trips()  # (a second connection's handshake counts as sends: not those)
+    assert (await calls(redis, "mget") - mgets, len(statements)) == (4, 4)  # 1, 1, then 20 and 7
+
+
+async def test_closing_the_reader_answers_the_reads_still_waiting(
+    counted: Counted, db: asyncpg.Pool, redis: Redis
+) -> None:
+    await seed(db, users=10, contents=1)
+    reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=1)
+    await redis.execute_command("CLIENT", "PAUSE", 300, "ALL")
+    reads = []
+    for user_id in range(1, 11):
+        reads.append(asyncio.create_task(reader.read(KINDS["audio"], user_id, [1])))
+        await asyncio.sleep(0.005)
+    await reader.aclose()
+    assert all(read.done() and read.result() == [] for read in reads)
 
 
 async def test_500_items_in_one_sync_are_one_redis_round_trip(counted: Counted, db: asyncpg.Pool, redis: Redis) -> None:
