@@ -23,6 +23,7 @@ from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.utils import HIREDIS_AVAILABLE
 
 from service.config import Settings
 from service.stores import REDIS_UNAVAILABLE
@@ -100,6 +101,8 @@ class _PackedByHiredis(AbstractConnection):
     """
 
     def pack_command(self, *args: Any) -> list[bytes]:
+        if not HIREDIS_AVAILABLE:  # a hiredis older than redis-py packs with (or none): redis-py's own packing
+            return super().pack_command(*args)
         packed: list[bytes] = _HIREDIS_PACKER.pack(*args)
         return packed
 

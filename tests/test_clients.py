@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import DataError
+from redis.utils import HIREDIS_AVAILABLE
 
 from service.clients import connect_redis
 from service.config import Settings
@@ -29,7 +30,8 @@ def packed(connection: AbstractConnection, args: tuple[Any, ...], *, by_redis_py
 
 
 def test_the_service_packs_commands_its_own_way() -> None:
-    for connection in CONNECTIONS:  # else the tests below compare redis-py with itself
+    assert HIREDIS_AVAILABLE  # the hiredis redis[hiredis] brings; else the tests below compare redis-py with itself
+    for connection in CONNECTIONS:
         assert type(connection).pack_command is not AbstractConnection.pack_command, type(connection)
 
 

@@ -2,7 +2,8 @@
 
 A read costs one Redis MGET of the value keys and one query of the rows, whatever the number of
 ids (and the reads of one event-loop turn share both: one MGET for all of them, one query per
-content type; so do the reads that wait while PROGRESS_READ_BATCHES_IN_FLIGHT batches are out). The answer is what the next flush will leave in Postgres, before it runs:
+content type; so do the reads that wait while PROGRESS_READ_BATCHES_IN_FLIGHT batches are out).
+The answer is what the next flush will leave in Postgres, before it runs:
 - the position and `updated_at` of the buffered value when it was received after the row's
   `updated_at` (the flush's upsert only moves forward the same way), else the row's;
 - `completed_at`: the row's, or, when the buffered peak reached `duration - margin` and the row
