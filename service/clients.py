@@ -96,12 +96,13 @@ class _PackedByHiredis(AbstractConnection):
     """Commands packed in C by hiredis, as redis-py's own sync client packs them when hiredis is installed.
 
     The asyncio client packs in Python and joins its whole buffer again for every argument: a read's
-    100-key MGET spent a tenth of its CPU there, a sync's script call of 500 items more. The bytes
-    are the same (tests/test_clients.py); an argument neither takes is a DataError either way.
+    100-key MGET spent a tenth of its CPU there, a sync's script call of 500 items more. For the str,
+    bytes, int and float arguments the service passes, the bytes are the same (tests/test_clients.py),
+    text in UTF-8 (the default; hiredis knows no other); a bool or None is a DataError either way.
     """
 
     def pack_command(self, *args: Any) -> list[bytes]:
-        if not HIREDIS_AVAILABLE:  # a hiredis older than redis-py packs with (or none): redis-py's own packing
+        if not HIREDIS_AVAILABLE:  # no hiredis, or one older than redis-py supports: redis-py's own packing
             return super().pack_command(*args)
         packed: list[bytes] = _HIREDIS_PACKER.pack(*args)
         return packed
@@ -362,18 +363,26 @@ async def _reset_session(conn: asyncpg.Connection) -> None:
         await conn.execute(query)
 
 
-async def fetch_stateless(pool: asyncpg.Pool, query: str, *args: object) -> list[asyncpg.Record]:
-    """pool.fetch for a statement that leaves no session state behind (no SET, LISTEN, cursor or lock).
+async def fetch_stateless(
+    pool: asyncpg.Pool, statements: Sequence[tuple[str, Sequence[object]]]
+) -> list[list[asyncpg.Record] | Exception]:
+    """pool.fetch of each statement in turn, on one connection, for statements that leave no session state
+    behind (no SET, LISTEN, cursor or lock); each answer is its records, or the error it met.
 
-    Its connection goes back without the reset query: one round trip per read instead of two. Any
-    other use of the pool, an error here included, still resets the session on release.
+    The connection goes back without the reset query: one round trip per statement, not one more. Any
+    other use of the pool, and this one when a statement failed, still resets the session on release.
     """
+    answers: list[list[asyncpg.Record] | Exception] = []
     async with pool.acquire() as conn:
-        records: list[asyncpg.Record] = await conn.fetch(query, *args)
+        for query, args in statements:
+            try:
+                answers.append(await conn.fetch(query, *args))
+            except Exception as exc:  # the caller's to judge; a lost connection fails the rest the same way
+                answers.append(exc)
         mark = getattr(conn, "took_no_session_state", None)  # a pool not made by create_db_pool: reset as usual
-        if mark is not None:
+        if mark is not None and not any(isinstance(answer, Exception) for answer in answers):
             mark()
-    return records
+    return answers
 
 
 async def create_db_pool(settings: Settings) -> asyncpg.Pool:

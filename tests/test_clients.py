@@ -5,6 +5,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from redis.asyncio import Redis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import DataError
 from redis.utils import HIREDIS_AVAILABLE
@@ -12,12 +13,17 @@ from redis.utils import HIREDIS_AVAILABLE
 from service.clients import connect_redis
 from service.config import Settings
 
+
 # every kind of connection the service makes (plain, TLS, unix socket) is made of the same packing class;
 # packing needs no server
-CONNECTIONS = [
-    connect_redis(Settings(redis_url=url)).connection_pool.make_connection()
-    for url in ("redis://127.0.0.1:1", "rediss://127.0.0.1:1", "unix:///nowhere.sock")
-]
+def connection_for(url: str) -> AbstractConnection:
+    client = connect_redis(Settings(redis_url=url))
+    assert isinstance(client, Redis)
+    connection: AbstractConnection = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+    return connection
+
+
+CONNECTIONS = [connection_for(url) for url in ("redis://127.0.0.1:1", "rediss://127.0.0.1:1", "unix:///nowhere.sock")]
 ARGUMENTS = st.one_of(st.text(), st.binary(), st.integers(min_value=-(2**70), max_value=2**70), st.floats())
 
 

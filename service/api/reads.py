@@ -21,7 +21,7 @@ from service.api.sync import SYNC_ROUTE
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.content import MAX_ID, ContentKind
-from service.progress.reads import EPOCH, Progress, ProgressReader
+from service.progress.reads import EPOCH, Progress, ProgressReader, ReadsWaiting
 from service.progress.sync import KIND_BY_NAME
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
@@ -34,6 +34,7 @@ MAX_IDS = 100
 
 # another device may move a position any second, and a 404 "no progress" is no more lasting
 _NO_STORE = [(b"cache-control", b"no-store")]
+_RETRY_SOON = [(b"retry-after", b"1")]
 
 
 def _invalid(location: str, name: str, message: str, error_type: str) -> HttpError:
@@ -74,10 +75,10 @@ def read_ids(query_string: bytes) -> list[int]:
         ids = [int(text) for text in texts if text.isdigit() and len(text) <= 20]
         if len(ids) == len(texts) <= MAX_IDS and min(ids) >= 1 and max(ids) <= MAX_ID:
             return list(dict.fromkeys(ids))  # a repeated id is one id
-    return parse_ids(query_string)
+    return read_ids_the_long_way(query_string)
 
 
-def parse_ids(query_string: bytes) -> list[int]:
+def read_ids_the_long_way(query_string: bytes) -> list[int]:
     """read_ids the long way, for any query string: what refuses one words the 422."""
     values = [
         value for name, value in parse_qsl(query_string.decode("latin-1"), keep_blank_values=True) if name == "ids"
@@ -183,6 +184,8 @@ class ProgressReads:
             raise HttpError(503, "progress reads need the database (DATABASE_URL), or the service is starting")
         try:
             return await self.reader.read(kind, user_id, content_ids)
+        except ReadsWaiting as exc:  # a storm of reads, or stores too slow for them: shed, not queued
+            raise HttpError(503, "too many reads wait for the progress store, retry later", _RETRY_SOON) from exc
         except (*REDIS_FAILED, *POSTGRES_FAILED) as exc:
             log.warning("progress read failed: %s: %s", type(exc).__name__, exc)
             raise HttpError(503, "progress store unavailable, retry later") from exc

@@ -1,8 +1,9 @@
 """Many concurrent callers, one round trip: items submitted in the same event-loop turn go together.
 
-With `max_in_flight`, at most that many batches are out at once, and what is submitted meanwhile
-waits for one to come back, then goes in one batch of at most `max_batch` (group commit): under load
-the batches grow instead of their number. Without it (the writes), every turn's batch goes at once.
+With `max_in_flight` (the reads), at most that many batches are out at once: what is submitted
+meanwhile waits for one to come back, then goes in one batch of at most `max_batch` (group commit),
+so under load the batches grow instead of their number; past `max_waiting` waiting, a caller gets
+`overloaded()` at once. Without it (the writes), every turn's batch goes at once.
 """
 
 import asyncio
@@ -23,15 +24,27 @@ class TurnBatcher(Generic[T]):
         interrupted: Callable[[], BaseException],
         max_in_flight: int = 0,
         max_batch: int = 0,
+        max_waiting: int = 0,
+        overloaded: Callable[[], BaseException] | None = None,
     ) -> None:
+        if max_in_flight and not (max_batch and max_waiting and overloaded):
+            raise ValueError("a limit of batches in flight needs max_batch, max_waiting and overloaded")
         self._send_batch = send
         self._interrupted = interrupted  # the error a caller gets if its batch never finished
         self._max_in_flight = max_in_flight
         self._max_batch = max_batch
+        self._max_waiting = max_waiting
+        self._overloaded = overloaded
         self._queue: list[tuple[T, asyncio.Future[None]]] = []
         self._sending: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     async def submit(self, item: T) -> None:
+        if self._closed:
+            raise self._interrupted()
+        if self._max_waiting and len(self._queue) >= self._max_waiting:
+            assert self._overloaded is not None  # said by __init__
+            raise self._overloaded()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         if not self._queue:
@@ -41,7 +54,10 @@ class TurnBatcher(Generic[T]):
         await future
 
     def _send_queued(self) -> None:
-        while self._queue and not (self._max_in_flight and len(self._sending) >= self._max_in_flight):
+        if self._max_in_flight:
+            # a caller that went away while it waited (its request cancelled) takes no place in a batch
+            self._queue = [(item, future) for item, future in self._queue if not future.done()]
+        while self._queue and not self._closed and self._lane_free():
             cut = self._max_batch or len(self._queue)
             batch, self._queue = self._queue[:cut], self._queue[cut:]
             task = asyncio.get_running_loop().create_task(self._send(batch))
@@ -49,9 +65,13 @@ class TurnBatcher(Generic[T]):
             self._sending.add(task)
             task.add_done_callback(self._sent)
 
+    def _lane_free(self) -> bool:
+        return not self._max_in_flight or len(self._sending) < self._max_in_flight
+
     def _sent(self, task: asyncio.Task[None]) -> None:
         self._sending.discard(task)
-        self._send_queued()  # what waited for this batch to come back
+        if self._max_in_flight:
+            self._send_queued()  # what waited for this batch to come back
 
     async def _send(self, batch: list[tuple[T, asyncio.Future[None]]]) -> None:
         error: BaseException | None = None
@@ -74,6 +94,14 @@ class TurnBatcher(Generic[T]):
 
     async def aclose(self) -> None:
         """Let the batches already queued finish, so no caller that will get an answer is cut short."""
-        self._send_queued()
-        while self._sending:  # each batch that comes back sends the next of those waiting
-            await asyncio.gather(*self._sending, return_exceptions=True)
+        try:
+            self._send_queued()
+            while self._sending:  # each batch that comes back sends the next of those waiting
+                await asyncio.gather(*self._sending, return_exceptions=True)
+        finally:
+            # cancelled (a shutdown cut short): no batch starts after this, and no caller is left waiting
+            self._closed = True
+            for _, future in self._queue:
+                if not future.done():
+                    future.set_exception(self._interrupted())
+            self._queue = []

@@ -125,7 +125,8 @@ class KeyLayout:
         return self.shard(content_type, content_id, user_id).value_key(content_id, user_id)
 
     def value_keys(self, content_type: str, user_id: int, content_ids: Iterable[int]) -> list[str]:
-        """value_key of each id, in order: with one shard, one prefix for them all (a read names 100)."""
+        """value_key of each id, in order: with one shard, one prefix for them all (a read names 100), and
+        Shard.value_key's format written out (tests/api/test_read_decoding.py holds the two equal)."""
         if self.shards > 1:
             return [self.value_key(content_type, content_id, user_id) for content_id in content_ids]
         prefix = self._shard(content_type, 0, 1).value_prefix

@@ -13,7 +13,7 @@ The answer is what the next flush will leave in Postgres, before it runs:
 
 import asyncio
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import TypeAlias
@@ -36,6 +36,8 @@ _ONE_US = timedelta(microseconds=1)
 StoredRow: TypeAlias = tuple[int, float | None, datetime | None, datetime | None]
 """What Postgres knows of one (user, content): its duration (s), and the progress row's position,
 updated_at and completed_at, or Nones when there is no row."""
+StoredRows: TypeAlias = dict[tuple[int, int], StoredRow]
+"""(user_id, content_id) -> its StoredRow, for the pairs whose user and content exist."""
 Buffered: TypeAlias = tuple[float, int, float]
 """A buffered value as decode_value reads it: position, receive time (µs since the epoch), peak."""
 Progress: TypeAlias = tuple[int, float, int, int | None]
@@ -61,13 +63,6 @@ def rows_sql(kind: ContentKind) -> str:
     )
 
 
-def value_keys(
-    kind: ContentKind, user_id: int, content_ids: Iterable[int], layout: KeyLayout = STANDALONE
-) -> list[str]:
-    """Every value key a read names goes through here (and through keys.py)."""
-    return layout.value_keys(kind.name, user_id, content_ids)
-
-
 def as_us(moment: datetime) -> int:
     return (moment - EPOCH) // _ONE_US
 
@@ -83,12 +78,24 @@ def from_ms(ms: float) -> datetime:
 
 
 async def fetch_rows(
-    pool: asyncpg.Pool, kind: ContentKind, pairs: Sequence[tuple[int, int]]
-) -> dict[tuple[int, int], StoredRow]:
-    """(user_id, content_id) -> what Postgres has, for the pairs whose user and content exist."""
-    records = await fetch_stateless(pool, rows_sql(kind), [user_id for user_id, _ in pairs], [cid for _, cid in pairs])
+    pool: asyncpg.Pool, pairs_by_kind: Mapping[ContentKind, Sequence[tuple[int, int]]]
+) -> dict[ContentKind, StoredRows | Exception]:
+    """Per type, what Postgres has of its (user_id, content_id) pairs, or the error its query met.
+
+    One query per type, in turn on one connection: a read's batch, or a sync, holds one of the pool's.
+    """
+    answers = await fetch_stateless(
+        pool,
+        [
+            (rows_sql(kind), ([user_id for user_id, _ in pairs], [content_id for _, content_id in pairs]))
+            for kind, pairs in pairs_by_kind.items()
+        ],
+    )
     # by position, in _ROWS_SQL's order: user_id, content_id, then the StoredRow (a slice of a record is a tuple)
-    return {(r[0], r[1]): r[2:] for r in records}
+    return {
+        kind: answer if isinstance(answer, Exception) else {(r[0], r[1]): r[2:] for r in answer}
+        for kind, answer in zip(pairs_by_kind, answers, strict=True)
+    }
 
 
 def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | None]:
@@ -135,6 +142,12 @@ def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, 
 
 # a batch names at most 2,000 ids (20 reads of 100): one MGET of that many keys, one query of that many pairs
 MAX_LOOKUPS_PER_BATCH = 20
+# reads waiting for a batch to come back, past which a read is refused at once (ReadsWaiting): 50 batches' worth
+MAX_WAITING_LOOKUPS = 1000
+
+
+class ReadsWaiting(Exception):
+    """Too many reads wait for the stores already: this one is refused rather than queued behind them."""
 
 
 @dataclass(slots=True)
@@ -170,6 +183,8 @@ class ProgressReader:
             interrupted=lambda: RedisError("the read was interrupted before it finished"),
             max_in_flight=batches_in_flight,
             max_batch=MAX_LOOKUPS_PER_BATCH,
+            max_waiting=MAX_WAITING_LOOKUPS,
+            overloaded=lambda: ReadsWaiting(f"{MAX_WAITING_LOOKUPS} reads wait for the stores already"),
         )
 
     async def read(self, kind: ContentKind, user_id: int, content_ids: Sequence[int]) -> list[Progress]:
@@ -182,33 +197,37 @@ class ProgressReader:
         keys = [
             key
             for lookup in lookups
-            for key in value_keys(lookup.kind, lookup.user_id, lookup.content_ids, self._layout)
+            for key in self._layout.value_keys(lookup.kind.name, lookup.user_id, lookup.content_ids)
         ]
         pairs_by_kind: dict[ContentKind, list[tuple[int, int]]] = {}
         for lookup in lookups:
             pairs_by_kind.setdefault(lookup.kind, []).extend((lookup.user_id, cid) for cid in lookup.content_ids)
-        # both stores at once: the queries in tasks of their own, the MGET in this one (a task fewer per turn);
-        # every call is awaited to its end before an error goes up
-        fetches = {
-            kind: asyncio.ensure_future(fetch_rows(self._pool, kind, pairs)) for kind, pairs in pairs_by_kind.items()
-        }
+        # both stores at once: the queries in a task of their own, the MGET in this one; both are awaited to
+        # their end before an error goes up
+        fetch = asyncio.ensure_future(fetch_rows(self._pool, pairs_by_kind))
         try:
             raw_values = await get_many(self._redis, keys)
         finally:
-            for fetch in fetches.values():
-                with contextlib.suppress(Exception):  # its error goes up below, or after the MGET's
-                    await fetch
-        rows = {kind: fetch.result() for kind, fetch in fetches.items()}
-        buffered = iter(decode_values(raw_values))
+            with contextlib.suppress(Exception):  # its error goes up below, or after the MGET's
+                await fetch
+        rows = fetch.result()
+        buffered = decode_values(raw_values)
+        results: list[BaseException | None] = []
+        start = 0
         for lookup in lookups:
-            kind_rows = rows[lookup.kind]
-            for content_id in lookup.content_ids:
-                progress = freshest(
-                    content_id, next(buffered), kind_rows.get((lookup.user_id, content_id)), margin_s=self._margin_s
-                )
-                if progress is not None:
-                    lookup.found.append(progress)
-        return [None] * len(lookups)
+            kind_rows, end = rows[lookup.kind], start + len(lookup.content_ids)
+            if isinstance(kind_rows, Exception):
+                results.append(kind_rows)  # its type's query failed: the reads of the other types still answer
+            else:
+                for content_id, value in zip(lookup.content_ids, buffered[start:end], strict=True):
+                    progress = freshest(
+                        content_id, value, kind_rows.get((lookup.user_id, content_id)), margin_s=self._margin_s
+                    )
+                    if progress is not None:
+                        lookup.found.append(progress)
+                results.append(None)
+            start = end
+        return results
 
     async def aclose(self) -> None:
         await self._batcher.aclose()

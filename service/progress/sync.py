@@ -18,7 +18,6 @@ A client's clock is not evidence: an item is written at most `max_backdate_s` be
 dated further back, and one request cannot fill a month of the monolith's journey.
 """
 
-import asyncio
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Fiel
 
 from service.progress.buffer import PositionWriter
 from service.progress.content import CONTENT_KINDS, MAX_ID, MAX_POSITION_S, ContentId, ContentKind, Position
-from service.progress.reads import StoredRow, as_ms, fetch_rows
+from service.progress.reads import StoredRows, as_ms, fetch_rows
 
 SYNC_MAX_ITEMS = 500
 
@@ -154,8 +153,6 @@ _SUPERSEDED = SyncOutcome(False, SUPERSEDED)
 _OLDER = SyncOutcome(False, OLDER_THAN_STORED)
 _UNKNOWN = SyncOutcome(False, UNKNOWN_CONTENT)
 
-_Rows = dict[tuple[int, int], StoredRow]
-
 
 class _Accepted(NamedTuple):  # a tuple: 500 of them per request cost less to build than dataclasses
     at: int  # its index in the request
@@ -252,18 +249,14 @@ class OfflineSync:
                 outcomes[a.at] = _APPLIED
         return _all_set(outcomes)
 
-    async def _rows(self, user_id: int, accepted: list[_Accepted]) -> dict[ContentKind, _Rows]:
+    async def _rows(self, user_id: int, accepted: list[_Accepted]) -> dict[ContentKind, StoredRows]:
         ids_by_kind: dict[ContentKind, set[int]] = {}
         for a in accepted:
             ids_by_kind.setdefault(a.kind, set()).add(a.content_id)
-        kinds = list(ids_by_kind)
-        answers = await asyncio.gather(
-            *(fetch_rows(self._pool, kind, [(user_id, cid) for cid in sorted(ids_by_kind[kind])]) for kind in kinds),
-            return_exceptions=True,
-        )
-        found: dict[ContentKind, _Rows] = {}
-        for kind, answer in zip(kinds, answers, strict=True):
-            if isinstance(answer, BaseException):
-                raise answer  # every query was awaited to its end first
+        pairs_by_kind = {kind: [(user_id, cid) for cid in sorted(ids)] for kind, ids in ids_by_kind.items()}
+        found: dict[ContentKind, StoredRows] = {}
+        for kind, answer in (await fetch_rows(self._pool, pairs_by_kind)).items():
+            if isinstance(answer, Exception):
+                raise answer  # every query was run to its end first
             found[kind] = answer
         return found

@@ -1,6 +1,7 @@
 """Round trips of the reads and the sync, counted on real connections: one to Redis, one query per type."""
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -11,11 +12,11 @@ import pytest
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.connection import Connection
 
-from service.clients import create_db_pool, fetch_stateless
+from service.clients import connect_redis, create_db_pool, fetch_stateless
 from service.config import Settings
 from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
 from service.progress.content import CONTENT_KINDS
-from service.progress.reads import ProgressReader, rows_sql
+from service.progress.reads import MAX_WAITING_LOOKUPS, Progress, ProgressReader, ReadsWaiting, rows_sql
 from service.progress.sync import OfflineSync, SyncItem
 from tests.helpers import Servers, seed
 
@@ -106,11 +107,29 @@ async def test_concurrent_reads_of_one_turn_share_the_mget_and_the_query(counted
     assert (sends, statements) == (1, [rows_sql(KINDS["lesson"])])
 
 
+@contextlib.asynccontextmanager
+async def lessons_locked(db: asyncpg.Pool) -> AsyncIterator[None]:
+    """The lessons' progress table locked: a read's query of it waits until the block ends, its batch out."""
+    async with db.acquire() as conn, conn.transaction():
+        await conn.execute("LOCK TABLE engagements_lessonprogress IN ACCESS EXCLUSIVE MODE")
+        yield
+
+
+async def submitted(
+    reader: ProgressReader, user_ids: range, kind: str = "lesson"
+) -> list[asyncio.Task[list[Progress]]]:
+    reads = []
+    for user_id in user_ids:
+        reads.append(asyncio.create_task(reader.read(KINDS[kind], user_id, [1, 2])))
+        await asyncio.sleep(0.002)  # a turn of its own: without the limit, a batch of its own
+    return reads
+
+
 async def test_reads_that_come_while_two_batches_are_out_go_together_in_the_next(
     counted: Counted, db: asyncpg.Pool, redis: Redis
 ) -> None:
-    """Two batches held out (Redis paused under their MGET), then 27 reads in separate turns: they wait and go
-    in the next batches, 20 and 7, not one each; each read gets its own user's position."""
+    """Two batches held out, then 27 reads in turns of their own: they wait and go in the next batches, 20
+    and 7, not one each; each read gets its own user's position."""
     await seed(db, users=30, contents=3)
     writer = PositionWriter(counted.redis, ttl_s=3600)
     for user_id in range(1, 30):
@@ -119,28 +138,73 @@ async def test_reads_that_come_while_two_batches_are_out_go_together_in_the_next
     await counted.reset()
     mgets = await calls(redis, "mget")
 
-    await redis.execute_command("CLIENT", "PAUSE", 400, "ALL")
-    reads = []
-    for user_id in range(1, 30):
-        reads.append(asyncio.create_task(reader.read(KINDS["lesson"], user_id, [1, 2])))
-        await asyncio.sleep(0.005)  # a turn of its own: without the limit, a batch of its own
+    async with lessons_locked(db):
+        reads = await submitted(reader, range(1, 30))
+        held = await calls(redis, "mget") - mgets
     found = await asyncio.gather(*reads)
 
     assert [[position for _, position, *_ in one] for one in found] == [[float(u)] for u in range(1, 30)]
     _, statements = await counted.round_trips()  # (a second connection's handshake counts as sends: not those)
-    assert (await calls(redis, "mget") - mgets, len(statements)) == (4, 4)  # 1, 1, then 20 and 7
+    assert (held, await calls(redis, "mget") - mgets, len(statements)) == (2, 4, 4)  # 1, 1, then 20 and 7
 
 
-async def test_closing_the_reader_answers_the_reads_still_waiting(
+async def test_a_read_whose_client_left_while_it_waited_takes_no_place_in_a_batch(
     counted: Counted, db: asyncpg.Pool, redis: Redis
 ) -> None:
+    await seed(db, users=30, contents=3)
+    reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=1)
+    mgets = await calls(redis, "mget")
+    async with lessons_locked(db):
+        reads = await submitted(reader, range(1, 27))
+        for read in reads[1:21]:
+            read.cancel()
+    assert [await read for read in (reads[0], *reads[21:])] == [[]] * 6
+    assert await calls(redis, "mget") - mgets == 2  # the first, then the 5 still waiting: not 20 and 5
+
+
+async def test_past_1000_waiting_a_read_is_refused_at_once_and_the_others_answer(
+    counted: Counted, db: asyncpg.Pool
+) -> None:
+    await seed(db, users=7, contents=3)
+    reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=1)
+    async with lessons_locked(db):
+        first = await submitted(reader, range(7, 8))
+        waiting = [asyncio.create_task(reader.read(KINDS["lesson"], 7, [1])) for _ in range(MAX_WAITING_LOOKUPS)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(ReadsWaiting):
+            await asyncio.wait_for(reader.read(KINDS["lesson"], 7, [1]), 2)  # at once: not queued
+    assert await asyncio.gather(*first, *waiting) == [[]] * (1 + MAX_WAITING_LOOKUPS)
+
+
+async def test_a_type_whose_query_fails_fails_its_own_reads_only(settings: Settings, db: asyncpg.Pool) -> None:
+    """A lock on one progress table (a migration's, say) past lock_timeout: the lesson read of the batch
+    fails, the audio read of the same batch answers."""
+    await seed(db, users=7, contents=3)
+    await db.execute(
+        "INSERT INTO audios_audioprogress (user_id, audio_id, position, created_at, updated_at)"
+        " VALUES (7, 1, 30, now(), now())"
+    )
+    pool = await create_db_pool(settings.model_copy(update={"database_lock_timeout_seconds": 0.2}))
+    redis = connect_redis(settings)
+    reader = ProgressReader(redis, pool, margin_s=10, batches_in_flight=2)
+    try:
+        async with lessons_locked(db):
+            lesson, audio = await asyncio.gather(
+                reader.read(KINDS["lesson"], 7, [1]), reader.read(KINDS["audio"], 7, [1]), return_exceptions=True
+            )
+    finally:
+        await reader.aclose()
+        await redis.aclose()
+        await pool.close()
+    assert isinstance(lesson, asyncpg.LockNotAvailableError)
+    assert isinstance(audio, list) and [position for _, position, *_ in audio] == [30.0]
+
+
+async def test_closing_the_reader_answers_the_reads_still_waiting(counted: Counted, db: asyncpg.Pool) -> None:
     await seed(db, users=10, contents=1)
     reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=1)
-    await redis.execute_command("CLIENT", "PAUSE", 300, "ALL")
-    reads = []
-    for user_id in range(1, 11):
-        reads.append(asyncio.create_task(reader.read(KINDS["audio"], user_id, [1])))
-        await asyncio.sleep(0.005)
+    async with lessons_locked(db):
+        reads = await submitted(reader, range(1, 11))
     await reader.aclose()
     assert all(read.done() and read.result() == [] for read in reads)
 
@@ -177,12 +241,16 @@ async def test_a_stateless_fetch_skips_the_reset_on_release_and_every_other_use_
     shows which release reset the connection: one connection, so every call gets the same one."""
     pool = await create_db_pool(settings.model_copy(update={"database_pool_min_size": 1, "database_pool_max_size": 1}))
     try:
-        await fetch_stateless(pool, "SELECT set_config('application_name', 'left-behind', false)")
+        left_behind = ("SELECT set_config('application_name', 'left-behind', false)", ())
+        await fetch_stateless(pool, [left_behind, ("SELECT 1", ())])
         assert await pool.fetchval("SHOW application_name") == "left-behind"  # not reset after the stateless fetch
         assert await pool.fetchval("SHOW application_name") != "left-behind"  # reset after an ordinary use
+        answers = await fetch_stateless(pool, [left_behind, ("SELECT 1 / 0", ()), ("SELECT 2", ())])
+        assert isinstance(answers[1], asyncpg.DivisionByZeroError) and answers[2] == [(2,)]  # the others still run
+        assert await pool.fetchval("SHOW application_name") != "left-behind"  # one failed: reset on release
         async with pool.acquire() as conn:
             await conn.execute("SELECT pg_advisory_lock(7431999)")
-        await fetch_stateless(pool, "SELECT 1")
+        await fetch_stateless(pool, [("SELECT 1", ())])
         assert await pool.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 7431999") == 0
     finally:
         await pool.close()
