@@ -184,8 +184,8 @@ class ProgressReads:
             raise HttpError(503, "progress reads need the database (DATABASE_URL), or the service is starting")
         try:
             return await self.reader.read(kind, user_id, content_ids)
-        except ReadsWaiting as exc:  # a storm of reads, or stores too slow for them: shed, not queued
-            raise HttpError(503, "too many reads wait for the progress store, retry later", _RETRY_SOON) from exc
+        except ReadsWaiting as exc:  # a storm of reads, or a store that stalls: shed, not queued
+            raise HttpError(503, "progress store too slow for the reads waiting, retry later", _RETRY_SOON) from exc
         except (*REDIS_FAILED, *POSTGRES_FAILED) as exc:
             log.warning("progress read failed: %s: %s", type(exc).__name__, exc)
             raise HttpError(503, "progress store unavailable, retry later") from exc

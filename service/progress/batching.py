@@ -2,8 +2,10 @@
 
 With `max_in_flight` (the reads), at most that many batches are out at once: what is submitted
 meanwhile waits for one to come back, then goes in one batch of at most `max_batch` (group commit),
-so under load the batches grow instead of their number; past `max_waiting` waiting, a caller gets
-`overloaded()` at once. Without it (the writes), every turn's batch goes at once.
+so under load the batches grow instead of their number. A caller gets `overloaded()` rather than
+wait longer than `max_wait_s` for a batch to start (a store that stalls holds its batches, not the
+callers behind them), or at once past `max_waiting` waiting. Without it (the writes), every turn's
+batch goes at once.
 """
 
 import asyncio
@@ -25,38 +27,41 @@ class TurnBatcher(Generic[T]):
         max_in_flight: int = 0,
         max_batch: int = 0,
         max_waiting: int = 0,
+        max_wait_s: float = 0.0,
         overloaded: Callable[[], BaseException] | None = None,
     ) -> None:
-        if max_in_flight and not (max_batch and max_waiting and overloaded):
-            raise ValueError("a limit of batches in flight needs max_batch, max_waiting and overloaded")
+        if max_in_flight and not (max_batch and max_waiting and max_wait_s and overloaded):
+            raise ValueError("a limit of batches in flight needs max_batch, max_waiting, max_wait_s and overloaded")
         self._send_batch = send
         self._interrupted = interrupted  # the error a caller gets if its batch never finished
         self._max_in_flight = max_in_flight
         self._max_batch = max_batch
         self._max_waiting = max_waiting
-        self._overloaded = overloaded
-        self._queue: list[tuple[T, asyncio.Future[None]]] = []
+        self._max_wait_s = max_wait_s
+        self._overloaded = overloaded or interrupted
+        # (item, its caller's future, when it came): oldest first
+        self._queue: list[tuple[T, asyncio.Future[None], float]] = []
         self._sending: set[asyncio.Task[None]] = set()
+        self._expiry: asyncio.TimerHandle | None = None  # armed while callers wait for a free lane
         self._closed = False
 
     async def submit(self, item: T) -> None:
         if self._closed:
             raise self._interrupted()
         if self._max_waiting and len(self._queue) >= self._max_waiting:
-            assert self._overloaded is not None  # said by __init__
             raise self._overloaded()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         if not self._queue:
             # runs after every callback already ready in this turn: those requests join the batch
             loop.call_soon(self._send_queued)
-        self._queue.append((item, future))
+        self._queue.append((item, future, loop.time()))
         await future
 
     def _send_queued(self) -> None:
         if self._max_in_flight:
             # a caller that went away while it waited (its request cancelled) takes no place in a batch
-            self._queue = [(item, future) for item, future in self._queue if not future.done()]
+            self._queue = [entry for entry in self._queue if not entry[1].done()]
         while self._queue and not self._closed and self._lane_free():
             cut = self._max_batch or len(self._queue)
             batch, self._queue = self._queue[:cut], self._queue[cut:]
@@ -64,6 +69,8 @@ class TurnBatcher(Generic[T]):
             # keep a handle: an unreferenced task can be garbage-collected mid-flight
             self._sending.add(task)
             task.add_done_callback(self._sent)
+        if self._queue and self._max_in_flight and self._expiry is None and not self._closed:
+            self._expire_at(self._queue[0][2] + self._max_wait_s)
 
     def _lane_free(self) -> bool:
         return not self._max_in_flight or len(self._sending) < self._max_in_flight
@@ -73,11 +80,30 @@ class TurnBatcher(Generic[T]):
         if self._max_in_flight:
             self._send_queued()  # what waited for this batch to come back
 
-    async def _send(self, batch: list[tuple[T, asyncio.Future[None]]]) -> None:
+    def _expire_at(self, when: float) -> None:
+        self._expiry = asyncio.get_running_loop().call_at(when, self._expire)
+
+    def _expire(self) -> None:
+        """Who waited max_wait_s and is still not in a batch gets overloaded(); the timer follows the oldest left."""
+        self._expiry = None
+        given_up = asyncio.get_running_loop().time() - self._max_wait_s
+        waiting = []
+        for item, future, came in self._queue:
+            if future.done():
+                continue
+            if came <= given_up:
+                future.set_exception(self._overloaded())
+            else:
+                waiting.append((item, future, came))
+        self._queue = waiting
+        if waiting and not self._closed:
+            self._expire_at(waiting[0][2] + self._max_wait_s)
+
+    async def _send(self, batch: list[tuple[T, asyncio.Future[None], float]]) -> None:
         error: BaseException | None = None
         try:
-            results = await self._send_batch([item for item, _ in batch])
-            for (_, future), result in zip(batch, results, strict=True):
+            results = await self._send_batch([item for item, _, _ in batch])
+            for (_, future, _), result in zip(batch, results, strict=True):
                 if future.done():  # its request was cancelled (client went away)
                     continue
                 if result is None:
@@ -88,7 +114,7 @@ class TurnBatcher(Generic[T]):
             error = exc
         finally:
             # whatever happened, no caller is left waiting for an answer that will not come
-            for _, future in batch:
+            for _, future, _ in batch:
                 if not future.done():
                     future.set_exception(error if error is not None else self._interrupted())
 
@@ -101,7 +127,9 @@ class TurnBatcher(Generic[T]):
         finally:
             # cancelled (a shutdown cut short): no batch starts after this, and no caller is left waiting
             self._closed = True
-            for _, future in self._queue:
+            if self._expiry is not None:
+                self._expiry.cancel()
+            for _, future, _ in self._queue:
                 if not future.done():
                     future.set_exception(self._interrupted())
             self._queue = []

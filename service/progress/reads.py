@@ -144,10 +144,13 @@ def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, 
 MAX_LOOKUPS_PER_BATCH = 20
 # reads waiting for a batch to come back, past which a read is refused at once (ReadsWaiting): 50 batches' worth
 MAX_WAITING_LOOKUPS = 1000
+# how long a read waits for its batch to start before it is refused: ms under load, past this only when a store
+# stalls, and a stalled store then holds its two batches (up to its own timeouts), not every read behind them
+MAX_WAIT_S = 1.0
 
 
 class ReadsWaiting(Exception):
-    """Too many reads wait for the stores already: this one is refused rather than queued behind them."""
+    """The batches out do not come back: this read is refused rather than left waiting behind them."""
 
 
 @dataclass(slots=True)
@@ -162,7 +165,8 @@ class ProgressReader:
     """Freshest progress of one user for some ids of one content type; concurrent reads share round trips.
 
     At most `batches_in_flight` batches are out at once: the reads that come meanwhile go together in the
-    next, up to MAX_LOOKUPS_PER_BATCH of them, so a busier pod sends bigger batches, not more of them.
+    next, up to MAX_LOOKUPS_PER_BATCH of them, so a busier pod sends bigger batches, not more of them. A read
+    that waited MAX_WAIT_S, or finds MAX_WAITING_LOOKUPS waiting, raises ReadsWaiting.
     """
 
     def __init__(
@@ -184,7 +188,10 @@ class ProgressReader:
             max_in_flight=batches_in_flight,
             max_batch=MAX_LOOKUPS_PER_BATCH,
             max_waiting=MAX_WAITING_LOOKUPS,
-            overloaded=lambda: ReadsWaiting(f"{MAX_WAITING_LOOKUPS} reads wait for the stores already"),
+            max_wait_s=MAX_WAIT_S,
+            overloaded=lambda: ReadsWaiting(
+                f"the stores answer too slowly for the reads waiting (at most {MAX_WAIT_S:g} s)"
+            ),
         )
 
     async def read(self, kind: ContentKind, user_id: int, content_ids: Sequence[int]) -> list[Progress]:

@@ -170,6 +170,26 @@ async def test_bad_reads_get_a_clear_4xx_and_write_nothing(
     assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 0
 
 
+async def test_a_read_behind_a_stalled_store_gets_a_503_to_retry_soon_not_a_long_wait(
+    client: httpx.AsyncClient, db: asyncpg.Pool, token: str
+) -> None:
+    """The two batches a process may have out stall on a lock: the next read is refused within about a second."""
+    await seed(db, users=7)
+    loop = asyncio.get_running_loop()
+    async with db.acquire() as conn, conn.transaction():
+        await conn.execute("LOCK TABLE engagements_lessonprogress IN ACCESS EXCLUSIVE MODE")
+        held = []
+        for _ in range(2):
+            held.append(asyncio.create_task(client.get("/progress/lesson/1", headers=auth(token))))
+            await asyncio.sleep(0.05)
+        started = loop.time()
+        waited = await client.get("/progress/lesson/2", headers=auth(token))
+        elapsed = loop.time() - started
+    assert (waited.status_code, waited.headers["retry-after"]) == (503, "1"), waited.text
+    assert "too slow" in waited.json()["detail"] and 0.9 < elapsed < 2
+    assert [(await read).status_code for read in held] == [404, 404]  # answered once the lock went
+
+
 async def test_100_ids_are_accepted(client: httpx.AsyncClient, db: asyncpg.Pool, token: str) -> None:
     await seed(db, users=7)
     ids = ",".join(str(i) for i in range(1, 101))

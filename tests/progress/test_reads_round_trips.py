@@ -16,7 +16,7 @@ from service.clients import connect_redis, create_db_pool, fetch_stateless
 from service.config import Settings
 from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
 from service.progress.content import CONTENT_KINDS
-from service.progress.reads import MAX_WAITING_LOOKUPS, Progress, ProgressReader, ReadsWaiting, rows_sql
+from service.progress.reads import MAX_WAIT_S, MAX_WAITING_LOOKUPS, Progress, ProgressReader, ReadsWaiting, rows_sql
 from service.progress.sync import OfflineSync, SyncItem
 from tests.helpers import Servers, seed
 
@@ -174,6 +174,25 @@ async def test_past_1000_waiting_a_read_is_refused_at_once_and_the_others_answer
         with pytest.raises(ReadsWaiting):
             await asyncio.wait_for(reader.read(KINDS["lesson"], 7, [1]), 2)  # at once: not queued
     assert await asyncio.gather(*first, *waiting) == [[]] * (1 + MAX_WAITING_LOOKUPS)
+
+
+async def test_a_read_that_waits_its_limit_behind_a_stalled_store_is_refused_not_left_waiting(
+    counted: Counted, db: asyncpg.Pool
+) -> None:
+    """The one batch allowed out stalls (a lock): the reads behind it get ReadsWaiting after MAX_WAIT_S, not
+    when the store comes back; the stalled batch still answers its own read."""
+    await seed(db, users=7, contents=3)
+    reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=1)
+    loop = asyncio.get_running_loop()
+    async with lessons_locked(db):
+        started = loop.time()
+        reads = await submitted(reader, range(1, 6))
+        refused = await asyncio.wait_for(asyncio.gather(*reads[1:], return_exceptions=True), MAX_WAIT_S + 2)
+        waited = loop.time() - started
+        assert not reads[0].done()  # the stalled batch: its read waits for the store
+    assert all(isinstance(error, ReadsWaiting) for error in refused)
+    assert MAX_WAIT_S <= waited < MAX_WAIT_S + 1
+    assert await reads[0] == []
 
 
 async def test_a_type_whose_query_fails_fails_its_own_reads_only(settings: Settings, db: asyncpg.Pool) -> None:
