@@ -77,8 +77,8 @@ class Settings(BaseSettings):
     progress_flush_max_rows_per_second: int = Field(5000, ge=0)
     progress_completion_margin_seconds: float = Field(10.0, ge=0)
     progress_shutdown_timeout_seconds: float = Field(20.0, gt=0)
-    # GET /progress: batches (one MGET, one query per type) out at once per process; the reads that come
-    # meanwhile wait and go together in the next, so the reads never hold more of the database than this
+    # GET /progress: batches of one content type (one MGET, one query) out at once per process; the reads that
+    # come meanwhile wait and go together in the next, so the reads of a type hold at most this many connections
     progress_read_batches_in_flight: int = Field(2, ge=1)
 
     # POST /progress/sync: positions listened offline, uploaded later

@@ -188,4 +188,4 @@ class ProgressReads:
             raise HttpError(503, "progress store too slow for the reads waiting, retry later", _RETRY_SOON) from exc
         except (*REDIS_FAILED, *POSTGRES_FAILED) as exc:
             log.warning("progress read failed: %s: %s", type(exc).__name__, exc)
-            raise HttpError(503, "progress store unavailable, retry later") from exc
+            raise HttpError(503, "progress store unavailable, retry later", _RETRY_SOON) from exc

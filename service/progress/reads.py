@@ -1,9 +1,9 @@
 """Reading progress back at its freshest: the buffered value when it is newer than the row.
 
 A read costs one Redis MGET of the value keys and one query of the rows, whatever the number of
-ids (and the reads of one event-loop turn share both: one MGET for all of them, one query per
-content type; so do the reads that wait while PROGRESS_READ_BATCHES_IN_FLIGHT batches are out).
-The answer is what the next flush will leave in Postgres, before it runs:
+ids; the reads of one type in one event-loop turn share both, and so do those that wait while
+PROGRESS_READ_BATCHES_IN_FLIGHT batches of their type are out. The answer is what the next flush
+will leave in Postgres, before it runs:
 - the position and `updated_at` of the buffered value when it was received after the row's
   `updated_at` (the flush's upsert only moves forward the same way), else the row's;
 - `completed_at`: the row's, or, when the buffered peak reached `duration - margin` and the row
@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import TypeAlias
 
 import asyncpg
@@ -24,7 +25,7 @@ from redis.exceptions import RedisError
 from service.clients import RedisClient, fetch_stateless, get_many
 from service.progress.batching import TurnBatcher
 from service.progress.buffer import decode_value
-from service.progress.content import ContentKind
+from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import STANDALONE, KeyLayout
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -142,10 +143,10 @@ def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, 
 
 # a batch names at most 2,000 ids (20 reads of 100): one MGET of that many keys, one query of that many pairs
 MAX_LOOKUPS_PER_BATCH = 20
-# reads waiting for a batch to come back, past which a read is refused at once (ReadsWaiting): 50 batches' worth
+# reads of one type waiting for a batch to come back, past which a read is refused at once (ReadsWaiting)
 MAX_WAITING_LOOKUPS = 1000
 # how long a read waits for its batch to start before it is refused: ms under load, past this only when a store
-# stalls, and a stalled store then holds its two batches (up to its own timeouts), not every read behind them
+# stalls, and a stalled store then holds its batches (up to its own timeouts), not every read behind them
 MAX_WAIT_S = 1.0
 
 
@@ -155,7 +156,6 @@ class ReadsWaiting(Exception):
 
 @dataclass(slots=True)
 class _Lookup:
-    kind: ContentKind
     user_id: int
     content_ids: Sequence[int]
     found: list[Progress] = field(default_factory=list)
@@ -164,9 +164,10 @@ class _Lookup:
 class ProgressReader:
     """Freshest progress of one user for some ids of one content type; concurrent reads share round trips.
 
-    At most `batches_in_flight` batches are out at once: the reads that come meanwhile go together in the
-    next, up to MAX_LOOKUPS_PER_BATCH of them, so a busier pod sends bigger batches, not more of them. A read
-    that waited MAX_WAIT_S, or finds MAX_WAITING_LOOKUPS waiting, raises ReadsWaiting.
+    Per content type, at most `batches_in_flight` batches are out at once: the reads that come meanwhile go
+    together in the next, up to MAX_LOOKUPS_PER_BATCH of them, so a busier pod sends bigger batches, not more
+    of them; a type whose table is locked (a migration's, say) holds its own reads only. A read that waited
+    MAX_WAIT_S, or finds MAX_WAITING_LOOKUPS waiting, raises ReadsWaiting.
     """
 
     def __init__(
@@ -182,59 +183,52 @@ class ProgressReader:
         self._layout = layout
         self._pool = pool
         self._margin_s = margin_s
-        self._batcher: TurnBatcher[_Lookup] = TurnBatcher(
-            self._send,
-            interrupted=lambda: RedisError("the read was interrupted before it finished"),
-            max_in_flight=batches_in_flight,
-            max_batch=MAX_LOOKUPS_PER_BATCH,
-            max_waiting=MAX_WAITING_LOOKUPS,
-            max_wait_s=MAX_WAIT_S,
-            overloaded=lambda: ReadsWaiting(
-                f"the stores answer too slowly for the reads waiting (at most {MAX_WAIT_S:g} s)"
-            ),
-        )
+        self._batchers: dict[ContentKind, TurnBatcher[_Lookup]] = {
+            kind: TurnBatcher(
+                partial(self._send, kind),
+                interrupted=lambda: RedisError("the read was interrupted before it finished"),
+                max_in_flight=batches_in_flight,
+                max_batch=MAX_LOOKUPS_PER_BATCH,
+                max_waiting=MAX_WAITING_LOOKUPS,
+                max_wait_s=MAX_WAIT_S,
+                overloaded=lambda: ReadsWaiting(
+                    f"the stores answer too slowly for the reads waiting (at most {MAX_WAIT_S:g} s)"
+                ),
+            )
+            for kind in CONTENT_KINDS
+        }
 
     async def read(self, kind: ContentKind, user_id: int, content_ids: Sequence[int]) -> list[Progress]:
         """In the order of `content_ids`, one entry per id that has progress."""
-        lookup = _Lookup(kind, user_id, content_ids)
-        await self._batcher.submit(lookup)
+        lookup = _Lookup(user_id, content_ids)
+        await self._batchers[kind].submit(lookup)
         return lookup.found
 
-    async def _send(self, lookups: list[_Lookup]) -> list[BaseException | None]:
+    async def _send(self, kind: ContentKind, lookups: list[_Lookup]) -> list[BaseException | None]:
         keys = [
-            key
-            for lookup in lookups
-            for key in self._layout.value_keys(lookup.kind.name, lookup.user_id, lookup.content_ids)
+            key for lookup in lookups for key in self._layout.value_keys(kind.name, lookup.user_id, lookup.content_ids)
         ]
-        pairs_by_kind: dict[ContentKind, list[tuple[int, int]]] = {}
-        for lookup in lookups:
-            pairs_by_kind.setdefault(lookup.kind, []).extend((lookup.user_id, cid) for cid in lookup.content_ids)
-        # both stores at once: the queries in a task of their own, the MGET in this one; both are awaited to
-        # their end before an error goes up
-        fetch = asyncio.ensure_future(fetch_rows(self._pool, pairs_by_kind))
+        pairs = [(lookup.user_id, content_id) for lookup in lookups for content_id in lookup.content_ids]
+        # both stores at once: the query in a task of its own, the MGET in this one; both are awaited to their
+        # end before an error goes up
+        fetch = asyncio.ensure_future(fetch_rows(self._pool, {kind: pairs}))
         try:
             raw_values = await get_many(self._redis, keys)
         finally:
             with contextlib.suppress(Exception):  # its error goes up below, or after the MGET's
                 await fetch
-        rows = fetch.result()
-        buffered = decode_values(raw_values)
-        results: list[BaseException | None] = []
-        start = 0
+        rows = fetch.result()[kind]
+        if isinstance(rows, Exception):
+            raise rows
+        buffered = iter(decode_values(raw_values))
         for lookup in lookups:
-            kind_rows, end = rows[lookup.kind], start + len(lookup.content_ids)
-            if isinstance(kind_rows, Exception):
-                results.append(kind_rows)  # its type's query failed: the reads of the other types still answer
-            else:
-                for content_id, value in zip(lookup.content_ids, buffered[start:end], strict=True):
-                    progress = freshest(
-                        content_id, value, kind_rows.get((lookup.user_id, content_id)), margin_s=self._margin_s
-                    )
-                    if progress is not None:
-                        lookup.found.append(progress)
-                results.append(None)
-            start = end
-        return results
+            for content_id in lookup.content_ids:
+                progress = freshest(
+                    content_id, next(buffered), rows.get((lookup.user_id, content_id)), margin_s=self._margin_s
+                )
+                if progress is not None:
+                    lookup.found.append(progress)
+        return [None] * len(lookups)
 
     async def aclose(self) -> None:
-        await self._batcher.aclose()
+        await asyncio.gather(*(batcher.aclose() for batcher in self._batchers.values()))
