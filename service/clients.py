@@ -365,22 +365,17 @@ async def _reset_session(conn: asyncpg.Connection) -> None:
 
 async def fetch_stateless(
     pool: asyncpg.Pool, statements: Sequence[tuple[str, Sequence[object]]]
-) -> list[list[asyncpg.Record] | Exception]:
+) -> list[list[asyncpg.Record]]:
     """pool.fetch of each statement in turn, on one connection, for statements that leave no session state
-    behind (no SET, LISTEN, cursor or lock); each answer is its records, or the error it met.
+    behind (no SET, LISTEN, cursor or lock); the first that fails raises, and the rest do not run.
 
     The connection goes back without the reset query: one round trip per statement, not one more. Any
-    other use of the pool, and this one when a statement failed, still resets the session on release.
+    other use of the pool, an error here included, still resets the session on release.
     """
-    answers: list[list[asyncpg.Record] | Exception] = []
     async with pool.acquire() as conn:
-        for query, args in statements:
-            try:
-                answers.append(await conn.fetch(query, *args))
-            except Exception as exc:  # the caller's to judge; a lost connection fails the rest the same way
-                answers.append(exc)
+        answers: list[list[asyncpg.Record]] = [await conn.fetch(query, *args) for query, args in statements]
         mark = getattr(conn, "took_no_session_state", None)  # a pool not made by create_db_pool: reset as usual
-        if mark is not None and not any(isinstance(answer, Exception) for answer in answers):
+        if mark is not None:
             mark()
     return answers
 

@@ -79,7 +79,7 @@ class Settings(BaseSettings):
     progress_shutdown_timeout_seconds: float = Field(20.0, gt=0)
     # GET /progress: batches of one content type (one MGET, one query) out at once per process; the reads that
     # come meanwhile wait and go together in the next, so the reads of a type hold at most this many connections
-    progress_read_batches_in_flight: int = Field(2, ge=1)
+    progress_read_batches_in_flight: int = Field(1, ge=1)
 
     # POST /progress/sync: positions listened offline, uploaded later
     sync_max_body_bytes: int = Field(262_144, ge=4096, le=4_194_304)

@@ -85,10 +85,13 @@ _READ_ERRORS = {
     "401": _UNAUTHENTICATED,
     "422": _error_response("Unknown content type or ids that are not integers from 1 to 2^63-1; `detail` says which."),
     "429": _too_many("Too many requests from this user (they count against the heartbeats' per-user rate)."),
-    "503": _error_response(
-        "Redis or Postgres cannot be read now (or no database is configured), or answers too slowly for the reads"
-        " waiting (then with `Retry-After: 1`); retry later."
-    ),
+    "503": {
+        **_error_response(
+            "Redis or Postgres cannot be read now, or answers too slowly for the reads waiting (or no database is"
+            " configured); retry later."
+        ),
+        "headers": {"Retry-After": {"description": "Seconds to wait: 1.", "schema": {"type": "integer", "minimum": 1}}},
+    },
 }
 
 

@@ -181,7 +181,9 @@ class ProgressReads:
 
     async def _read(self, kind: ContentKind, user_id: int, content_ids: list[int]) -> list[Progress]:
         if self.reader is None:
-            raise HttpError(503, "progress reads need the database (DATABASE_URL), or the service is starting")
+            raise HttpError(
+                503, "progress reads need the database (DATABASE_URL), or the service is starting", _RETRY_SOON
+            )
         try:
             return await self.reader.read(kind, user_id, content_ids)
         except ReadsWaiting as exc:  # a storm of reads, or a store that stalls: shed, not queued

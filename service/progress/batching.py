@@ -2,15 +2,15 @@
 
 With `max_in_flight` (the reads), at most that many batches are out at once: what is submitted
 meanwhile waits for one to come back, then goes in one batch of at most `max_batch` (group commit),
-so under load the batches grow instead of their number. A caller gets `overloaded()` rather than
+so under load the batches grow instead of their number. A caller gets `overloaded(why)` rather than
 wait longer than `max_wait_s` for a batch to start (a store that stalls holds its batches, not the
 callers behind them), or at once past `max_waiting` waiting. Without it (the writes), every turn's
 batch goes at once.
 """
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -28,7 +28,7 @@ class TurnBatcher(Generic[T]):
         max_batch: int = 0,
         max_waiting: int = 0,
         max_wait_s: float = 0.0,
-        overloaded: Callable[[], BaseException] | None = None,
+        overloaded: Callable[[str], BaseException] | None = None,
     ) -> None:
         if max_in_flight and not (max_batch and max_waiting and max_wait_s and overloaded):
             raise ValueError("a limit of batches in flight needs max_batch, max_waiting, max_wait_s and overloaded")
@@ -38,7 +38,7 @@ class TurnBatcher(Generic[T]):
         self._max_batch = max_batch
         self._max_waiting = max_waiting
         self._max_wait_s = max_wait_s
-        self._overloaded = overloaded or interrupted
+        self._overloaded = overloaded or (lambda why: interrupted())
         # (item, its caller's future, when it came): oldest first
         self._queue: list[tuple[T, asyncio.Future[None], float]] = []
         self._sending: set[asyncio.Task[None]] = set()
@@ -49,7 +49,7 @@ class TurnBatcher(Generic[T]):
         if self._closed:
             raise self._interrupted()
         if self._max_waiting and len(self._queue) >= self._max_waiting:
-            raise self._overloaded()
+            raise self._overloaded(f"{self._max_waiting} wait already")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         if not self._queue:
@@ -69,7 +69,10 @@ class TurnBatcher(Generic[T]):
             # keep a handle: an unreferenced task can be garbage-collected mid-flight
             self._sending.add(task)
             task.add_done_callback(self._sent)
-        if self._queue and self._max_in_flight and self._expiry is None and not self._closed:
+        if not self._queue and self._expiry is not None:  # nobody waits: no timer
+            self._expiry.cancel()
+            self._expiry = None
+        elif self._queue and self._max_in_flight and self._expiry is None and not self._closed:
             self._expire_at(self._queue[0][2] + self._max_wait_s)
 
     def _lane_free(self) -> bool:
@@ -84,20 +87,20 @@ class TurnBatcher(Generic[T]):
         self._expiry = asyncio.get_running_loop().call_at(when, self._expire)
 
     def _expire(self) -> None:
-        """Who waited max_wait_s and is still not in a batch gets overloaded(); the timer follows the oldest left."""
+        """Who waited max_wait_s (within a ms) and is still not in a batch gets overloaded(); the queue is oldest
+        first, so only its front is looked at, and the timer follows the oldest left."""
         self._expiry = None
-        given_up = asyncio.get_running_loop().time() - self._max_wait_s
-        waiting = []
-        for item, future, came in self._queue:
-            if future.done():
-                continue
-            if came <= given_up:
-                future.set_exception(self._overloaded())
-            else:
-                waiting.append((item, future, came))
-        self._queue = waiting
-        if waiting and not self._closed:
-            self._expire_at(waiting[0][2] + self._max_wait_s)
+        given_up = asyncio.get_running_loop().time() - self._max_wait_s + 0.001
+        expired = 0
+        for _, future, came in self._queue:
+            if came > given_up:
+                break
+            if not future.done():
+                future.set_exception(self._overloaded(f"waited {self._max_wait_s:g} s"))
+            expired += 1
+        del self._queue[:expired]
+        if self._queue and not self._closed:
+            self._expire_at(self._queue[0][2] + self._max_wait_s)
 
     async def _send(self, batch: list[tuple[T, asyncio.Future[None], float]]) -> None:
         error: BaseException | None = None
@@ -133,3 +136,8 @@ class TurnBatcher(Generic[T]):
                 if not future.done():
                     future.set_exception(self._interrupted())
             self._queue = []
+
+
+async def close_all(batchers: Iterable[TurnBatcher[Any]]) -> None:
+    """aclose of each, at once: one type's stalled batches hold back no other type's shutdown."""
+    await asyncio.gather(*(batcher.aclose() for batcher in batchers))

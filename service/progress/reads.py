@@ -23,7 +23,7 @@ import asyncpg
 from redis.exceptions import RedisError
 
 from service.clients import RedisClient, fetch_stateless, get_many
-from service.progress.batching import TurnBatcher
+from service.progress.batching import TurnBatcher, close_all
 from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import STANDALONE, KeyLayout
@@ -80,11 +80,9 @@ def from_ms(ms: float) -> datetime:
 
 async def fetch_rows(
     pool: asyncpg.Pool, pairs_by_kind: Mapping[ContentKind, Sequence[tuple[int, int]]]
-) -> dict[ContentKind, StoredRows | Exception]:
-    """Per type, what Postgres has of its (user_id, content_id) pairs, or the error its query met.
-
-    One query per type, in turn on one connection: a read's batch, or a sync, holds one of the pool's.
-    """
+) -> dict[ContentKind, StoredRows]:
+    """Per type, what Postgres has of its (user_id, content_id) pairs: one query per type, in turn on one
+    connection (a sync holds one of the pool's, a read's batch too)."""
     answers = await fetch_stateless(
         pool,
         [
@@ -93,10 +91,7 @@ async def fetch_rows(
         ],
     )
     # by position, in _ROWS_SQL's order: user_id, content_id, then the StoredRow (a slice of a record is a tuple)
-    return {
-        kind: answer if isinstance(answer, Exception) else {(r[0], r[1]): r[2:] for r in answer}
-        for kind, answer in zip(pairs_by_kind, answers, strict=True)
-    }
+    return {kind: {(r[0], r[1]): r[2:] for r in answer} for kind, answer in zip(pairs_by_kind, answers, strict=True)}
 
 
 def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | None]:
@@ -191,9 +186,7 @@ class ProgressReader:
                 max_batch=MAX_LOOKUPS_PER_BATCH,
                 max_waiting=MAX_WAITING_LOOKUPS,
                 max_wait_s=MAX_WAIT_S,
-                overloaded=lambda: ReadsWaiting(
-                    f"the stores answer too slowly for the reads waiting (at most {MAX_WAIT_S:g} s)"
-                ),
+                overloaded=lambda why: ReadsWaiting(f"the stores answer too slowly for the reads waiting: {why}"),
             )
             for kind in CONTENT_KINDS
         }
@@ -218,8 +211,6 @@ class ProgressReader:
             with contextlib.suppress(Exception):  # its error goes up below, or after the MGET's
                 await fetch
         rows = fetch.result()[kind]
-        if isinstance(rows, Exception):
-            raise rows
         buffered = iter(decode_values(raw_values))
         for lookup in lookups:
             for content_id in lookup.content_ids:
@@ -231,4 +222,4 @@ class ProgressReader:
         return [None] * len(lookups)
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(batcher.aclose() for batcher in self._batchers.values()))
+        await close_all(self._batchers.values())

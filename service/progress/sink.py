@@ -23,7 +23,7 @@ from functools import partial
 import asyncpg
 
 from service import metrics
-from service.progress.batching import TurnBatcher
+from service.progress.batching import TurnBatcher, close_all
 from service.progress.buffer import PositionWriter
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.store import Heartbeat, persist_batch, report_batch
@@ -112,8 +112,7 @@ class DirectWriter:
         return results
 
     async def aclose(self) -> None:
-        for batcher in self._batchers.values():
-            await batcher.aclose()
+        await close_all(self._batchers.values())
 
 
 class HeartbeatSink:

@@ -253,10 +253,6 @@ class OfflineSync:
         ids_by_kind: dict[ContentKind, set[int]] = {}
         for a in accepted:
             ids_by_kind.setdefault(a.kind, set()).add(a.content_id)
-        pairs_by_kind = {kind: [(user_id, cid) for cid in sorted(ids)] for kind, ids in ids_by_kind.items()}
-        found: dict[ContentKind, StoredRows] = {}
-        for kind, answer in (await fetch_rows(self._pool, pairs_by_kind)).items():
-            if isinstance(answer, Exception):
-                raise answer  # every query was run to its end first
-            found[kind] = answer
-        return found
+        return await fetch_rows(
+            self._pool, {kind: [(user_id, cid) for cid in sorted(ids)] for kind, ids in ids_by_kind.items()}
+        )
