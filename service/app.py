@@ -94,6 +94,7 @@ def build_flusher(settings: Settings, redis: RedisClient, pool: asyncpg.Pool) ->
         max_rows_per_second=settings.progress_flush_max_rows_per_second,
         statement_timeout_s=settings.database_statement_timeout_seconds,
         lock_timeout_s=settings.database_lock_timeout_seconds,
+        value_ttl_s=settings.progress_position_ttl_seconds,
     )
 
 

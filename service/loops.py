@@ -1,7 +1,7 @@
 """The two shapes of everything that runs on its own here, each written once.
 
 every              a step every interval until a stop event: the flusher, the relay, the trial-journey
-                   sweep, the catalog refresh, the Redis memory sample
+                   sweep, the catalog refresh, the Redis memory sample (sleep_unless_stopped: its one wait)
 run_until_stopped  a long-running command (flush, relay, trial-emails run-once) until SIGTERM or Ctrl-C
 """
 
@@ -53,7 +53,7 @@ async def every(
     `jitter` (0.1: ±10 %) spreads the pods' steps apart; `wake` (the relay's NOTIFY) cuts short the
     wait after a successful step, not a backoff.
     """
-    if wait_first and await _wait(stop, interval_s):
+    if wait_first and await sleep_unless_stopped(stop, interval_s):
         return
     failures = 0
     while not stop.is_set():
@@ -68,13 +68,16 @@ async def every(
             logger.exception("%s failed unexpectedly; retrying", name)
         failures = 0 if succeeded else failures + 1
         if failures and backoff is not None:
-            await _wait(stop, backoff.delay_s(failures))
+            await sleep_unless_stopped(stop, backoff.delay_s(failures))
         else:
-            await _wait(stop, interval_s * random.uniform(1 - jitter, 1 + jitter), wake)
+            await sleep_unless_stopped(stop, interval_s * random.uniform(1 - jitter, 1 + jitter), wake)
 
 
-async def _wait(stop: asyncio.Event, timeout_s: float, wake: asyncio.Event | None = None) -> bool:
-    """Until `stop`, `wake` or the timeout, whichever comes first; True when stopped."""
+async def sleep_unless_stopped(stop: asyncio.Event, timeout_s: float, wake: asyncio.Event | None = None) -> bool:
+    """Until `stop`, `wake` or the timeout, whichever comes first; True when stopped.
+
+    Every wait of a loop or of a brake goes through here, so that SIGTERM ends it (the budget's too).
+    """
     waits = [asyncio.ensure_future(event.wait()) for event in (stop, wake) if event is not None]
     try:
         await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)

@@ -117,6 +117,15 @@ FLUSH_LAG_SECONDS = Histogram(
 FLUSH_BUDGET_WAIT_SECONDS = Counter(
     "progress_flush_budget_wait_seconds_total", "Seconds the flush drains spent waiting for the fleet's write budget."
 )
+FLUSH_BUDGET_FALLBACK = Counter(
+    "progress_flush_budget_fallback_total",
+    "Batches paced by the pod's own budget because Redis refused the fleet's (at maxmemory, its master down).",
+)
+FLUSH_LOCKED = Counter(
+    "progress_flush_locked_total",
+    "Entries left pending because another session held their row's lock (the rest of the batch was written).",
+    ["content_type"],
+)
 FLUSH_CONCURRENCY_LIMIT = Gauge(
     "progress_flush_concurrency_limit",
     "Statements the flush may run at once now (adapts to their latency).",

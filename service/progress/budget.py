@@ -5,68 +5,162 @@ script call before it is claimed, and waits until its reservation starts. Reserv
 another on the server's clock (TIME), not the pods' clocks, so a backlog drains at the budget's pace,
 evenly, whatever the number of pods; a pod never needs to know how many others there are.
 The key lives on one hash slot (keys.FLUSH_BUDGET_KEY): on a cluster, every pod asks the same master.
+
+The budget is a brake, and a brake must not become a stall:
+- a wait is capped at a few batches' worth (`max_wait_s`): past it the batch is not reserved and asks
+  again later, and a stored time further ahead than any reservation of this budget can end (a Redis
+  clock stepped back, a failover to a replica whose clock lags, a pod configured with a smaller
+  budget) is taken for what it is, not waited for;
+- a Redis that refuses the script (at `maxmemory`, or the budget's master down) leaves the pod to pace
+  itself at the budget on its own clock, counted and logged, until Redis takes the script again;
+- every wait ends on the stop event, and a reservation not used (stopped, cancelled) is given back.
 """
 
 import asyncio
+import contextlib
+import logging
 import time
+from dataclasses import dataclass
 
 from redis.commands.core import AsyncScript
 
 from service import metrics
 from service.clients import RedisClient
+from service.loops import sleep_unless_stopped
 from service.progress.keys import FLUSH_BUDGET_KEY
+from service.stores import REDIS_FAILED
 
-# KEYS: the budget key. ARGV: rows per second, rows wanted (negative: rows given back).
-# Returns how long to wait (µs) before the rows may be written. The stored value is the end of the
-# last reservation (µs of the server's clock). An idle budget lends no past time: a fleet that slept
-# does not get a burst of everything it did not write, the first batch goes at once and the next
-# one after it, at the budget's pace.
+log = logging.getLogger(__name__)
+
+# KEYS: the budget key. ARGV: rows per second, rows wanted (negative: rows given back), the longest wait
+# granted (µs), the horizon (µs): no reservation of this budget ends further ahead than that.
+# Returns {1, wait µs} when reserved, {0, retry in µs} when the wait would pass the longest one granted
+# (nothing is reserved then). The stored value is the end of the last reservation (µs of the server's
+# clock). An idle budget lends no past time: a fleet that slept does not get a burst of everything it
+# did not write, the first batch goes at once and the next one after it, at the budget's pace.
 _RESERVE = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 local per_row = 1000000 / tonumber(ARGV[1])
 local rows = tonumber(ARGV[2])
+local max_wait = tonumber(ARGV[3])
 local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
-local start = math.max(tat, now)
-local ends = start + rows * per_row
+if tat > now + tonumber(ARGV[4]) then
+  tat = now
+end
+local start, ends = math.max(tat, now), 0
 if rows < 0 then
   -- rows reserved and not written (the claim found fewer): later reservations may start sooner
-  ends = math.max(tat + rows * per_row, now)
-  start = now
+  start, ends = now, math.max(tat + rows * per_row, now)
+elseif start - now > max_wait then
+  return {0, math.floor(start - now - max_wait)}
+else
+  ends = start + rows * per_row
 end
 redis.call('SET', KEYS[1], string.format('%.0f', ends), 'PX', math.max(1, math.ceil((ends - now) / 1000)) + 1000)
-return math.floor(math.max(0, start - now))
+return {1, math.floor(start - now)}
 """
+
+# the longest a reservation waits, in batches of the budget's own pace (at least a second): a future
+# time in the key, whatever it says, costs a few batches
+_MAX_WAIT_BATCHES = 4
+_MIN_MAX_WAIT_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    rows: int
+    local: bool  # taken from the pod's own pacing: Redis refused the fleet's
 
 
 class FlushBudget:
-    """`reserve(rows)` waits for the fleet's budget; `refund(rows)` gives back rows reserved and not written."""
+    """`reserve(rows)` waits for the fleet's budget; `refund(reservation, rows)` gives back rows not written."""
 
-    def __init__(self, redis: RedisClient, *, rows_per_second: int) -> None:
+    def __init__(self, redis: RedisClient, *, rows_per_second: int, batch_size: int = 500) -> None:
         self._script: AsyncScript = redis.register_script(_RESERVE)
         self.rows_per_second = rows_per_second
+        # a batch is at most one second of the budget: a small budget is paced within the second too
+        self.batch_rows = min(batch_size, max(1, rows_per_second)) if rows_per_second > 0 else batch_size
+        batch_s = self.batch_rows / rows_per_second if rows_per_second > 0 else 0.0
+        self.max_wait_s = max(_MIN_MAX_WAIT_S, _MAX_WAIT_BATCHES * batch_s)
+        # twice what a reservation of this budget can reach: pods of one fleet share these settings
+        self._horizon_s = 2 * (self.max_wait_s + batch_s)
+        self._local_until = 0.0  # the pod's own pacing (time.monotonic()), while Redis refuses the script
+        self._falling_back = False
 
     @property
     def limited(self) -> bool:
         return self.rows_per_second > 0
 
-    async def reserve(self, rows: int) -> float:
-        """Take `rows` from the budget and sleep until they may be written; returns the seconds waited."""
-        if not self.limited or rows <= 0:
-            return 0.0
-        wait_us: int = await self._script(keys=[FLUSH_BUDGET_KEY], args=[self.rows_per_second, rows])
-        wait_s = wait_us / 1_000_000
-        if wait_s > 0:
-            started = time.monotonic()
-            try:
-                await asyncio.sleep(wait_s)
-            finally:  # a cancelled wait (shutdown) counts for what it lasted
-                metrics.FLUSH_BUDGET_WAIT_SECONDS.inc(time.monotonic() - started)
-        return wait_s
+    async def reserve(self, rows: int, stop: asyncio.Event | None = None) -> Reservation | None:
+        """Take `rows` from the budget and sleep until they may be written; None when `stop` came first.
 
-    async def refund(self, rows: int) -> None:
-        if self.limited and rows > 0:
-            await self._script(keys=[FLUSH_BUDGET_KEY], args=[self.rows_per_second, -rows])
+        Nothing stays reserved when this returns None or is cancelled: the rows are given back.
+        """
+        if not self.limited or rows <= 0:
+            return Reservation(rows, local=False)
+        waited = time.monotonic()
+        try:
+            while True:
+                granted, wait_s, local = await self._ask(rows)
+                reservation = Reservation(rows, local) if granted else None
+                try:
+                    stopped = wait_s > 0 and await sleep_unless_stopped(stop or asyncio.Event(), wait_s)
+                except BaseException:  # cancelled (the final flush's deadline): its rows go back
+                    if reservation is not None:
+                        await asyncio.shield(self.refund(reservation, rows))
+                    raise
+                if stopped:
+                    if reservation is not None:
+                        await asyncio.shield(self.refund(reservation, rows))
+                    return None
+                if reservation is not None:
+                    return reservation
+        finally:  # a cancelled or stopped wait counts for what it lasted
+            metrics.FLUSH_BUDGET_WAIT_SECONDS.inc(time.monotonic() - waited)
+
+    async def refund(self, reservation: Reservation, rows: int) -> None:
+        """Give back `rows` of `reservation` that were not written; a refund that fails only slows the fleet."""
+        if not self.limited or rows <= 0:
+            return
+        if reservation.local:
+            self._local_until = max(time.monotonic(), self._local_until - rows / self.rows_per_second)
+            return
+        with contextlib.suppress(*REDIS_FAILED):
+            await self._script(keys=[FLUSH_BUDGET_KEY], args=self._args(-rows))
+
+    async def _ask(self, rows: int) -> tuple[bool, float, bool]:
+        """(reserved, seconds to wait, from the pod's own pacing)."""
+        try:
+            granted, wait_us = await self._script(keys=[FLUSH_BUDGET_KEY], args=self._args(rows))
+        except REDIS_FAILED as exc:
+            return (*self._ask_locally(rows, exc), True)
+        if self._falling_back:
+            self._falling_back = False
+            log.info("flush budget: Redis takes the fleet's budget again")
+        return bool(granted), wait_us / 1_000_000, False
+
+    def _ask_locally(self, rows: int, exc: Exception) -> tuple[bool, float]:
+        # the fleet may then write up to pods x budget: better than no flush while Redis is full, which
+        # is when the buffer most needs draining (the claim and ack scripts start with a removal, and run)
+        metrics.FLUSH_BUDGET_FALLBACK.inc()
+        if not self._falling_back:
+            self._falling_back = True
+            log.warning(
+                "flush budget: Redis refused the fleet's budget (%s: %s); this pod paces itself at %d rows/s",
+                type(exc).__name__,
+                exc,
+                self.rows_per_second,
+            )
+        now = time.monotonic()
+        start = max(self._local_until, now)
+        if start - now > self.max_wait_s:
+            return False, start - now - self.max_wait_s
+        self._local_until = start + rows / self.rows_per_second
+        return True, start - now
+
+    def _args(self, rows: int) -> list[float]:
+        return [self.rows_per_second, rows, round(self.max_wait_s * 1e6), round(self._horizon_s * 1e6)]
 
     def drain_s(self, backlog: int, measured_rows_per_s: float) -> float:
         """The backlog's estimated drain time: at the budget when there is one, else at the rate measured."""

@@ -31,6 +31,8 @@ from service.stores import REDIS_UNAVAILABLE
 # newest value. Receive times are strictly increasing per process (receive_ms), so two heartbeats of
 # one connection never tie; an exact tie (two pods, same microsecond) keeps what is stored: the same
 # rule as persist_batch's dedupe and the upsert's strict `<`.
+# No TTL: a value whose member is pending never expires before the flush has written it, however slow
+# the drain; SET drops the TTL a flushed value had (service/progress/leases.py: the ack sets it).
 # Returns 1 when this write is now the stored position, 2 when the stored one is this very write
 # already (same time and position: a retried offline sync), 0 when a later one stands.
 WRITE_SCRIPT = """
@@ -44,8 +46,7 @@ if current then
     local stored_us = tonumber(ms) * 1000 + (tonumber(frac) or 0)
     if stored_us >= us then
       if tonumber(ARGV[1]) > tonumber(stored_peak) then
-        redis.call('SET', KEYS[1], position .. ':' .. ms .. ':' .. ARGV[1] .. ':' .. (tonumber(frac) or 0),
-                   'EX', ARGV[3])
+        redis.call('SET', KEYS[1], position .. ':' .. ms .. ':' .. ARGV[1] .. ':' .. (tonumber(frac) or 0))
       end
       redis.call('SADD', KEYS[2], ARGV[4])
       if stored_us == us and tonumber(position) == tonumber(ARGV[1]) then return 2 end
@@ -54,7 +55,7 @@ if current then
     if tonumber(stored_peak) > tonumber(peak) then peak = stored_peak end
   end
 end
-redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2] .. ':' .. peak .. ':' .. ARGV[5], 'EX', ARGV[3])
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2] .. ':' .. peak .. ':' .. ARGV[5])
 redis.call('SADD', KEYS[2], ARGV[4])
 return 1
 """

@@ -12,7 +12,7 @@ began, so a backlog of one type that keeps growing cannot keep the next types wa
 """
 
 import asyncio
-import contextlib
+import itertools
 import logging
 import os
 import random
@@ -28,14 +28,14 @@ import asyncpg
 from service import metrics
 from service.clients import RedisClient, local_timeouts_sql, node_name
 from service.loops import Backoff, every
-from service.progress.backlog import measure_backlog
-from service.progress.budget import FlushBudget
+from service.progress.backlog import Backlog, measure_backlog
+from service.progress.budget import FlushBudget, Reservation
 from service.progress.buffer import decode_value, now_ms
 from service.progress.concurrency import AdaptiveLimit
 from service.progress.content import CONTENT_KINDS, ContentKind
-from service.progress.keys import KeyLayout, Shard, parse_member
+from service.progress.keys import KeyLayout, Shard, parse_member, pending_member
 from service.progress.leases import Claim, Leases
-from service.progress.store import BatchResult, Heartbeat, persist_batch, report_batch
+from service.progress.store import BatchResult, Heartbeat, persist_batch, report_batch, table_locks_sql
 from service.stores import (
     POSTGRES_BUSY,
     POSTGRES_FAILED,
@@ -51,6 +51,12 @@ _MAX_BACKOFF_S = 30.0
 
 OnBatch = Callable[[int], None]  # entries a batch took out of the buffer
 
+_LOCKED_SAMPLE = 10  # keys named in the line of a batch's locked rows
+
+
+class _RowLocked(Exception):
+    """A batch met a row's lock past the tables' (not a busy database): split it, and only its keys wait."""
+
 
 @dataclass
 class CycleResult:
@@ -59,12 +65,14 @@ class CycleResult:
     dropped: int = 0
     expired: int = 0
     requeued: int = 0
+    locked: int = 0  # entries left pending because another session held their rows
     batches: int = 0
     failed_batches: int = 0
     by_type: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: "CycleResult") -> None:
-        for name in ("written", "completions", "dropped", "expired", "requeued", "batches", "failed_batches"):
+        names = ("written", "completions", "dropped", "expired", "requeued", "locked", "batches", "failed_batches")
+        for name in names:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for content_type, written in other.by_type.items():
             self.by_type[content_type] = self.by_type.get(content_type, 0) + written
@@ -88,6 +96,32 @@ class _Quota:
             self.left += rows
 
 
+@dataclass
+class _Turn:
+    """One content type in a cycle: what it may still claim, and whether a batch of it failed."""
+
+    kind: ContentKind
+    quota: _Quota
+    failed: bool = False  # its siblings claim no more this cycle: no point retrying at once
+
+
+@dataclass
+class _Cycle:
+    """What the drains of one cycle share: the work left, the nodes down, and the counts."""
+
+    work: deque[tuple[_Turn, Shard]]
+    stop: asyncio.Event | None
+    on_batch: OnBatch | None
+    result: CycleResult = field(default_factory=CycleResult)
+    unreachable: set[str] = field(default_factory=set)  # Redis nodes that failed: their shards wait
+    requeued: set[Shard] = field(default_factory=set)  # shards whose expired leases were requeued
+    lease_expired: int = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
+
 class Flusher:
     def __init__(
         self,
@@ -104,18 +138,18 @@ class Flusher:
         max_rows_per_second: int = 0,
         statement_timeout_s: float = 0.0,
         lock_timeout_s: float = 0.0,
+        value_ttl_s: int = 3600,
     ) -> None:
         self._redis = redis
         self._pool = pool
-        self._leases = Leases(redis)
+        self._leases = Leases(redis, value_ttl_s=value_ttl_s)
         self._layout = layout
-        self._batch_size = batch_size
         self._lease_ms = int(lease_s * 1000)
         self._margin_s = margin_s
         self._interval_s = interval_s
         self._concurrency = concurrency
         self._shutdown_timeout_s = shutdown_timeout_s
-        self.budget = FlushBudget(redis, rows_per_second=max_rows_per_second)
+        self.budget = FlushBudget(redis, rows_per_second=max_rows_per_second, batch_size=batch_size)
         self.limit = AdaptiveLimit(max_limit=concurrency)
         self._timeouts_sql = local_timeouts_sql(statement_timeout_s=statement_timeout_s, lock_timeout_s=lock_timeout_s)
         self._measured_rows_per_s = 0.0  # this pod's own rate in its last cycle that wrote
@@ -168,45 +202,27 @@ class Flusher:
     async def flush_cycle(self, stop: asyncio.Event | None = None, on_batch: OnBatch | None = None) -> CycleResult:
         """Drain every shard's pending set once. With `stop`, no new batch starts once it is set.
 
+        The content types and their shards take turns, a batch each (see _work): under the budget a
+        type with a few entries waits about one batch per other type, not for their whole backlogs.
         `on_batch` is told how many entries each batch took out of the buffer (a progress display).
         """
-        total = CycleResult()
-        lease_expired = [0]
-        unreachable: set[str] = set()  # Redis nodes that failed this cycle: their shards wait for the next
         started = time.monotonic()
         # what each type holds now: the cycle claims no more than that (see _Quota)
         at_start = await measure_backlog(self._redis, self._layout)
-        for kind in CONTENT_KINDS:
-            shards = self._layout.shards_to_flush(kind.name)
-            sizes = at_start.by_type[kind.name]
-            # a node that did not answer: no quota (the drains find out which node, and skip its shards)
-            quota = _Quota(None if sizes.unread else sizes.pending + sizes.in_flight)
-            first = random.randrange(len(shards))
-            work = shards[first:] + shards[:first]
-            # fewer shards than drains (one on a standalone server): several drains share a shard
-            work = (work * -(-self._concurrency // len(work)))[: max(self._concurrency, len(work))]
-            queue = deque(work)
-            # once one batch of this type fails, its siblings stop claiming: no point retrying at once
-            failed = asyncio.Event()
-            # every drain is awaited to its end before an error goes up: none is left running unowned
-            results = await asyncio.gather(
-                *(
-                    self._drain_shards(kind, queue, quota, stop, failed, unreachable, lease_expired, on_batch)
-                    for _ in range(self._concurrency)
-                ),
-                return_exceptions=True,
-            )
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-                total.add(result)
-        if lease_expired[0]:
-            total.requeued += lease_expired[0]
-            metrics.FLUSH_REQUEUED.inc(lease_expired[0])
+        cycle = _Cycle(self._work(at_start), stop, on_batch)
+        # every drain is awaited to its end before an error goes up: none is left running unowned
+        results = await asyncio.gather(*(self._drain(cycle) for _ in range(self._concurrency)), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        total = cycle.result
+        if cycle.lease_expired:
+            total.requeued += cycle.lease_expired
+            metrics.FLUSH_REQUEUED.inc(cycle.lease_expired)
             log.warning(
                 "requeued %d entries whose lease expired (a flusher died or stalled)",
-                lease_expired[0],
-                extra={"count": lease_expired[0]},
+                cycle.lease_expired,
+                extra={"count": cycle.lease_expired},
             )
         if total.written:
             self._measured_rows_per_s = total.written / max(time.monotonic() - started, 1e-3)
@@ -215,111 +231,106 @@ class Flusher:
             metrics.FLUSH_LAST_SUCCESS.set_to_current_time()
         return total
 
-    async def _drain_shards(
-        self,
-        kind: ContentKind,
-        queue: deque[Shard],
-        quota: _Quota,
-        stop: asyncio.Event | None,
-        failed: asyncio.Event,
-        unreachable: set[str],
-        lease_expired: list[int],
-        on_batch: OnBatch | None,
-    ) -> CycleResult:
-        result = CycleResult()
+    def _work(self, at_start: Backlog) -> deque[tuple[_Turn, Shard]]:
+        """Every shard of every type that holds something, interleaved: one of each type in turn."""
+        per_type = []
+        for kind in CONTENT_KINDS:
+            sizes = at_start.by_type[kind.name]
+            if not sizes.unread and not sizes.pending + sizes.in_flight:
+                continue
+            # a node that did not answer: no quota (the drains find out which node, and skip its shards)
+            turn = _Turn(kind, _Quota(None if sizes.unread else sizes.pending + sizes.in_flight))
+            shards = self._layout.shards_to_flush(kind.name)
+            first = random.randrange(len(shards))  # pods start at different shards
+            shards = shards[first:] + shards[:first]
+            # fewer shards than drains (one on a standalone server): several drains share a shard
+            shards = (shards * -(-self._concurrency // len(shards)))[: max(self._concurrency, len(shards))]
+            per_type.append([(turn, shard) for shard in shards])
+        return deque(item for items in itertools.zip_longest(*per_type) for item in items if item is not None)
+
+    async def _drain(self, cycle: "_Cycle") -> None:
+        """Batches of the cycle's work until none is left: a batch of a shard, then it goes to the back."""
         try:
             # one connection for the whole drain: no pool round trip (and reset) per batch; giving it
             # back to the pool cannot fail the batches it persisted
             async with pooled_connection(self._pool) as conn:
-                while queue and not failed.is_set() and (stop is None or not stop.is_set()):
-                    shard = queue.popleft()
-                    try:
-                        node = node_name(self._redis, shard.pending_key)
-                    except REDIS_UNAVAILABLE:
-                        node = "?"  # no master known for its slot yet: try it, and skip it if it fails
-                    if node in unreachable:
-                        result.failed_batches += 1
-                        continue
-                    try:
-                        lease_expired[0] += await self._leases.requeue_expired(shard, now_ms=now_ms())
-                        drained = await self._drain(conn, kind, shard, quota, stop, failed, on_batch)
-                        if drained is None:
-                            # the cycle's quota is all held by other drains: the shard goes back to them
-                            # (one that claims less than it holds gives the rest back and goes on)
-                            queue.appendleft(shard)
-                            break
-                        result.add(drained)
-                    except REDIS_UNAVAILABLE as exc:
-                        # that shard's node is down (or failing over): its members wait there, under
-                        # lease if claimed; the shards of the other nodes are still flushed
-                        unreachable.add(node)
-                        result.failed_batches += 1
-                        metrics.FLUSH_FAILURES.labels(kind.name).inc()
-                        log.warning(
-                            "flush of %s skipped: Redis unavailable (%s: %s)",
-                            shard.pending_key,
-                            type(exc).__name__,
-                            exc,
-                            extra={"content_type": kind.name},
-                        )
+                while cycle.work and not cycle.stopped:
+                    turn, shard = cycle.work.popleft()
+                    if not turn.failed and await self._turn(conn, cycle, turn, shard):
+                        cycle.work.append((turn, shard))
         except POSTGRES_FAILED as exc:
-            # no connection to be had (down, full, refused our password): nothing was claimed
-            metrics.FLUSH_FAILURES.labels(kind.name).inc()
+            # no connection to be had (down, full, refused our password): nothing was claimed, and the
+            # types still to do wait for the next cycle
+            for content_type in sorted({turn.kind.name for turn, _ in cycle.work}):
+                metrics.FLUSH_FAILURES.labels(content_type).inc()
+            log.warning("flush drain skipped: database unavailable (%s: %s)", type(exc).__name__, exc)
+            cycle.result.failed_batches += 1
+
+    async def _turn(self, conn: asyncpg.Connection, cycle: "_Cycle", turn: "_Turn", shard: Shard) -> bool:
+        """One batch of `shard`, unless its node is down this cycle; True when the shard may hold more."""
+        try:
+            node = node_name(self._redis, shard.pending_key)
+        except REDIS_UNAVAILABLE:
+            node = "?"  # no master known for its slot yet: try it, and skip it if it fails
+        if node in cycle.unreachable:
+            cycle.result.failed_batches += 1
+            return False
+        try:
+            if shard not in cycle.requeued:
+                cycle.requeued.add(shard)
+                moved = await self._leases.requeue_expired(shard, now_ms=now_ms())
+                cycle.lease_expired += moved  # counted after the await: the drains add up, none overwrites
+            return await self._batch(conn, cycle, turn, shard)
+        except REDIS_UNAVAILABLE as exc:
+            # that shard's node is down (or failing over): its members wait there, under lease if
+            # claimed; the shards of the other nodes are still flushed
+            cycle.unreachable.add(node)
+            cycle.result.failed_batches += 1
+            metrics.FLUSH_FAILURES.labels(turn.kind.name).inc()
             log.warning(
-                "flush of %s skipped: database unavailable (%s: %s)",
-                kind.name,
+                "flush of %s skipped: Redis unavailable (%s: %s)",
+                shard.pending_key,
                 type(exc).__name__,
                 exc,
-                extra={"content_type": kind.name},
+                extra={"content_type": turn.kind.name},
             )
-            result.failed_batches += 1
-            failed.set()
-        return result
+            return False
 
-    async def _drain(
-        self,
-        conn: asyncpg.Connection,
-        kind: ContentKind,
-        shard: Shard,
-        quota: _Quota,
-        stop: asyncio.Event | None,
-        failed: asyncio.Event,
-        on_batch: OnBatch | None,
-    ) -> CycleResult | None:
-        """The shard's batches until it is empty or the quota is; None: no quota left when it began."""
-        result = CycleResult()
-        while not failed.is_set() and (stop is None or not stop.is_set()):
-            rows = quota.take(self._batch_size)
-            if not rows:
-                return None if not result.batches and not result.failed_batches else result
-            # the budget first, the claim after: the lease starts when the batch may be written
-            await self.budget.reserve(rows)
-            claimed = 0
-            try:
-                if not failed.is_set() and (stop is None or not stop.is_set()):
-                    claim = await self._leases.claim_batch(shard, count=rows, now_ms=now_ms(), lease_ms=self._lease_ms)
-                    claimed = len(claim.entries)
-            finally:
-                if claimed < rows:  # the shard had fewer, or the drain stops: later batches may go sooner
-                    quota.give_back(rows - claimed)
-                    with contextlib.suppress(*REDIS_FAILED):  # a budget not given back only slows the fleet
-                        await asyncio.shield(self.budget.refund(rows - claimed))
-            if not claimed:
-                break
-            self._fail_at("after_claim")
-            try:
-                batch = await self._persist(conn, claim, kind)
-            except BaseException:
-                # whatever stopped it (a bug, a cancellation): the batch goes back now, not after its
-                # lease, and not with a lease that only comes back to fail again with the same entry
-                await asyncio.shield(self._leases.release(claim))
-                raise
-            result.add(batch)
-            if on_batch is not None and not batch.failed_batches:
-                on_batch(len(claim.entries))
-            if batch.failed_batches:
-                failed.set()  # leave the rest pending; the loop backs off
-        return result
+    async def _batch(self, conn: asyncpg.Connection, cycle: "_Cycle", turn: "_Turn", shard: Shard) -> bool:
+        """Reserve, claim and persist one batch; True when it was full (the shard may hold more)."""
+        rows = turn.quota.take(self.budget.batch_rows)
+        if not rows:
+            return False
+        # the budget first, the claim after: the lease starts when the batch may be written
+        reservation: Reservation | None = None
+        claimed = 0
+        try:
+            reservation = await self.budget.reserve(rows, cycle.stop)
+            if reservation is not None and not turn.failed and not cycle.stopped:
+                claim = await self._leases.claim_batch(shard, count=rows, now_ms=now_ms(), lease_ms=self._lease_ms)
+                claimed = len(claim.entries)
+        finally:
+            if claimed < rows:  # the shard had fewer, or the drain stops: later batches may go sooner
+                turn.quota.give_back(rows - claimed)
+                if reservation is not None:
+                    await asyncio.shield(self.budget.refund(reservation, rows - claimed))
+        if not claimed:
+            return False
+        self._fail_at("after_claim")
+        try:
+            batch = await self._persist(conn, claim, turn.kind)
+        except BaseException:
+            # whatever stopped it (a bug, a cancellation): the batch goes back now, not after its
+            # lease, and not with a lease that only comes back to fail again with the same entry
+            await asyncio.shield(self._leases.release(claim))
+            raise
+        cycle.result.add(batch)
+        if batch.failed_batches:
+            turn.failed = True  # its siblings leave the rest of this type pending; the loop backs off
+            return False
+        if cycle.on_batch is not None:
+            cycle.on_batch(len(claim.entries))
+        return claimed == rows
 
     async def _persist(self, conn: asyncpg.Connection, claim: Claim, kind: ContentKind) -> CycleResult:
         result = CycleResult(batches=1)
@@ -365,6 +376,8 @@ class Flusher:
             await asyncio.shield(self._leases.release(claim))
             raise
         self._fail_at("after_commit")
+        if batch.locked:
+            claim = await self._leave_locked(claim, kind, batch.locked)
         # the values of unknown users or content go in the same script, unless written again since the claim
         await self._leases.ack(claim, dropped=batch.dropped)
         # the batch's oldest heartbeat: the lag an alert on "two flush intervals" cares about
@@ -372,10 +385,22 @@ class Flusher:
         metrics.FLUSH_BATCH_SECONDS.labels(kind.name).observe(time.perf_counter() - started)
         metrics.FLUSH_ROWS.labels(kind.name).inc(batch.written)
         report_batch(kind, batch)
-        result.written, result.completions = batch.written, batch.completions
+        result.written, result.completions, result.locked = batch.written, batch.completions, len(batch.locked)
         result.dropped += len(batch.dropped)
         result.by_type = {kind.name: batch.written}
         return result
+
+    async def _leave_locked(self, claim: Claim, kind: ContentKind, locked: list[str]) -> Claim:
+        """The entries whose rows another session holds go back to pending; the rest of the claim, to be acked."""
+        held = set(locked)
+        await self._leases.release(replace(claim, entries=[entry for entry in claim.entries if entry[0] in held]))
+        metrics.FLUSH_LOCKED.labels(kind.name).inc(len(held))
+        log.warning(
+            "%d entries left pending: their rows are locked by another session (the rest of the batch was written)",
+            len(held),
+            extra={"content_type": kind.name, "count": len(held), "key": " ".join(locked[:_LOCKED_SAMPLE])},
+        )
+        return replace(claim, entries=[entry for entry in claim.entries if entry[0] not in held])
 
     @staticmethod
     def _read(kind: ContentKind, member: str, raw: bytes | None, result: CycleResult) -> Heartbeat | None:
@@ -405,24 +430,43 @@ class Flusher:
     async def _persist_with_retry(
         self, conn: asyncpg.Connection, kind: ContentKind, heartbeats: list[Heartbeat]
     ) -> BatchResult:
-        # a slot of the adaptive limit: its latency (or a lock or timeout) says how many may run at once
-        async with self.limit.slot():
-            try:
-                return await self._persist_once(conn, kind, heartbeats)
-            except asyncpg.ForeignKeyViolationError:
-                # a user or content was deleted between our check and the commit: the retry drops it
-                return await self._persist_once(conn, kind, heartbeats)
+        try:
+            # a slot of the adaptive limit: its latency (or a table's lock, a timeout) says how many may run at once
+            async with self.limit.slot():
+                try:
+                    return await self._persist_once(conn, kind, heartbeats)
+                except asyncpg.ForeignKeyViolationError:
+                    # a user or content was deleted between our check and the commit: the retry drops it
+                    return await self._persist_once(conn, kind, heartbeats)
+        except _RowLocked:
+            # outside the slot: one row's lock says nothing of the database's latency
+            if len(heartbeats) == 1:
+                (heartbeat,) = heartbeats
+                return BatchResult(0, 0, [], [pending_member(heartbeat.content_id, heartbeat.user_id)])
+            half = len(heartbeats) // 2
+            first = await self._persist_with_retry(conn, kind, heartbeats[:half])
+            return first + await self._persist_with_retry(conn, kind, heartbeats[half:])
 
     async def _persist_once(
         self, conn: asyncpg.Connection, kind: ContentKind, heartbeats: list[Heartbeat]
     ) -> BatchResult:
         if not self._timeouts_sql:
-            return await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s)
-        # the timeouts for this transaction only: a lock held by a migration sends the batch back in
-        # lock_timeout instead of queueing it, and the monolith's statements behind it
-        async with conn.transaction():
-            await conn.execute(self._timeouts_sql)
-            return await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s)
+            return await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s, skip_locked=True)
+        # The timeouts for this transaction only: a table held by a migration sends the batch back in
+        # lock_timeout instead of queueing it, and the monolith's statements behind it. The upsert skips
+        # the existing rows another session holds; a lock it still meets past the tables' (a row being
+        # inserted by another session, a user row held FOR UPDATE against the foreign key's check at
+        # commit) is a row's: the batch is split until the keys behind it are found, and they alone wait.
+        tables_locked = False
+        try:
+            async with conn.transaction():
+                await conn.execute(f"{self._timeouts_sql}; {table_locks_sql(kind)}")
+                tables_locked = True
+                return await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s, skip_locked=True)
+        except asyncpg.LockNotAvailableError as exc:
+            if not tables_locked:
+                raise
+            raise _RowLocked(str(exc)) from exc
 
     def _fail_at(self, point: str) -> None:
         if self._failpoint == point:

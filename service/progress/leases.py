@@ -5,6 +5,9 @@ deadline, in the same script that reads its value. It leaves the in-flight set o
 acked (after the Postgres commit; the values of the entries the batch dropped go with the ack) or
 released/requeued back to the pending set. A flusher killed
 at any point leaves its members in flight; once their lease is past, any flusher requeues them.
+A value has no TTL while its member is pending or in flight (the write script sets none): its TTL starts
+at the ack, so it cleans up what was flushed and nothing else, however slow the drain (a budget, a
+Postgres outage, a dead flusher). A value written again since the claim is pending again and keeps none.
 Every script works on one shard (service/progress/keys.py): its keys share one hash slot, so the
 same scripts run on a Redis Cluster.
 """
@@ -41,19 +44,19 @@ return {members, values}
 """
 
 # KEYS: in-flight zset, pending set. ARGV: lease score, 1 to put back in pending / 0 to drop, the shard's
-# latest-position key prefix, the number of members n, n members, then (member, value as claimed) pairs
-# to forget. Only a lease that is still ours is touched: if it expired and another flusher claimed the
-# member again, that flusher's lease must survive our late ack.
+# latest-position key prefix, the values' TTL once flushed (s), the number of members n, n members, then
+# (member, value as claimed) pairs to forget. Only a lease that is still ours is touched: if it expired
+# and another flusher claimed the member again, that flusher's lease must survive our late ack.
 # Forgetting deletes the value of an entry the flush dropped (unknown user or content, unreadable), in
 # the script that settles it, so a flood of made-up users does not hold Redis memory for the value's
 # TTL. Only a value unchanged since the claim, of a member settled here and not pending again, goes:
 # a heartbeat written since (which re-adds the member) is the next flush's to judge.
 _SETTLE = """
 local lease = tonumber(ARGV[1])
-local last_member = 4 + tonumber(ARGV[4])
+local last_member = 5 + tonumber(ARGV[5])
 local settled = 0
 local ours = {}
-for first = 5, last_member, 1000 do
+for first = 6, last_member, 1000 do
   local last = math.min(first + 999, last_member)
   local members = {unpack(ARGV, first, last)}
   local scores = redis.call('ZMSCORE', KEYS[1], unpack(members))
@@ -66,7 +69,14 @@ for first = 5, last_member, 1000 do
   end
   if #chunk > 0 then
     redis.call('ZREM', KEYS[1], unpack(chunk))
-    if ARGV[2] == '1' then redis.call('SADD', KEYS[2], unpack(chunk)) end
+    if ARGV[2] == '1' then
+      redis.call('SADD', KEYS[2], unpack(chunk))
+    else
+      -- flushed: the value may go in its TTL, unless it was written again since (pending again)
+      for _, member in ipairs(chunk) do
+        if redis.call('SISMEMBER', KEYS[2], member) == 0 then redis.call('EXPIRE', ARGV[3] .. member, ARGV[4]) end
+      end
+    end
     settled = settled + #chunk
   end
 end
@@ -106,7 +116,8 @@ class Claim:
 
 
 class Leases:
-    def __init__(self, redis: RedisClient) -> None:
+    def __init__(self, redis: RedisClient, *, value_ttl_s: int = 3600) -> None:
+        self._value_ttl_s = value_ttl_s
         self._claim: AsyncScript = redis.register_script(_CLAIM)
         self._settle: AsyncScript = redis.register_script(_SETTLE)
         self._requeue: AsyncScript = redis.register_script(_REQUEUE_EXPIRED)
@@ -147,6 +158,7 @@ class Leases:
                 claim.lease_score,
                 "1" if requeue else "0",
                 claim.shard.value_prefix,
+                self._value_ttl_s,
                 len(claim.entries),
                 *claim.members,
                 *forget,

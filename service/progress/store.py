@@ -1,7 +1,7 @@
 """Persisting a batch of latest positions into the monolith's progress tables: one statement per batch."""
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import asyncpg
 
@@ -26,11 +26,24 @@ class BatchResult:
     written: int  # rows inserted or moved forward
     completions: int  # completion events created by this batch
     dropped: list[str]  # "content_id:user_id" of heartbeats for a user or content that does not exist
+    # "content_id:user_id" of rows another session holds locked (skip_locked): neither written nor dropped
+    locked: list[str] = field(default_factory=list)
+
+    def __add__(self, other: "BatchResult") -> "BatchResult":
+        return BatchResult(
+            self.written + other.written,
+            self.completions + other.completions,
+            self.dropped + other.dropped,
+            self.locked + other.locked,
+        )
 
 
 # One statement, so the upsert and its completion events commit together or not at all.
 # - `known` drops heartbeats whose user or content does not exist, instead of failing the batch
 #   (the monolith's foreign keys are deferred: a bad row would only fail at COMMIT, for everyone).
+# - `busy` (skip_locked) leaves out the existing rows another session holds locked (the monolith's
+#   select_for_update, an admin edit, an idle transaction) instead of waiting for them: the rest of
+#   the batch is written, and those keys stay pending. SKIP LOCKED never waits, so it cannot deadlock.
 # - position/updated_at only move forward; completed_at is set by any heartbeat whose peak reached
 #   the margin, even a late one, and never cleared.
 # - an event is written only where this statement set completed_at (a row the monolith completed
@@ -41,12 +54,13 @@ WITH incoming AS (
     SELECT content_id, user_id, position, peak, to_timestamp(received_ms / 1000.0) AS received_at
     FROM unnest($1::bigint[], $2::bigint[], $3::float8[], $4::float8[], $7::float8[])  -- $4: ms, microsecond fraction
         AS h(content_id, user_id, position, received_ms, peak)
-), known AS (
+), {busy} known AS (
     SELECT h.content_id, h.user_id, h.position, h.received_at,
            CASE WHEN h.peak >= c.duration - $5::float8 THEN h.received_at END AS completed_at
     FROM incoming h
     JOIN {content_table} c ON c.id = h.content_id
     JOIN users_user u ON u.id = h.user_id
+    WHERE NOT EXISTS (SELECT 1 FROM busy b WHERE b.content_id = h.content_id AND b.user_id = h.user_id)
 ), upserted AS (
     INSERT INTO {progress_table} AS p (user_id, {id_column}, position, completed_at, created_at, updated_at)
     SELECT user_id, content_id, position, completed_at, received_at, received_at FROM known
@@ -74,17 +88,39 @@ SELECT
     ARRAY(
         SELECT h.content_id || ':' || h.user_id FROM incoming h
         WHERE NOT EXISTS (SELECT 1 FROM known k WHERE k.content_id = h.content_id AND k.user_id = h.user_id)
-    ) AS dropped
+          AND NOT EXISTS (SELECT 1 FROM busy b WHERE b.content_id = h.content_id AND b.user_id = h.user_id)
+    ) AS dropped,
+    ARRAY(SELECT b.content_id || ':' || b.user_id FROM busy b) AS locked
 """
 
+_SKIP_LOCKED = """lockable AS (
+    SELECT p.user_id, p.{id_column} AS content_id FROM {progress_table} p
+    JOIN incoming h ON p.user_id = h.user_id AND p.{id_column} = h.content_id
+    FOR UPDATE OF p SKIP LOCKED
+), busy AS (
+    SELECT h.content_id, h.user_id FROM incoming h
+    WHERE EXISTS (SELECT 1 FROM {progress_table} p WHERE p.user_id = h.user_id AND p.{id_column} = h.content_id)
+      AND NOT EXISTS (SELECT 1 FROM lockable l WHERE l.user_id = h.user_id AND l.content_id = h.content_id)
+),"""
+_NONE_BUSY = "busy AS (SELECT NULL::bigint AS content_id, NULL::bigint AS user_id WHERE false),"
 
-def upsert_sql(kind: ContentKind) -> str:
-    return _UPSERT_SQL.format(
-        content_table=kind.content_table,
-        progress_table=kind.progress_table,
-        id_column=kind.id_column,
-        notify_channel=NOTIFY_CHANNEL,
-    )
+# Taken first in the flush's transaction, as the upsert would take them: a table held by a migration
+# fails here, in lock_timeout, and holds its own content type (POSTGRES_BUSY); a lock timeout after
+# these is a row's, which holds only the keys behind it.
+_TABLE_LOCKS_SQL = (
+    "LOCK TABLE {progress_table}, progress_completion_event IN ROW EXCLUSIVE MODE;"
+    " LOCK TABLE {content_table}, users_user IN ACCESS SHARE MODE"
+)
+
+
+def upsert_sql(kind: ContentKind, *, skip_locked: bool = False) -> str:
+    tables = {"content_table": kind.content_table, "progress_table": kind.progress_table, "id_column": kind.id_column}
+    busy = (_SKIP_LOCKED if skip_locked else _NONE_BUSY).format(**tables)
+    return _UPSERT_SQL.format(busy=busy, notify_channel=NOTIFY_CHANNEL, **tables)
+
+
+def table_locks_sql(kind: ContentKind) -> str:
+    return _TABLE_LOCKS_SQL.format(progress_table=kind.progress_table, content_table=kind.content_table)
 
 
 async def persist_batch(
@@ -94,6 +130,7 @@ async def persist_batch(
     *,
     margin_s: float,
     timeout_s: float | None = None,
+    skip_locked: bool = False,
 ) -> BatchResult:
     # a key may appear twice when a requeue races a claim: keep its newest heartbeat (on an exact
     # tie the first, as the upsert's strict `<` keeps the stored row and WRITE_SCRIPT the stored value)
@@ -109,7 +146,7 @@ async def persist_batch(
     # in the order of the unique index (user_id, content): neighbouring rows share its pages
     rows = [latest[key] for key in sorted(latest)]
     record = await conn.fetchrow(
-        upsert_sql(kind),
+        upsert_sql(kind, skip_locked=skip_locked),
         [hb.content_id for hb in rows],
         [hb.user_id for hb in rows],
         [hb.position for hb in rows],
@@ -120,7 +157,7 @@ async def persist_batch(
         timeout=timeout_s,
     )
     assert record is not None
-    return BatchResult(written=record["written"], completions=record["completions"], dropped=list(record["dropped"]))
+    return BatchResult(record["written"], record["completions"], list(record["dropped"]), list(record["locked"]))
 
 
 # keys named in a batch's drop line: enough to look into, not a line per key (a flood of made-up users

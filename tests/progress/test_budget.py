@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 
 from service.app import build_flusher
 from service.config import Settings
-from service.progress.budget import FlushBudget
+from service.progress.budget import FlushBudget, Reservation
 from service.progress.buffer import WRITE_SCRIPT
 from service.progress.flusher import Flusher
 from service.progress.keys import FLUSH_BUDGET_KEY
@@ -82,20 +82,21 @@ async def test_reservations_follow_one_another_at_the_budgets_pace(redis: Redis)
     assert waits[0] == pytest.approx(0, abs=0.01)
     for before, after in itertools.pairwise(waits):
         assert after - before == pytest.approx(0.1, abs=0.01)
-    await budget.refund(300)  # three batches' rows were not written: the next reservation starts sooner
+    # three batches' rows were not written: the next reservation starts sooner
+    await budget.refund(Reservation(300, local=False), 300)
     assert await _reserve_without_sleeping(redis, budget, 100) == pytest.approx(waits[-1] - 0.2, abs=0.01)
     assert 0 < await redis.pttl(FLUSH_BUDGET_KEY) <= 2000  # gone once idle
 
 
 async def _reserve_without_sleeping(redis: Redis, budget: FlushBudget, rows: int) -> float:
-    script = budget._script
-    wait_us: int = await script(keys=[FLUSH_BUDGET_KEY], args=[budget.rows_per_second, rows])
-    return wait_us / 1_000_000
+    granted, wait_s, local = await budget._ask(rows)
+    assert granted and not local
+    return wait_s
 
 
 async def test_no_budget_asks_nothing_of_redis(redis: Redis) -> None:
     budget = FlushBudget(redis, rows_per_second=0)
-    assert await budget.reserve(10_000) == 0
+    assert await budget.reserve(10_000) == Reservation(10_000, local=False)
     assert await redis.exists(FLUSH_BUDGET_KEY) == 0
 
 

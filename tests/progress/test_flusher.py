@@ -341,7 +341,7 @@ async def test_a_backend_terminated_during_the_upsert_requeues_its_batch(
     async with db.acquire() as locker:
         lock = locker.transaction()
         await lock.start()
-        # hold the table so the flusher's statement is caught in flight, then kill its backend
+        # hold the table so the flusher's transaction is caught in flight, then kill its backend
         await locker.execute("LOCK TABLE engagements_lessonprogress IN EXCLUSIVE MODE")
         with caplog.at_level(logging.WARNING, logger="service.progress.flusher"):
             cycle = asyncio.create_task(flusher.flush_cycle())
@@ -349,7 +349,7 @@ async def test_a_backend_terminated_during_the_upsert_requeues_its_batch(
             for _ in range(200):
                 # asked on another connection: inside `lock`, pg_stat_activity is a frozen snapshot
                 pid = await db.fetchval(
-                    "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%WITH incoming%'"
+                    "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%LOCK TABLE%'"
                 )
                 if pid:
                     break

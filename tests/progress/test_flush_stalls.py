@@ -1,0 +1,284 @@
+"""The flush never stops: each brake holds what it protects and nothing more, and every wait is bounded.
+
+One locked row holds its own key, a full Redis or a budget key pushed into the future costs seconds,
+one type's backlog does not hold the others, nothing pending expires however slow the drain, a
+SIGTERM ends every wait, and the counts summed over concurrent drains are exact.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import asyncpg
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import OutOfMemoryError
+
+from service.app import build_flusher
+from service.config import Settings
+from service.progress.budget import FlushBudget
+from service.progress.buffer import WRITE_SCRIPT, decode_value, now_ms
+from service.progress.concurrency import AdaptiveLimit
+from service.progress.flusher import Flusher
+from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE
+from service.progress.leases import Leases
+from tests.helpers import assert_all_persisted, fill, lesson_rows, metric, seed, wait_for, write
+
+pytestmark = pytest.mark.regression
+
+
+@pytest.fixture(autouse=True)
+async def write_script(redis: Redis) -> None:
+    await redis.script_load(WRITE_SCRIPT)
+
+
+def _flusher(settings: Settings, redis: Redis, db: asyncpg.Pool, **update: object) -> Flusher:
+    return build_flusher(settings.model_copy(update=update), redis, db)
+
+
+def _refusals_only(flusher: Flusher) -> AdaptiveLimit:
+    """The flush's limit, deaf to latency (a shared machine's noise): only a refusal by the database lowers it."""
+    return AdaptiveLimit(max_limit=flusher.limit.max_limit, tolerance=float("inf"))
+
+
+@pytest.fixture
+async def locker(migrated: str) -> AsyncIterator[asyncpg.Connection]:
+    """Another session of the monolith's: an admin edit, a select_for_update, an idle transaction."""
+    conn = await asyncpg.connect(migrated)
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def test_one_locked_row_holds_its_key_only(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, locker: asyncpg.Connection
+) -> None:
+    last = await fill(redis, db, 2000)
+    await db.execute(
+        "INSERT INTO engagements_lessonprogress (user_id, lesson_id, position, created_at, updated_at)"
+        " VALUES (1, 1, 1, now() - interval '1 hour', now() - interval '1 hour')"
+    )
+    flusher = _flusher(settings, redis, db, database_lock_timeout_seconds=0.5, progress_flush_max_rows_per_second=0)
+    flusher.limit = _refusals_only(flusher)
+    locked_before = metric("progress_flush_locked_total", content_type="lesson")
+    async with locker.transaction():
+        await locker.execute("SELECT 1 FROM engagements_lessonprogress WHERE user_id = 1 AND lesson_id = 1 FOR UPDATE")
+        result = await flusher.flush_cycle()
+        rows = await lesson_rows(db)
+        # every other key of the batch (and of the type) is written; the locked one waits, pending
+        assert len(rows) == 2000 and rows[(1, 1)]["position"] == 1
+        assert sum(row["position"] == last[key] for key, row in rows.items()) == 1999
+        assert await redis.sismember("progress:pending_flush:lesson", "1:1")
+        assert await redis.zcard("progress:in_flight:lesson") == 0
+        assert result.failed_batches == 0 and result.locked >= 1
+        assert metric("progress_flush_locked_total", content_type="lesson") > locked_before
+        # a row's lock is no slow database: the limit stays where it was
+        assert flusher.limit.limit == settings.progress_flush_concurrency
+    await flusher.flush_cycle()
+    await assert_all_persisted(redis, db, last)
+
+
+async def test_a_user_row_held_against_the_foreign_key_holds_that_users_keys_only(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, locker: asyncpg.Connection
+) -> None:
+    """New rows of a user whose row is held FOR UPDATE wait at the foreign key's check (at commit): the
+    batch is split until they are found, and the rest is written."""
+    await seed(db, users=40, contents=1)
+    for user_id in range(1, 41):
+        await write(redis, "lesson", 1, user_id, 30)
+    flusher = _flusher(settings, redis, db, database_lock_timeout_seconds=0.2, progress_flush_max_rows_per_second=0)
+    flusher.limit = _refusals_only(flusher)
+    async with locker.transaction():
+        await locker.execute("SELECT 1 FROM users_user WHERE id = 17 FOR UPDATE")
+        result = await flusher.flush_cycle()
+        assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 39
+        assert await redis.smembers("progress:pending_flush:lesson") == {"1:17"}
+        assert result.failed_batches == 0 and result.locked == 1
+        assert flusher.limit.limit == settings.progress_flush_concurrency
+    await flusher.flush_cycle()
+    assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 40
+
+
+@asynccontextmanager
+async def full(redis: Redis) -> AsyncIterator[None]:
+    """Redis at maxmemory with noeviction, the documented production setting; restored after."""
+    before = await redis.config_get("maxmemory", "maxmemory-policy")
+    try:
+        await redis.config_set("maxmemory-policy", "noeviction")
+        used = int((await redis.info("memory"))["used_memory"])
+        await redis.config_set("maxmemory", str(max(1, used - 1024)))
+        with pytest.raises(OutOfMemoryError):
+            await redis.set("probe", "x")
+        yield
+    finally:
+        await redis.config_set("maxmemory", before["maxmemory"])
+        await redis.config_set("maxmemory-policy", before["maxmemory-policy"])
+
+
+async def test_a_full_redis_does_not_stop_the_budgeted_flush(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    last = await fill(redis, db, 2000)
+    flusher = _flusher(settings, redis, db, progress_flush_max_rows_per_second=20_000)
+    fallback_before = metric("progress_flush_budget_fallback_total")
+    async with full(redis):
+        with caplog.at_level(logging.WARNING, logger="service.progress.budget"):
+            result = await asyncio.wait_for(flusher.flush_cycle(), 30)
+    assert result.written == 2000 and result.failed_batches == 0
+    await assert_all_persisted(redis, db, last)
+    assert metric("progress_flush_budget_fallback_total") > fallback_before
+    assert sum("paces itself" in record.getMessage() for record in caplog.records) == 1  # once, not per batch
+
+
+async def test_a_budget_key_in_the_future_costs_seconds_not_hours(
+    settings: Settings, redis: Redis, db: asyncpg.Pool
+) -> None:
+    """A Redis clock stepped back, or a failover to a replica whose clock lags, leaves the key ahead."""
+    last = await fill(redis, db, 1000)
+    seconds, micros = await redis.time()
+    await redis.set(FLUSH_BUDGET_KEY, str((seconds + 3600) * 1_000_000 + micros), px=3_600_000)
+    flusher = _flusher(settings, redis, db, progress_flush_max_rows_per_second=2000)
+    started = time.monotonic()
+    result = await asyncio.wait_for(flusher.flush_cycle(), 30)
+    assert result.written == 1000
+    # about half a second of budget, and at most one capped wait for the key's stale time
+    assert time.monotonic() - started < flusher.budget.max_wait_s + 1000 / 2000 + 2
+    await assert_all_persisted(redis, db, last)
+
+
+async def test_a_pod_with_a_smaller_budget_does_not_hold_the_others(redis: Redis) -> None:
+    misconfigured = FlushBudget(redis, rows_per_second=10, batch_size=500)
+    assert await misconfigured.reserve(misconfigured.batch_rows) is not None  # 10 rows: a second of its pace
+    await misconfigured._script(keys=[FLUSH_BUDGET_KEY], args=[10, 500, 0, 10**12])  # 500 rows at 10/s: 50 s
+    correct = FlushBudget(redis, rows_per_second=2000, batch_size=500)
+    started = time.monotonic()
+    assert await asyncio.wait_for(correct.reserve(500), 10) is not None
+    assert time.monotonic() - started < correct.max_wait_s + 0.5
+
+
+async def test_a_budget_wait_ends_on_stop_and_gives_its_rows_back(redis: Redis) -> None:
+    budget = FlushBudget(redis, rows_per_second=100, batch_size=100)
+    assert await budget.reserve(100) is not None  # the next 100 rows wait a second
+    stop = asyncio.Event()
+    waiting = asyncio.create_task(budget.reserve(100, stop))
+    await wait_for(lambda: _ahead_s(redis, 1.5))  # reserved: the key now ends two seconds ahead
+    stop.set()
+    assert await asyncio.wait_for(waiting, 0.5) is None
+    assert not await _ahead_s(redis, 1.1)  # given back: one second of budget left, not two
+    cancelled = asyncio.create_task(budget.reserve(100))
+    await wait_for(lambda: _ahead_s(redis, 1.5))
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert not await _ahead_s(redis, 1.1)
+
+
+async def _ahead_s(redis: Redis, seconds: float) -> bool:
+    """Whether the budget's reservations end more than `seconds` after the server's time."""
+    ends = await redis.get(FLUSH_BUDGET_KEY)
+    server_s, server_us = await redis.time()
+    return ends is not None and int(ends) - (server_s * 1_000_000 + server_us) > seconds * 1_000_000
+
+
+async def test_one_types_backlog_does_not_hold_another(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, locker: asyncpg.Connection
+) -> None:
+    await fill(redis, db, 6000)  # 3 s of lessons at the budget
+    await write(redis, "live", 1, 1, 595)  # a completion, behind them
+    flusher = _flusher(settings, redis, db, progress_flush_max_rows_per_second=2000)
+    cycle = asyncio.create_task(flusher.flush_cycle())
+    try:
+        # asked on a connection of its own: the flush's drains hold the pool's
+        completed = "SELECT completed_at FROM lives_liveprogress WHERE user_id = 1"
+        await wait_for(lambda: locker.fetchval(completed), 1.0)
+        assert await redis.scard("progress:pending_flush:lesson") > 2000  # the lessons are far from done
+    finally:
+        result = await cycle
+    assert result.written == 6001 and result.completions == 1
+
+
+async def test_nothing_pending_expires_however_slow_the_drain(
+    settings: Settings, redis: Redis, db: asyncpg.Pool
+) -> None:
+    await seed(db, users=30, contents=1)
+    for user_id in range(1, 31):
+        await write(redis, "lesson", 1, user_id, 40, ttl_s=1)
+    assert {await redis.ttl(f"progress:latest_position:lesson:1:{u}") for u in range(1, 31)} == {-1}
+    # 30 rows at 10 a second: the drain takes three times the TTL the values were written with
+    flusher = Flusher(
+        redis=redis,
+        pool=db,
+        layout=STANDALONE,
+        batch_size=500,
+        lease_s=5,
+        margin_s=10,
+        interval_s=1,
+        concurrency=2,
+        shutdown_timeout_s=5,
+        max_rows_per_second=10,
+        value_ttl_s=60,
+    )
+    result = await flusher.flush_cycle()
+    assert (result.written, result.expired) == (30, 0)
+    assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress WHERE position = 40") == 30
+    # flushed: now the TTL cleans them up
+    assert {await redis.ttl(f"progress:latest_position:lesson:1:{u}") for u in range(1, 31)} <= set(range(55, 61))
+
+
+async def test_a_value_written_again_after_its_claim_keeps_no_ttl(redis: Redis, db: asyncpg.Pool) -> None:
+    await seed(db, users=1, contents=1)
+    await write(redis, "lesson", 1, 1, 10)
+    leases = Leases(redis, value_ttl_s=60)
+    (shard,) = STANDALONE.shards_of("lesson")
+    claim = await leases.claim_batch(shard, count=10, now_ms=now_ms(), lease_ms=5000)
+    await write(redis, "lesson", 1, 1, 20)  # pending again, while the first is being persisted
+    assert await leases.ack(claim) == 1
+    assert await redis.ttl("progress:latest_position:lesson:1:1") == -1
+    assert decode_value(await redis.get("progress:latest_position:lesson:1:1")).position == 20
+
+
+async def test_a_shutdown_during_a_paced_backlog_runs_the_final_flush_in_time(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    await fill(redis, db, 4000)  # 8 s at the budget
+    flusher = _flusher(
+        settings, redis, db, progress_flush_max_rows_per_second=500, progress_shutdown_timeout_seconds=1.5
+    )
+    stop = asyncio.Event()
+    with caplog.at_level(logging.INFO, logger="service.progress.flusher"):
+        running = asyncio.create_task(flusher.run(stop))
+        await wait_for(lambda: db.fetchval("SELECT count(*) FROM engagements_lessonprogress"))
+        stop.set()
+        stopped = time.monotonic()
+        await asyncio.wait_for(running, 1.5 + 1.0)  # the wait in hand ends now, then the final flush's deadline
+    assert time.monotonic() - stopped < 1.5 + 1.0
+    assert any("final flush did not finish" in r.getMessage() for r in caplog.records)
+    # what the final flush did not write is pending, nothing under a lease; its reservations were given back
+    assert await redis.zcard("progress:in_flight:lesson") == 0
+    assert not await _ahead_s(redis, 1.1)
+    await flusher.flush_cycle()
+    assert await redis.scard("progress:pending_flush:lesson") == 0
+
+
+async def test_expired_leases_are_counted_whatever_the_drains(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flusher died holding 500 entries: the next one requeues them, and the count says so."""
+    last = await fill(redis, db, 500)
+    (shard,) = STANDALONE.shards_of("lesson")
+    await Leases(redis).claim_batch(shard, count=500, now_ms=now_ms() - 60_000, lease_ms=1000)  # long expired
+    flusher = _flusher(settings, redis, db, progress_flush_concurrency=4, progress_flush_max_rows_per_second=0)
+    requeued_before = metric("progress_flush_requeued_total")
+    # the pool's four connections open already: the drains start together, as in a pod that has run a while
+    held = [await db.acquire() for _ in range(4)]
+    for conn in held:
+        await db.release(conn)
+    with caplog.at_level(logging.WARNING, logger="service.progress.flusher"):
+        result = await flusher.flush_cycle()
+    assert (result.requeued, result.written) == (500, 500)
+    assert metric("progress_flush_requeued_total") - requeued_before == 500
+    assert [getattr(r, "count", None) for r in caplog.records if "lease expired" in r.getMessage()] == [500]
+    await assert_all_persisted(redis, db, last)
