@@ -6,7 +6,9 @@ SIGTERM ends every wait, and the counts summed over concurrent drains are exact.
 """
 
 import asyncio
+import json
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,7 +26,19 @@ from service.progress.concurrency import AdaptiveLimit
 from service.progress.flusher import Flusher
 from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE
 from service.progress.leases import Leases
-from tests.helpers import assert_all_persisted, fill, lesson_rows, metric, seed, wait_for, write
+from tests.helpers import (
+    Servers,
+    assert_all_persisted,
+    backlog,
+    fill,
+    flusher_env,
+    lesson_rows,
+    metric,
+    seed,
+    start_service_command,
+    wait_for,
+    write,
+)
 
 pytestmark = pytest.mark.regression
 
@@ -282,3 +296,35 @@ async def test_expired_leases_are_counted_whatever_the_drains(
     assert metric("progress_flush_requeued_total") - requeued_before == 500
     assert [getattr(r, "count", None) for r in caplog.records if "lease expired" in r.getMessage()] == [500]
     await assert_all_persisted(redis, db, last)
+
+
+def test_a_ttl_within_the_lease_is_refused_at_start() -> None:
+    with pytest.raises(ValueError, match="PROGRESS_POSITION_TTL_SECONDS .* PROGRESS_FLUSH_LEASE_SECONDS"):
+        Settings(jwt_secret="x" * 32, progress_position_ttl_seconds=60, progress_flush_lease_seconds=120)
+    with pytest.raises(ValueError, match="two PROGRESS_FLUSH_INTERVAL_SECONDS"):
+        Settings(jwt_secret="x" * 32, progress_position_ttl_seconds=100, progress_flush_interval_seconds=60)
+    assert Settings(jwt_secret="x" * 32, progress_position_ttl_seconds=120, progress_flush_lease_seconds=120)
+
+
+@pytest.mark.slow
+async def test_flush_once_stops_on_sigterm_whatever_the_budget_key_says(
+    servers: Servers, redis: Redis, db: asyncpg.Pool
+) -> None:
+    await fill(redis, db, 2000)  # 20 s at the budget below
+    seconds, micros = await redis.time()
+    await redis.set(FLUSH_BUDGET_KEY, str((seconds + 3600) * 1_000_000 + micros), px=3_600_000)
+    env = flusher_env(servers, PROGRESS_FLUSH_MAX_ROWS_PER_SECOND="100", PROGRESS_FLUSH_LEASE_SECONDS="30")
+    process = await start_service_command("flush", "--once", env=env)
+    try:
+        await wait_for(lambda: db.fetchval("SELECT count(*) FROM engagements_lessonprogress"), 15)
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = await asyncio.wait_for(process.communicate(), 5)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, stderr
+    written = json.loads(stdout.decode().strip().splitlines()[-1])["written"]
+    assert 0 < written < 2000
+    # what it did not write waits in the pending set, none of it under a lease
+    assert await backlog(redis) == (2000 - written, 0)
