@@ -36,10 +36,13 @@ async def test_sigkill_after_claim_loses_nothing(servers: Servers, redis: Redis,
     assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 0
     assert 0 < await redis.zcard("progress:in_flight:lesson") <= 200  # the claimed batches, under lease
 
+    held = await redis.zcard("progress:in_flight:lesson")
     await asyncio.sleep(LEASE_S + 0.1)
     survivor = flush_once(servers)
     assert survivor.returncode == 0, survivor.stderr
-    assert json.loads(survivor.stdout)["written"] == 1000
+    summary = json.loads(survivor.stdout)
+    assert (summary["written"], summary["requeued"]) == (1000, held)  # the dead flusher's batches, counted
+    assert f"requeued {held} entries whose lease expired" in survivor.stderr
     await assert_all_persisted(redis, db, last)
 
 
