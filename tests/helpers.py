@@ -38,6 +38,9 @@ from tests.monolith.fixtures import Broker
 TEST_JWT_SECRET = "test-secret-0123456789abcdef-0123456789"
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
 @dataclass
 class Servers:
     redis_url: str
@@ -151,10 +154,21 @@ def service_env(servers: Servers, **settings: str) -> dict[str, str]:
     }
 
 
-async def start_service_command(*args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
-    """`python -m service <args>` in its own process, its stdout and stderr piped."""
+def service_command(*args: str, die_at: str = "") -> list[str]:
+    """`python -m service <args>`; with `die_at`, one that SIGKILLs itself at that checkpoint (tests/crash.py)."""
+    if die_at:
+        return [sys.executable, "-m", "tests.crash", die_at, *args]
+    return [sys.executable, "-m", "service", *args]
+
+
+async def start_service_command(*args: str, env: dict[str, str], die_at: str = "") -> asyncio.subprocess.Process:
+    """`python -m service <args>` in its own process (from the repository: tests.crash is importable), piped."""
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "service", *args, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        *service_command(*args, die_at=die_at),
+        env=env,
+        cwd=REPO_ROOT,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
 
 
@@ -167,10 +181,11 @@ def flusher_env(servers: Servers, **extra: str) -> dict[str, str]:
     return service_env(servers, **{**defaults, **extra})
 
 
-def flush_once(servers: Servers, **extra: str) -> subprocess.CompletedProcess[str]:
+def flush_once(servers: Servers, *, die_at: str = "", **extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "service", "flush", "--once"],
+        service_command("flush", "--once", die_at=die_at),
         env=flusher_env(servers, **extra),
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -344,8 +359,10 @@ def relay_env(servers: Servers, broker: Broker, **extra: str) -> dict[str, str]:
     return service_env(servers, **{**defaults, **extra})
 
 
-async def relay_once(servers: Servers, broker: Broker, **extra: str) -> tuple[int, dict[str, Any] | None]:
-    process = await start_service_command("relay", "--once", env=relay_env(servers, broker, **extra))
+async def relay_once(
+    servers: Servers, broker: Broker, *, die_at: str = "", **extra: str
+) -> tuple[int, dict[str, Any] | None]:
+    process = await start_service_command("relay", "--once", env=relay_env(servers, broker, **extra), die_at=die_at)
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
     assert process.returncode is not None
     summary = json.loads(stdout.decode().splitlines()[-1]) if stdout.strip() else None

@@ -18,15 +18,13 @@ first) and parked only after OUTBOX_MAX_ATTEMPTS refusals, about a day with the 
 import asyncio
 import contextlib
 import logging
-import os
-import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import asyncpg
 
-from service import metrics
+from service import checkpoints, metrics
 from service.loops import Backoff, every
 from service.outbox.messages import Publisher, PublishResult
 from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, outbox_counts, publish_window_s
@@ -95,9 +93,6 @@ class Relay:
         self._connect_timeout_s = connect_timeout_s
         self._wake = asyncio.Event()
         self._counted_at: dict[str, float] = {}  # by outbox: when its gauges were last counted
-        # Test-only failpoint: SIGKILL itself after a claim (after_claim) or after a batch is published
-        # and before it is marked (after_publish), so the crash tests hit the moments they claim to.
-        self._failpoint = os.environ.get("PROGRESS_RELAY_FAILPOINT", "")
 
     async def relay_once(self, *, stop: asyncio.Event | None = None) -> RelayResult:
         """Publish everything owed now, batch by batch; stop early if the broker cannot be reached."""
@@ -158,15 +153,15 @@ class Relay:
 
     async def _claim(self, outbox: Outbox) -> list[asyncpg.Record]:
         rows: list[asyncpg.Record] = await self._pool.fetch(outbox.claim_sql, self._batch_size, self._lease_s)
-        if rows and self._failpoint == "after_claim":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if rows:
+            checkpoints.reached("relay.after_claim")
         return rows
 
     async def _record(
         self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult, result: RelayResult
     ) -> None:
-        if self._failpoint == "after_publish" and sent.sent:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if sent.sent:
+            checkpoints.reached("relay.after_publish")
         # One statement for the batch's marks, one for its refusals. Shielded: once the broker has the
         # messages, a cancelled relay must still record it, or they would all go out again.
         parked = await asyncio.shield(self._settle(outbox, sent.sent, sent.refused))

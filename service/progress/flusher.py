@@ -14,9 +14,7 @@ began, so a backlog of one type that keeps growing cannot keep the next types wa
 import asyncio
 import itertools
 import logging
-import os
 import random
-import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,7 +23,7 @@ from functools import partial
 
 import asyncpg
 
-from service import metrics
+from service import checkpoints, metrics
 from service.clients import RedisClient, local_timeouts_sql, node_name
 from service.loops import Backoff, every
 from service.progress.backlog import Backlog, measure_backlog
@@ -153,9 +151,6 @@ class Flusher:
         self.limit = AdaptiveLimit(max_limit=concurrency)
         self._timeouts_sql = local_timeouts_sql(statement_timeout_s=statement_timeout_s, lock_timeout_s=lock_timeout_s)
         self._measured_rows_per_s = 0.0  # this pod's own rate in its last cycle that wrote
-        # Test-only failpoint: the process SIGKILLs itself at a named point of a batch, so the
-        # crash tests hit the exact moments they claim to (after_claim, after_commit).
-        self._failpoint = os.environ.get("PROGRESS_FLUSH_FAILPOINT", "")
 
     async def run(self, stop: asyncio.Event) -> None:
         """Flush every interval until `stop`; then one last cycle within the shutdown timeout."""
@@ -316,7 +311,7 @@ class Flusher:
                     await asyncio.shield(self.budget.refund(reservation, rows - claimed))
         if not claimed:
             return False
-        self._fail_at("after_claim")
+        checkpoints.reached("flush.after_claim")
         try:
             batch = await self._persist(conn, claim, turn.kind)
         except BaseException:
@@ -375,7 +370,7 @@ class Flusher:
             # cancelled (shutdown timeout) or a bug: hand the batch back now rather than after the lease
             await asyncio.shield(self._leases.release(claim))
             raise
-        self._fail_at("after_commit")
+        checkpoints.reached("flush.after_commit")
         if batch.locked:
             claim = await self._leave_locked(claim, kind, batch.locked)
         # the values of unknown users or content go in the same script, unless written again since the claim
@@ -467,10 +462,6 @@ class Flusher:
             if not tables_locked:
                 raise
             raise _RowLocked(str(exc)) from exc
-
-    def _fail_at(self, point: str) -> None:
-        if self._failpoint == point:
-            os.kill(os.getpid(), signal.SIGKILL)
 
     async def _record_backlog(self) -> None:
         # a node that does not answer counts as empty here; its shards' flush failures show it

@@ -11,8 +11,6 @@ progress_trial_email_orphans_total (now "left to the relay", no longer lost).
 
 import asyncio
 import logging
-import os
-import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +20,7 @@ from typing import Literal, TypedDict
 
 import asyncpg
 
-from service import metrics
+from service import checkpoints, metrics
 from service.outbox.outboxes import EMAILS, mark_published, publish_window_s
 from service.trial_emails.journey import SOURCE
 from service.trial_emails.queue import EmailQueue, MessageRefusedError, QueuedEmail
@@ -117,9 +115,7 @@ async def reserve_and_enqueue(
             won = await _reserve_shielded(pool, block, reserved_at, lease_s, published)
             published = []  # marked by that statement
             metrics.TRIAL_EMAILS_RESERVED.inc(len(won))
-            if os.environ.get("PROGRESS_TRIAL_EMAIL_FAILPOINT") == "after_reserve":
-                # test-only: die between the reservation (committed) and its publish
-                os.kill(os.getpid(), signal.SIGKILL)
+            checkpoints.reached("trial_emails.after_reserve")
             await publish_all(queue, _winners(block, won, reserved_at), published, until=publish_until)
             sent += len(published)
     finally:

@@ -19,7 +19,7 @@ async def test_killed_after_publish_before_the_mark_republishes_with_the_same_ta
 ) -> None:
     await add_events(db, 50)
 
-    code, _ = await relay_once(servers, broker, PROGRESS_RELAY_FAILPOINT="after_publish")
+    code, _ = await relay_once(servers, broker, die_at="relay.after_publish")
 
     assert code == -9
     first = await executions.wait_for(50)
@@ -40,7 +40,7 @@ async def test_killed_after_the_claim_publishes_each_once_after_the_lease(
 ) -> None:
     await add_events(db, 30)
 
-    code, _ = await relay_once(servers, broker, PROGRESS_RELAY_FAILPOINT="after_claim")
+    code, _ = await relay_once(servers, broker, die_at="relay.after_claim")
     assert code == -9
     await asyncio.sleep(LEASE_S)
     code, summary = await relay_once(servers, broker)

@@ -132,16 +132,16 @@ async def test_three_concurrent_runners_deliver_each_email_once(
     assert await assert_each_reservation_delivered_once(db, executions) == 360
 
 
-async def run_once(servers: Servers, broker_url: str, **extra: str) -> asyncio.subprocess.Process:
+async def run_once(servers: Servers, broker_url: str, *, die_at: str = "", **extra: str) -> asyncio.subprocess.Process:
     env = relay_env(servers, type("B", (), {"url": broker_url})(), **extra)  # type: ignore[arg-type]
-    return await start_service_command("trial-emails", "run-once", env=env)
+    return await start_service_command("trial-emails", "run-once", env=env, die_at=die_at)
 
 
 async def test_killed_between_reservation_and_publish_the_relay_publishes_the_rest(
     servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
 ) -> None:
     await add_trials(db, 50, started_at=NOW - timedelta(days=10), ends_at=NOW - timedelta(hours=1))
-    process = await run_once(servers, broker.url, PROGRESS_TRIAL_EMAIL_FAILPOINT="after_reserve")
+    process = await run_once(servers, broker.url, die_at="trial_emails.after_reserve")
     await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode == -9
     assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 200

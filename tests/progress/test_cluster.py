@@ -223,7 +223,7 @@ async def test_sigkill_of_a_flusher_mid_batch_loses_nothing(
     import json
 
     last = await fill(cluster_redis, db, 1000, cluster_layout)
-    killed = flush_once(servers, **cluster_env(servers, valkey_cluster, PROGRESS_FLUSH_FAILPOINT="after_claim"))
+    killed = flush_once(servers, die_at="flush.after_claim", **cluster_env(servers, valkey_cluster))
     assert killed.returncode == -signal.SIGKILL
     assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 0
     assert (await backlog(cluster_redis, cluster_layout))[1] > 0  # the claimed batches, under lease

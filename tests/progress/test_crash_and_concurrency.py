@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow  # flusher processes killed and raced
 async def test_sigkill_after_claim_loses_nothing(servers: Servers, redis: Redis, db: asyncpg.Pool) -> None:
     await redis.script_load(__import__("service.progress.buffer", fromlist=["WRITE_SCRIPT"]).WRITE_SCRIPT)
     last = await fill(redis, db, 1000)
-    killed = flush_once(servers, PROGRESS_FLUSH_FAILPOINT="after_claim")
+    killed = flush_once(servers, die_at="flush.after_claim")
     assert killed.returncode == -signal.SIGKILL
     assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 0
     assert 0 < await redis.zcard("progress:in_flight:lesson") <= 200  # the claimed batches, under lease
@@ -46,6 +46,16 @@ async def test_sigkill_after_claim_loses_nothing(servers: Servers, redis: Redis,
     await assert_all_persisted(redis, db, last)
 
 
+async def test_no_setting_of_a_pod_makes_it_kill_itself(servers: Servers, redis: Redis, db: asyncpg.Pool) -> None:
+    """The crash tests' checkpoints are installed by their own entry point (tests/crash.py), never by the
+    environment: the variables the previous releases read are ignored."""
+    await redis.script_load(__import__("service.progress.buffer", fromlist=["WRITE_SCRIPT"]).WRITE_SCRIPT)
+    last = await fill(redis, db, 300)
+    run = flush_once(servers, PROGRESS_FLUSH_FAILPOINT="after_claim", PROGRESS_RELAY_FAILPOINT="after_claim")
+    assert run.returncode == 0, run.stderr
+    await assert_all_persisted(redis, db, last)
+
+
 async def test_sigkill_after_commit_before_ack_loses_nothing_and_adds_no_event(
     servers: Servers, redis: Redis, db: asyncpg.Pool
 ) -> None:
@@ -55,7 +65,7 @@ async def test_sigkill_after_commit_before_ack_loses_nothing_and_adds_no_event(
     for user_id in range(1, 301):
         await write(redis, "lesson", 1, user_id, 95.0)  # all complete (margin 10)
         last[(1, user_id)] = 95.0
-    killed = flush_once(servers, PROGRESS_FLUSH_FAILPOINT="after_commit")
+    killed = flush_once(servers, die_at="flush.after_commit")
     assert killed.returncode == -signal.SIGKILL
     committed = await db.fetchval("SELECT count(*) FROM engagements_lessonprogress")
     assert 0 < committed < 300
