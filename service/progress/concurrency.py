@@ -13,7 +13,7 @@ limit, and a burst of slow statements in flight together halves once, not once e
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from service import metrics
@@ -24,8 +24,9 @@ _LONG_ALPHA = 0.01  # about the last 200: the baseline follows a lasting change 
 
 
 class AdaptiveLimit:
-    def __init__(self, *, max_limit: int, tolerance: float = 2.0) -> None:
+    def __init__(self, *, max_limit: int, tolerance: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_limit = max_limit
+        self._clock = clock
         self._limit = float(max_limit)
         self._tolerance = tolerance
         self._in_use = 0
@@ -51,14 +52,14 @@ class AdaptiveLimit:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
         self._in_use += 1
-        started = time.monotonic()
+        started = self._clock()
         try:
             yield
         except POSTGRES_BUSY:
             self._decrease(started)
             raise
         else:
-            self._sample(started, time.monotonic() - started)
+            self._sample(started, self._clock() - started)
         finally:  # an outage or a cancellation is no latency sample; the slot is freed all the same
             self._in_use -= 1
             self._wake()
@@ -77,7 +78,7 @@ class AdaptiveLimit:
     def _decrease(self, started: float) -> None:
         if started < self._last_decrease:
             return
-        self._last_decrease = time.monotonic()
+        self._last_decrease = self._clock()
         self._set(max(1.0, self._limit / 2))
 
     def _set(self, limit: float) -> None:
