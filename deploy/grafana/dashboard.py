@@ -161,12 +161,14 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
              ("time() - max(progress_flush_last_success_timestamp_seconds)", "age"),
              thresholds=[("green", None), ("orange", 120), ("red", 300)]),
         graph("Failures", "Batches the database refused (requeued), cycles ended by a bug, positions expired "
-              "unflushed (lost), entries requeued, heartbeats dropped for unknown users or content.", "short",
+              "unflushed (lost), entries requeued, heartbeats dropped for unknown users or content, entries "
+              "left pending because another session held their row.", "short",
               (f"sum(increase(progress_flush_failed_batches_total[{RATE}])) or vector(0)", "failed batches"),
               (f"sum(increase(progress_flush_cycle_errors_total[{RATE}]))", "cycle errors"),
               (f"sum(increase(progress_flush_expired_total[{RATE}])) or vector(0)", "expired (lost)"),
               (f"sum(increase(progress_flush_requeued_total[{RATE}]))", "requeued"),
-              (f"sum(increase(progress_flush_dropped_total[{RATE}])) or vector(0)", "dropped")),
+              (f"sum(increase(progress_flush_dropped_total[{RATE}])) or vector(0)", "dropped"),
+              (f"sum(increase(progress_flush_locked_total[{RATE}])) or vector(0)", "left pending: row locked")),
         graph("Batch time p99", "Time to persist one upsert batch in Postgres.", "s",
               ("histogram_quantile(0.99, sum by (le, content_type) "
                f"(rate(progress_flush_batch_seconds_bucket[{RATE}])))", "{{content_type}}")),
@@ -176,8 +178,10 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
               ("max(progress_flush_drain_seconds)", "drain time"),
               thresholds=[("green", None), ("orange", 600)]),
         graph("Budget waits", "Seconds per second the flush drains spent waiting for the fleet's write budget: "
-              "near the drains' number, the budget is what limits the flush.", "s",
-              (f"sum(rate(progress_flush_budget_wait_seconds_total[{RATE}]))", "waiting")),
+              "near the drains' number, the budget is what limits the flush. Paced locally: batches each pod "
+              "paced on its own because Redis refused the fleet's budget (at maxmemory).", "s",
+              (f"sum(rate(progress_flush_budget_wait_seconds_total[{RATE}]))", "waiting"),
+              (f"sum(rate(progress_flush_budget_fallback_total[{RATE}]))", "paced locally (batches/s)")),
         graph("Concurrency limit", "Flush statements allowed at once per pod; halves when their latency doubles "
               "over its recent baseline or Postgres refuses one (lock_timeout, statement_timeout).", "short",
               ("min(progress_flush_concurrency_limit > 0)", "lowest"),
