@@ -1,25 +1,26 @@
 # syntax=docker/dockerfile:1
 
-# Build stage: the project and its runtime dependencies (no dev or test extras; the sqs extra, for
-# the monolith's broker in production) in a virtualenv
-# that the runtime stage copies whole. Every dependency ships manylinux wheels: no compiler needed.
+# Build stage: the project and its runtime dependencies, at the versions of uv.lock (no dev or test
+# groups; the sqs extra, for the monolith's broker in production), in a virtualenv that the runtime
+# stage copies whole. Every dependency ships manylinux wheels: no compiler needed.
 FROM python:3.11-slim-bookworm AS build
 
 ENV PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    UV_PROJECT_ENVIRONMENT=/opt/venv \
+    UV_PYTHON_DOWNLOADS=never \
+    UV_COMPILE_BYTECODE=1 \
+    UV_LINK_MODE=copy
+
+# uv installs from the lockfile; it stays in this stage (the runtime copies /opt/venv only)
+RUN pip install --no-cache-dir uv==0.13.9
 
 WORKDIR /src
-# dependencies first, from pyproject.toml alone (an empty package stands in for the code), so a
-# change of the code alone reuses this layer
-COPY pyproject.toml ./
-RUN python -m venv /opt/venv \
-    && mkdir service && touch service/__init__.py \
-    && /opt/venv/bin/pip install --no-cache-dir '.[sqs]' \
-    && /opt/venv/bin/pip uninstall --yes progress-service \
-    && rm -r service
+# dependencies first, from the lockfile alone, so a change of the code alone reuses this layer
+COPY pyproject.toml uv.lock ./
+RUN uv sync --frozen --no-install-project --no-cache --extra sqs
 COPY service ./service
-RUN /opt/venv/bin/pip install --no-cache-dir --no-deps . \
-    && /opt/venv/bin/python -m compileall -q /opt/venv/lib
+RUN uv sync --frozen --no-editable --no-cache --extra sqs
 
 
 # Runtime stage: the virtualenv and nothing else, run by an unprivileged user.

@@ -55,8 +55,9 @@ def test_image_is_multi_stage_slim_non_root_and_runs_serve() -> None:
     assert {"HOST", "PORT", "WORKERS"} <= final.env.keys()
     assert final.expose == [final.env["PORT"]]
     installs = " ".join(run for stage in stages for run in stage.run)
-    assert "pip install" in installs
-    assert "[test]" not in installs and "[embedded]" not in installs
+    # from the lockfile, with the production extra only: no test or dev group, no embedded servers
+    assert "uv sync --frozen" in installs and "--extra sqs" in installs
+    assert "--group" not in installs and "--all-groups" not in installs and "embedded" not in installs
 
 
 def test_deployment_probes_ports_and_lifecycle() -> None:

@@ -11,13 +11,6 @@ def _sections() -> dict[str, str]:
     return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
 
 
-def test_github_slugs() -> None:
-    assert github_slug("ProgressFlushLagging") == "progressflushlagging"
-    assert github_slug("Before you start") == "before-you-start"
-    assert github_slug("Redis: memory (80 %)") == "redis-memory-80-"
-    assert github_slug("flush_lag p99") == "flush_lag-p99"
-
-
 def test_every_alert_links_to_its_own_section_of_the_runbook() -> None:
     rules = alert_rules()
     assert len(rules) >= 15
