@@ -20,6 +20,9 @@ from service.auth import make_token
 from service.config import Settings
 from tests.helpers import TEST_JWT_SECRET, RunningApp, Servers, running_app
 
+# the monolith stand-in (broker, real Celery worker), started only by the tests that ask for it
+pytest_plugins = ["tests.monolith.fixtures"]
+
 # every table the tests write; TRUNCATE ... CASCADE keeps the order irrelevant
 _TABLES = (
     "users_user", "courses_lesson", "audios_audio", "audios_meditation", "lives_live",
@@ -119,7 +122,3 @@ def app(served: RunningApp) -> ProgressIngest:
 @pytest.fixture
 def client(served: RunningApp) -> httpx.AsyncClient:
     return served.client
-
-
-# the monolith stand-in (broker, real Celery worker), started only by the tests that ask for it
-from tests.monolith.fixtures import broker, executions, monolith_table, worker  # noqa: E402, F401

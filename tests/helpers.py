@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, NamedTuple, TypedDict
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import asyncpg
 import httpx
@@ -33,10 +33,12 @@ from service.clients import RedisClient
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, receive_ms, write_args
 from service.progress.keys import STANDALONE, KeyLayout
-from tests.monolith.fixtures import Broker
 
 TEST_JWT_SECRET = "test-secret-0123456789abcdef-0123456789"
 
+
+if TYPE_CHECKING:  # the broker is a pytest plugin's (tests/conftest.py): imported there first, for its asserts
+    from tests.monolith.fixtures import Broker
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -349,7 +351,7 @@ async def add_events(db: asyncpg.Pool, count: int) -> None:
     )
 
 
-def relay_env(servers: Servers, broker: Broker, **extra: str) -> dict[str, str]:
+def relay_env(servers: Servers, broker: "Broker", **extra: str) -> dict[str, str]:
     defaults = {
         "CELERY_BROKER_URL": broker.url,
         "RELAY_LEASE_SECONDS": str(RELAY_LEASE_S),
@@ -360,7 +362,7 @@ def relay_env(servers: Servers, broker: Broker, **extra: str) -> dict[str, str]:
 
 
 async def relay_once(
-    servers: Servers, broker: Broker, *, die_at: str = "", **extra: str
+    servers: Servers, broker: "Broker", *, die_at: str = "", **extra: str
 ) -> tuple[int, dict[str, Any] | None]:
     process = await start_service_command("relay", "--once", env=relay_env(servers, broker, **extra), die_at=die_at)
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
@@ -371,7 +373,7 @@ async def relay_once(
     return process.returncode, summary
 
 
-async def limited_broker_user(broker: Broker) -> str:
+async def limited_broker_user(broker: "Broker") -> str:
     """The URL of a broker user that may not write the queue "forbidden": a publish there gets NOPERM."""
     admin = Redis.from_url(broker.url)
     await admin.execute_command(
