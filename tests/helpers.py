@@ -102,6 +102,15 @@ def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+def flushed_since(started_s: float) -> Callable[[], Awaitable[bool]]:
+    """For wait_for: a flush cycle of this process finished cleanly after `started_s` (time.time())."""
+
+    async def done() -> bool:
+        return metric("progress_flush_last_success_timestamp_seconds") >= started_s
+
+    return done
+
+
 # --- the progress buffer and the flusher ------------------------------------------------------------------
 
 FLUSH_LEASE_S = 1.0  # the lease of the flusher processes the crash tests start

@@ -205,8 +205,10 @@ class Flusher:
         # what each type holds now: the cycle claims no more than that (see _Quota)
         at_start = await measure_backlog(self._redis, self._layout)
         cycle = _Cycle(self._work(at_start), stop, on_batch)
-        # every drain is awaited to its end before an error goes up: none is left running unowned
-        results = await asyncio.gather(*(self._drain(cycle) for _ in range(self._concurrency)), return_exceptions=True)
+        # a drain per shard at most (no connection taken for nothing); every drain is awaited to its end
+        # before an error goes up: none is left running unowned
+        drains = min(self._concurrency, len(cycle.work))
+        results = await asyncio.gather(*(self._drain(cycle) for _ in range(drains)), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result

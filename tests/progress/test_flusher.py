@@ -18,7 +18,7 @@ from service.progress.content import CONTENT_KINDS
 from service.progress.flusher import Flusher
 from service.progress.keys import STANDALONE
 from service.progress.leases import Leases
-from tests.helpers import Servers, auth, events, lesson_rows, running_app, seed, wait_for, write
+from tests.helpers import Servers, auth, events, flushed_since, lesson_rows, running_app, seed, wait_for, write
 
 
 @pytest.fixture
@@ -62,12 +62,13 @@ async def test_shutdown_flushes_what_was_acknowledged(
     settings: Settings, redis: Redis, db: asyncpg.Pool, token: str
 ) -> None:
     await seed(db, users=7)
+    started = time.time()
     async with running_app(
         settings.model_copy(update={"progress_flusher_enabled": True, "progress_flush_interval_seconds": 3600})
     ) as (_, client):
+        await wait_for(flushed_since(started))  # the loop's first cycle ran at start: only the last one is left
         response = await client.post("/lives/progress", json={"live_id": 1, "position": 99}, headers=auth(token))
         assert response.status_code == 201
-        await asyncio.sleep(0.1)  # the loop's first cycle ran at start, before this heartbeat
     assert await db.fetchval("SELECT position FROM lives_liveprogress WHERE user_id = 7 AND live_id = 1") == 99
     assert await redis.scard("progress:pending_flush:live") == 0
 
