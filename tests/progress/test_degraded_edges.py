@@ -15,7 +15,7 @@ from service.auth import make_token
 from service.config import Settings
 from service.progress.buffer import receive_ms
 from service.progress.redis_memory import sample_redis_memory
-from tests.helpers import auth, degraded_settings, running_app, seed
+from tests.helpers import auth, degraded_settings, running_app, seed, wait_for
 
 
 def test_receive_times_are_strictly_increasing() -> None:
@@ -75,10 +75,18 @@ async def test_a_503_from_degraded_mode_writes_nothing_even_after_postgres_recov
             )
             assert [a.status_code for a in answers] == [503] * 6
             await transaction.rollback()  # Postgres is fast again
-        await asyncio.sleep(0.5)  # room for any statement still queued to run (none must)
-        assert await db.fetchval("SELECT count(*) FROM audios_audioprogress") == 0
         direct = app.app.state.ingest.sink._direct
-        assert direct is not None and direct._queued == 0  # nothing held past its deadline
+        assert direct is not None
+
+        async def settled() -> bool:  # nothing queued in degraded mode, no statement of it left running
+            running = await db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE state = 'active' AND query LIKE '%audios_audioprogress%' AND pid <> pg_backend_pid()"
+            )
+            return direct._queued == 0 and running == 0
+
+        await wait_for(settled)
+        assert await db.fetchval("SELECT count(*) FROM audios_audioprogress") == 0
         recovered = await client.post(
             "/audios/progress", json={"audio_id": 1, "position": 99}, headers=auth(make_token(settings, 6))
         )
