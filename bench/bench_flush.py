@@ -21,10 +21,11 @@ import harness
 from redis.asyncio import Redis
 
 from service.app import build_flusher
-from service.clients import connect_redis, create_db_pool
+from service.clients import create_db_pool
 from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS
 from service.progress.keys import latest_position_key, parse_member, pending_flush_key
+from service.redis_client import connect_redis
 
 EPOCHS = itertools.count(1)  # each fill's positions differ from the last's
 # the flush's own speed, with no write budget (bench_flush_budget.py measures it with one)

@@ -20,7 +20,7 @@ from service.api.ratelimit import RateLimiter
 from service.api.reads import ProgressReads
 from service.api.sync import ProgressSync
 from service.auth import Authenticator
-from service.clients import RedisClient, connect_redis, create_db_pool
+from service.clients import create_db_pool
 from service.config import Settings, load_settings
 from service.logs import RequestIdMiddleware, configure_logging
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
@@ -34,6 +34,7 @@ from service.progress.reads import ProgressReader
 from service.progress.redis_memory import run_redis_memory_sampler
 from service.progress.sink import DirectWriter, HeartbeatSink
 from service.progress.sync import OfflineSync
+from service.redis_client import RedisClient, connect_redis
 from service.stores import REDIS_FAILED
 from service.trial_emails.batch import BatchOptions
 from service.trial_emails.queue import EmailQueue, build_email_queue, email_relay_publisher

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
-from service.clients import RedisClient, connect_redis, create_db_pool
+from service.clients import create_db_pool
 from service.config import ConfigError, Settings, load_settings
 from service.console import Progress
 from service.embedded import EmbeddedServerError
@@ -26,6 +26,7 @@ from service.outbox.celery_publisher import CeleryPublisher, publisher_from_sett
 from service.outbox.outboxes import Outbox
 from service.outbox.relay import counts_text
 from service.progress.backlog import measure_backlog
+from service.redis_client import RedisClient, connect_redis
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 from service.trial_emails.batch import BatchResult
 from service.trial_emails.queue import build_email_queue

@@ -18,13 +18,14 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from service.app import build_key_layout
-from service.clients import connect_redis, create_db_pool, local_timeouts_sql
+from service.clients import create_db_pool, local_timeouts_sql
 from service.config import Settings
 from service.outbox.outboxes import COMPLETIONS, EMAILS, outbox_counts
 from service.progress.backlog import measure_backlog
 from service.progress.content import CONTENT_KINDS
 from service.progress.known_content import count_ids
 from service.progress.redis_memory import memory_by_node, used_and_max
+from service.redis_client import connect_redis
 from service.stores import POSTGRES_BUSY, POSTGRES_FAILED, REDIS_FAILED
 
 T = TypeVar("T")

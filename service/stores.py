@@ -13,7 +13,7 @@ Callers catch these tuples, never a client library's exceptions of their own cho
 A closed transport does not always raise a library's own error: redis-py writes on a connection the
 peer closed and raises `AttributeError`/`TypeError` (redis-py #4287, #3546), and asyncpg raises
 `InternalClientError` ("cannot switch to state ...") on a connection an outage left mid-operation.
-The Redis connection class of `service.clients` turns the former into `ConnectionError` where it
+The Redis connection class of `service.redis_internals` turns the former into `ConnectionError` where it
 enters; the latter is counted as unavailable here.
 """
 

@@ -29,10 +29,10 @@ from service import embedded
 from service.api.ingest import ProgressIngest
 from service.app import create_app
 from service.auth import make_token
-from service.clients import RedisClient
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, receive_ms, write_args
 from service.progress.keys import STANDALONE, KeyLayout
+from service.redis_client import RedisClient
 
 TEST_JWT_SECRET = "test-secret-0123456789abcdef-0123456789"
 

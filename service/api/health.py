@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from service import metrics
-from service.clients import ping
+from service.redis_client import ping
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
 router = APIRouter(tags=["operations"])

@@ -5,6 +5,11 @@ client may send its headers a byte at a time for as long as it likes. This proto
 bytes received while a request head is incomplete and answers 431 past MAX_HEADER_BYTES, and 408
 when the head is not complete within HEADER_READ_TIMEOUT_S; both close the connection. Bodies
 have their own deadline in the ingest path (BODY_READ_TIMEOUT_SECONDS).
+
+This overrides uvicorn's parser callbacks and reads what they collect (`url`, `headers`): uvicorn
+gives httptools no such limits (uvicorn #157: "httptools does have a mechanism ... but we can't
+change the value"). uvicorn is pinned below its next minor (pyproject.toml), and
+tests/api/test_uvicorn_internals.py fails on a release that moves what is used here.
 """
 
 import asyncio

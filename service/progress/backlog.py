@@ -9,9 +9,9 @@ how late positions reach the database.
 
 from dataclasses import dataclass, field
 
-from service.clients import RedisClient, execute_by_node
 from service.progress.content import CONTENT_KINDS
 from service.progress.keys import KeyLayout
+from service.redis_client import RedisClient, execute_by_node
 
 
 @dataclass

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from redis.commands.core import AsyncScript
 
 from service import metrics
-from service.clients import RedisClient
 from service.loops import sleep_unless_stopped
 from service.progress.keys import FLUSH_BUDGET_KEY
+from service.redis_client import RedisClient
 from service.stores import REDIS_FAILED
 
 log = logging.getLogger(__name__)

@@ -14,9 +14,9 @@ from typing import NamedTuple
 from redis.exceptions import NoScriptError, RedisError
 
 from service import metrics
-from service.clients import RedisClient, execute_by_node, node_name
 from service.progress.batching import TurnBatcher
 from service.progress.keys import STANDALONE, KeyLayout, Shard, pending_member
+from service.redis_client import RedisClient, execute_by_node, node_name
 from service.stores import REDIS_UNAVAILABLE
 
 # The value is "{position}:{receive time ms}:{peak}:{microseconds}": peak is the furthest position

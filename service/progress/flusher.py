@@ -24,7 +24,7 @@ from functools import partial
 import asyncpg
 
 from service import checkpoints, metrics
-from service.clients import RedisClient, local_timeouts_sql, node_name
+from service.clients import local_timeouts_sql
 from service.loops import Backoff, every
 from service.progress.backlog import Backlog, measure_backlog
 from service.progress.budget import FlushBudget, Reservation
@@ -34,6 +34,7 @@ from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import KeyLayout, Shard, parse_member, pending_member
 from service.progress.leases import Claim, Leases
 from service.progress.store import BatchResult, Heartbeat, persist_batch, report_batch, table_locks_sql
+from service.redis_client import RedisClient, node_name
 from service.stores import (
     POSTGRES_BUSY,
     POSTGRES_FAILED,
@@ -258,9 +259,16 @@ class Flusher:
         except POSTGRES_FAILED as exc:
             # no connection to be had (down, full, refused our password): nothing was claimed, and the
             # types still to do wait for the next cycle
-            for content_type in sorted({turn.kind.name for turn, _ in cycle.work}):
+            waiting = sorted({turn.kind.name for turn, _ in cycle.work})
+            for content_type in waiting:
                 metrics.FLUSH_FAILURES.labels(content_type).inc()
-            log.warning("flush drain skipped: database unavailable (%s: %s)", type(exc).__name__, exc)
+            log.warning(
+                "flush of %s skipped: database unavailable (%s: %s)",
+                ", ".join(waiting),
+                type(exc).__name__,
+                exc,
+                extra={"content_type": ",".join(waiting)},
+            )
             cycle.result.failed_batches += 1
 
     async def _turn(self, conn: asyncpg.Connection, cycle: "_Cycle", turn: "_Turn", shard: Shard) -> bool:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from redis.commands.core import AsyncScript
 
-from service.clients import RedisClient
 from service.progress.keys import Shard
+from service.redis_client import RedisClient
 
 # KEYS: pending set, in-flight zset. ARGV: count, lease score, the shard's latest-position key prefix
 # (it carries the shard's hash tag: the value keys built from it are in the slot of KEYS).

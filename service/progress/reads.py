@@ -22,11 +22,12 @@ from typing import TypeAlias
 import asyncpg
 from redis.exceptions import RedisError
 
-from service.clients import RedisClient, fetch_stateless, get_many
+from service.clients import fetch_stateless
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import STANDALONE, KeyLayout
+from service.redis_client import RedisClient, get_many
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _ONE_US = timedelta(microseconds=1)

@@ -8,8 +8,8 @@ import logging
 from redis.asyncio import RedisCluster
 
 from service import metrics
-from service.clients import RedisClient
 from service.loops import every
+from service.redis_client import RedisClient
 from service.stores import REDIS_FAILED
 
 log = logging.getLogger(__name__)

@@ -5,10 +5,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from service.clients import RedisClient, same_slot_prefix
 from service.config import Settings
 from service.outbox.messages import Message, Publisher, PublishResult
 from service.outbox.outboxes import email_kwargs, email_task_id
+from service.redis_client import RedisClient, same_slot_prefix
 from service.stores import REDIS_FAILED
 
 
@@ -36,7 +36,7 @@ class EmailQueue(Protocol):
 
 # KEYS: stream, guard key (in the stream's slot: the script runs on a cluster). ARGV: guard TTL (s), then field,
 # value, ...
-# The client retries a command once after a timeout (service.clients.connect_redis), and a timed-out
+# The client retries a command once after a timeout (service.redis_client.connect_redis), and a timed-out
 # XADD may have been applied: the guard, set in the same script, makes that retry a no-op instead
 # of a second entry. The guard names one reservation (its reserved_at included), so a pair that is
 # deliberately reserved again later is published again.

@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from service.clients import connect_redis, create_db_pool
+from service.clients import create_db_pool
 from service.config import Settings
+from service.redis_client import connect_redis
 
 
 @contextlib.asynccontextmanager
@@ -49,6 +50,6 @@ async def test_redis_socket_timeout_bounds_a_silent_redis() -> None:
         started = time.monotonic()
         with pytest.raises(RedisTimeoutError):
             await redis.ping()
-        # one retry of a timed-out command at most (service/clients.py)
+        # one retry of a timed-out command at most (service/redis_client.py)
         assert time.monotonic() - started < 2
         await redis.aclose()

@@ -15,8 +15,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from service.auth import make_token
-from service.clients import connect_redis
 from service.config import Settings
+from service.redis_client import connect_redis
 from tests.helpers import Servers, Tls, auth, running_app
 
 

@@ -5,10 +5,10 @@ import time
 import pytest
 from redis.asyncio import Redis, RedisCluster
 
-from service.clients import connect_redis
 from service.config import Settings
 from service.progress.backlog import measure_backlog
 from service.progress.keys import KeyLayout
+from service.redis_client import connect_redis
 from tests.helpers import Servers, run_status, write
 
 MEMBERS = [(content_id, user_id) for content_id in range(1, 6) for user_id in range(1, 9)]  # 40 keys

@@ -12,12 +12,13 @@ import pytest
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.connection import Connection
 
-from service.clients import connect_redis, create_db_pool, fetch_stateless
+from service.clients import create_db_pool, fetch_stateless
 from service.config import Settings
 from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
 from service.progress.content import CONTENT_KINDS
 from service.progress.reads import MAX_WAIT_S, MAX_WAITING_LOOKUPS, Progress, ProgressReader, ReadsWaiting, rows_sql
 from service.progress.sync import OfflineSync, SyncItem
+from service.redis_client import connect_redis
 from tests.helpers import Servers, seed
 
 KINDS = {kind.name: kind for kind in CONTENT_KINDS}

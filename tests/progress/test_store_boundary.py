@@ -17,10 +17,10 @@ from redis.asyncio.connection import AbstractConnection, Connection, SSLConnecti
 
 from service import embedded
 from service.auth import make_token
-from service.clients import RedisClient, connect_redis, execute_by_node
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.keys import STANDALONE, KeyLayout
+from service.redis_client import RedisClient, connect_redis, execute_by_node
 from service.stores import REDIS_UNAVAILABLE
 from tests.helpers import auth, running_app, seed
 
@@ -102,7 +102,7 @@ async def test_a_cluster_connection_closed_under_script_load_or_a_write_is_a_red
         assert await execute_by_node(client, commands, key_index=3) == [1] * len(commands)
         # the boundary's connection class on every node the client discovered, not only on the URL's
         assert {type(conn).__module__ for node in client.get_nodes() for conn in node._connections} == {
-            "service.clients"
+            "service.redis_internals"
         }
         results = await closed_under_its_write(client, execute_by_node(client, commands, key_index=3))
         # each node's pipeline is its own task: those that took a connection before it was dropped failed
@@ -131,7 +131,7 @@ def test_every_url_scheme_keeps_its_kind_of_connection_behind_the_boundary(
 ) -> None:
     client = connect_redis(settings.model_copy(update={"redis_url": url}))
     connection_class = client.connection_pool.connection_class
-    assert issubclass(connection_class, redis_py_class) and connection_class.__module__ == "service.clients"
+    assert issubclass(connection_class, redis_py_class) and connection_class.__module__ == "service.redis_internals"
 
 
 async def test_idle_connections_killed_by_the_server_between_two_heartbeats_cost_no_500(

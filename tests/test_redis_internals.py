@@ -1,17 +1,23 @@
-"""The Redis connections' own packing (hiredis, in C) against redis-py's asyncio packing: the same bytes."""
+"""What service/redis_internals.py touches in redis-py is still there, and does what the service expects.
 
+Each test fails on a redis-py release that moved a private piece the service relies on, naming it;
+the packing tests hold hiredis's bytes (in C) to redis-py's asyncio packing.
+"""
+
+import inspect
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.cluster import ClusterNode, PipelineCommand
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import DataError
 from redis.utils import HIREDIS_AVAILABLE
 
-from service.clients import connect_redis
 from service.config import Settings
+from service.redis_client import connect_redis
 
 
 # every kind of connection the service makes (plain, TLS, unix socket) is made of the same packing class;
@@ -56,3 +62,29 @@ def test_any_command_is_packed_as_redis_py_packs_it(args: list[Any]) -> None:
 )  # fmt: skip
 def test_edge_commands_are_packed_as_redis_py_packs_them(args: tuple[Any, ...]) -> None:
     assert packed(CONNECTIONS[0], args) == packed(CONNECTIONS[0], args, by_redis_py=True)
+
+
+def test_the_connection_methods_overridden_keep_their_shape() -> None:
+    # _ClosedTransportIsConnectionError: every write goes through _send_packed_command when a socket
+    # timeout is set, on the StreamWriter in _writer; read_response takes disconnect_on_error
+    assert list(inspect.signature(AbstractConnection._send_packed_command).parameters) == ["self", "command"]
+    read = inspect.signature(AbstractConnection.read_response).parameters
+    assert {"disable_decoding", "timeout", "disconnect_on_error", "push_request"} <= read.keys()
+    connection = CONNECTIONS[0]
+    assert hasattr(connection, "_writer") and callable(connection._host_error)  # type: ignore[attr-defined]
+    source = inspect.getsource(AbstractConnection.send_packed_command)
+    assert "_send_packed_command" in source, "redis-py no longer writes through _send_packed_command"
+
+
+def test_a_cluster_client_still_takes_its_nodes_connection_class_and_topology_flag_where_it_did() -> None:
+    cluster = RedisCluster(host="127.0.0.1", port=1)
+    assert "connection_class" in cluster.connection_kwargs  # guard_cluster_connections rewrites it
+    assert all(hasattr(node, "connection_class") for node in cluster.nodes_manager.startup_nodes.values())
+    assert cluster._initialize is True  # topology_is_stale sets it again after a failed node
+    assert "self._initialize" in inspect.getsource(RedisCluster.execute_command)
+
+
+def test_a_node_pipeline_still_runs_pipeline_commands_by_position() -> None:
+    command = PipelineCommand(3, "GET", "k")
+    assert (command.position, command.args, command.result) == (3, ("GET", "k"), None)
+    assert list(inspect.signature(ClusterNode.execute_pipeline).parameters) == ["self", "commands"]

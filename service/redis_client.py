@@ -1,0 +1,200 @@
+"""The Redis client every process of the service holds: one server or a cluster.
+
+Cluster awareness stays here and in service/progress/keys.py: callers get a client with the
+commands both kinds share, and send a turn's commands with execute_by_node. What this reaches into
+redis-py for is in service/redis_internals.py.
+"""
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
+from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.connection import Connection, parse_url
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from service.config import Settings
+from service.redis_internals import GUARDED, guard_cluster_connections, node_pipeline, topology_is_stale
+from service.stores import REDIS_UNAVAILABLE
+
+RedisClient: TypeAlias = Redis | RedisCluster
+
+
+def connect_redis(settings: Settings) -> RedisClient:
+    common = dict(
+        socket_timeout=settings.redis_socket_timeout_seconds,
+        socket_connect_timeout=settings.redis_socket_timeout_seconds,
+        health_check_interval=30,
+        client_name=f"progress-service:{settings.pod_name}",  # visible in CLIENT LIST
+    )
+    if settings.redis_cluster:
+        # REDIS_URL names any node; the client discovers the others. max_connections is per node.
+        # No retry: redis-py retries a cluster pipeline by closing every connection of every node,
+        # which fails the healthy nodes' writes in flight too. A failed node's writes go to degraded
+        # mode instead, and the topology is re-read before the next command (execute_by_node).
+        cluster = RedisCluster.from_url(
+            settings.redis_url, max_connections=settings.redis_max_connections, retry=Retry(NoBackoff(), 0), **common
+        )
+        guard_cluster_connections(cluster)
+        return cluster
+    # as BlockingConnectionPool.from_url, which would put redis-py's class back for rediss:// and unix://
+    options: dict[str, Any] = dict(
+        # full pool: wait for a connection (a latency spike) rather than fail into degraded mode
+        max_connections=settings.redis_max_connections,
+        timeout=settings.redis_socket_timeout_seconds,
+        # One quick retry covers a pooled connection that went stale (Redis restarted); more would
+        # hold every request of an outage for seconds instead of answering it.
+        retry=Retry(NoBackoff(), 1),
+        **common,
+    )
+    options.update(parse_url(settings.redis_url))  # the URL's own options win, as in from_url
+    options["connection_class"] = GUARDED[options.get("connection_class", Connection)]
+    pool = BlockingConnectionPool(**options)
+    return Redis.from_pool(pool)  # the client owns the pool and closes it
+
+
+class NotReplicated(RedisError):
+    """WAIT heard from fewer replicas than asked: these writes could die with their master."""
+
+
+async def execute_by_node(
+    redis: RedisClient,
+    commands: Sequence[tuple[object, ...]],
+    *,
+    key_index: int,
+    wait_replicas: int = 0,
+    wait_timeout_ms: int = 0,
+) -> list[object]:
+    """Send commands in one round trip per node; each result is its reply or its own exception.
+
+    On a cluster, a pipeline per node rather than one cluster pipeline: redis-py fails a whole cluster
+    pipeline when one node is unreachable, and only the commands of that node's slots should fail
+    (they go to degraded mode; the others' heartbeats stay on Redis). `key_index` locates a key of
+    each command; all its keys share that key's slot. With `wait_replicas`, each node's commands are
+    followed by WAIT, and those not confirmed by that many replicas fail with NotReplicated.
+    """
+    groups: list[tuple[ClusterNode | None, list[int]]] = [(None, list(range(len(commands))))]
+    if isinstance(redis, RedisCluster):
+        try:
+            await redis.initialize()  # a no-op once the topology is known; re-reads it after a failure
+            by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
+            for i, args in enumerate(commands):
+                node = _node_of(redis, args[key_index])
+                by_node.setdefault(node.name, (node, []))[1].append(i)
+        except RedisClusterException as exc:
+            # no node answers, or a slot has no master during a failover: the callers' "Redis is down"
+            raise RedisConnectionError(f"Redis Cluster unavailable: {exc}") from exc
+        groups = list(by_node.values())
+    sent = await asyncio.gather(
+        *(
+            _pipeline(redis, [commands[i] for i in group], node, wait_replicas, wait_timeout_ms)
+            for node, group in groups
+        ),
+        return_exceptions=True,
+    )
+    results: list[object] = [None] * len(commands)
+    for (_, group), outcome in zip(groups, sent, strict=True):
+        if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+            raise outcome  # cancelled: not a failure of that node
+        if isinstance(outcome, RedisClusterException):
+            # no node for a slot, a cluster that cannot be reached: not a RedisError, yet the same weather
+            outcome = RedisConnectionError(f"Redis Cluster unavailable: {outcome}")
+        for position, i in enumerate(group):
+            results[i] = outcome if isinstance(outcome, Exception) else outcome[position]
+    if isinstance(redis, RedisCluster) and any(isinstance(result, REDIS_UNAVAILABLE) for result in results):
+        topology_is_stale(redis)
+    return results
+
+
+async def get_many(redis: RedisClient, keys: Sequence[str]) -> list[bytes | str | None]:
+    """The values of `keys`, in order: one MGET on a server; on a cluster, where a MGET must stay in
+    one slot, a GET per key in one pipeline per node (still one round trip per node, all at once)."""
+    if not isinstance(redis, RedisCluster):
+        values: list[bytes | str | None] = await redis.mget(keys)
+        return values
+    results = await execute_by_node(redis, [("GET", key) for key in keys], key_index=1)
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return results  # type: ignore[return-value]
+
+
+async def ping(redis: RedisClient) -> None:
+    """Raise unless Redis answers: on a cluster, every master (each holds a share of the heartbeats)."""
+    if isinstance(redis, RedisCluster):
+        await redis.ping(target_nodes=RedisCluster.PRIMARIES)  # redis-py would ask one node only
+    else:
+        await redis.ping()
+
+
+def same_slot_prefix(key: str) -> str:
+    """A prefix for keys that must share `key`'s hash slot (a script touching both runs on a cluster).
+
+    A key without a hash tag is hashed whole, so `{key}` hashes like it; a key with a tag keeps it.
+    """
+    start = key.find("{")
+    end = key.find("}", start + 1)
+    if start != -1 and end > start + 1:
+        return key
+    return "{" + key + "}"
+
+
+async def _node_pipeline(
+    redis: RedisCluster, node: ClusterNode, commands: Sequence[tuple[object, ...]]
+) -> list[object]:
+    """Commands already grouped by node, in one round trip; a command whose slot moved follows the move."""
+    results = await node_pipeline(node, commands)
+    for i, result in enumerate(results):
+        if isinstance(result, (MovedError, AskError, TryAgainError)):
+            # its slot moved (resharding, failover): redis-py follows the redirection for this command
+            try:
+                results[i] = await redis.execute_command(*commands[i])  # type: ignore[arg-type]
+            except RedisError as exc:
+                results[i] = exc
+            except RedisClusterException as exc:  # not a RedisError: callers know "Redis is down" by that
+                results[i] = RedisConnectionError(f"Redis Cluster unavailable: {exc}")
+    return results
+
+
+def node_name(redis: RedisClient, key: object) -> str:
+    """The cluster node that holds `key` ("host:port"); "" on a standalone server."""
+    if not isinstance(redis, RedisCluster):
+        return ""
+    return str(_node_of(redis, key).name)
+
+
+def _node_of(redis: RedisCluster, key: object) -> ClusterNode:
+    node = redis.get_node_from_key(key)  # type: ignore[arg-type]
+    if node is None:
+        raise RedisClusterException(f"no node holds the slot of {key!r}")
+    return node
+
+
+async def _pipeline(
+    redis: RedisClient,
+    commands: Sequence[tuple[object, ...]],
+    node: ClusterNode | None,
+    wait_replicas: int,
+    wait_timeout_ms: int,
+) -> list[object]:
+    # WAIT counts the replicas that have every write of its connection: it goes last, on the same one
+    wait = [("WAIT", wait_replicas, wait_timeout_ms)] if wait_replicas else []
+    results: list[object]
+    if node is None:
+        async with redis.pipeline(transaction=False) as pipe:
+            for args in [*commands, *wait]:
+                pipe.execute_command(*args)  # type: ignore[arg-type]
+            results = await pipe.execute(raise_on_error=False)
+    else:
+        assert isinstance(redis, RedisCluster)
+        results = await _node_pipeline(redis, node, [*commands, *wait])
+    if wait_replicas:
+        confirmed = results.pop()
+        if not isinstance(confirmed, int) or confirmed < wait_replicas:
+            error = NotReplicated(f"{confirmed!r} of {wait_replicas} replicas confirmed in {wait_timeout_ms} ms")
+            results = [result if isinstance(result, Exception) else error for result in results]
+    return results

@@ -1,0 +1,156 @@
+"""What the service reaches into redis-py for, each in one small place with the upstream issue it works around.
+
+redis-py is pinned below its next major (pyproject.toml); tests/test_redis_internals.py fails if a release
+moves what is touched here, before any behaviour test has to find out. Drop a piece once its upstream
+fix is released and the pin allows it.
+
+- the connection classes: a write or read on a transport that closed under it raises redis's
+  ConnectionError, not AttributeError/TypeError (redis-py #4287, #3546); commands packed by hiredis
+  in C, as the sync client does (redis-py #4176, fix proposed in #4191);
+- RedisCluster takes no connection class: ours is set in its node arguments (redis-py #3558);
+- a cluster pipeline per node, not one cluster pipeline that one dead node fails whole (redis-py
+  #2224, #3130): the node's own pipeline call, and a topology re-read before the next command after
+  a node failed, as redis-py does after a single command.
+"""
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from redis.asyncio import RedisCluster
+from redis.asyncio.cluster import ClusterNode, PipelineCommand
+from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
+from redis.connection import HiredisRespSerializer
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.utils import HIREDIS_AVAILABLE
+
+
+def _closed(writer: asyncio.StreamWriter | None) -> bool:
+    return writer is None or writer.transport is None or writer.transport.is_closing()
+
+
+class _ClosedTransportIsConnectionError(AbstractConnection):
+    """A call on a connection whose transport closed under it fails with redis's ConnectionError.
+
+    redis-py reaches for the transport a connection had, and two ways that is gone raise errors that
+    are not a RedisError (redis-py #4287, #3546): a disconnect from another task while a write is
+    pending (the cluster client closes every connection of every node on CLUSTERDOWN, in a failover;
+    the write then finds `None`: "'NoneType' object has no attribute 'writelines'"), and, on CPython
+    3.12+, a transport the peer reset, whose own internals raise TypeError/AttributeError. Neither is
+    retried by redis-py, and the request path would answer 500 instead of going to degraded mode.
+    Only those are converted, after the connection is dropped: an AttributeError or TypeError while
+    the transport is open is a bug, and goes up as it is.
+    """
+
+    async def _send_packed_command(self, command: Iterable[bytes]) -> None:
+        # Every write comes here: redis-py writes through this method whenever a socket timeout is
+        # set, and Settings always sets one (> 0). send_packed_command disconnects on any error.
+        writer = self._writer
+        if writer is None or _closed(writer):
+            raise RedisConnectionError(f"connection to {self._host_error()} closed before the write")
+        try:
+            writer.writelines(command)
+            await writer.drain()
+        except (AttributeError, TypeError) as exc:
+            if not _closed(writer):
+                raise
+            raise RedisConnectionError(f"connection to {self._host_error()} closed under the write: {exc!r}") from exc
+
+    async def read_response(
+        self,
+        disable_decoding: bool = False,
+        timeout: float | None = None,  # noqa: ASYNC109 (redis-py's signature)
+        *,
+        disconnect_on_error: bool = True,
+        push_request: bool | None = False,
+    ) -> Any:
+        writer = self._writer
+        try:
+            # redis-py would disconnect before we can tell whether the transport was closed: we do it after
+            return await super().read_response(
+                disable_decoding, timeout, disconnect_on_error=False, push_request=push_request
+            )
+        except ResponseError:
+            raise  # the server's answer to the command: the connection is sound
+        except BaseException as exc:
+            closed = isinstance(exc, (AttributeError, TypeError)) and (writer is not self._writer or _closed(writer))
+            if disconnect_on_error:
+                await self.disconnect(nowait=True)
+            if closed:
+                raise RedisConnectionError(
+                    f"connection to {self._host_error()} closed under the read: {exc!r}"
+                ) from exc
+            raise
+
+
+_HIREDIS_PACKER = HiredisRespSerializer()
+
+
+class _PackedByHiredis(AbstractConnection):
+    """Commands packed in C by hiredis, as redis-py's own sync client packs them when hiredis is installed.
+
+    The asyncio client packs in Python and joins its whole buffer again for every argument: a read's
+    100-key MGET spent a tenth of its CPU there, a sync's script call of 500 items more. For the str,
+    bytes, int and float arguments the service passes, the bytes are the same (tests/test_clients.py),
+    text in UTF-8 (the default; hiredis knows no other); a bool or None is a DataError either way.
+    """
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        if not HIREDIS_AVAILABLE:  # no hiredis, or one older than redis-py supports: redis-py's own packing
+            return super().pack_command(*args)
+        packed: list[bytes] = _HIREDIS_PACKER.pack(*args)
+        return packed
+
+
+class _GuardedConnection(_ClosedTransportIsConnectionError, _PackedByHiredis, Connection):
+    pass
+
+
+class _GuardedSSLConnection(_ClosedTransportIsConnectionError, _PackedByHiredis, SSLConnection):
+    pass
+
+
+class _GuardedUnixDomainSocketConnection(
+    _ClosedTransportIsConnectionError, _PackedByHiredis, UnixDomainSocketConnection
+):
+    pass
+
+
+# the class redis-py picks for a URL's scheme (redis://, rediss://, unix://) -> ours
+GUARDED: dict[type[AbstractConnection], type[AbstractConnection]] = {
+    Connection: _GuardedConnection,
+    SSLConnection: _GuardedSSLConnection,
+    UnixDomainSocketConnection: _GuardedUnixDomainSocketConnection,
+}
+_GUARDED_NODE: dict[type[Connection], type[Connection]] = {
+    Connection: _GuardedConnection,
+    SSLConnection: _GuardedSSLConnection,
+}
+
+
+def guard_cluster_connections(cluster: RedisCluster) -> None:
+    """Our connection class on every node `cluster` makes: it passes its own (plain or SSL) to each node
+    from one dict of node arguments, and the node the URL names exists already (redis-py #3558)."""
+    guarded = _GUARDED_NODE[cluster.connection_kwargs["connection_class"]]
+    cluster.connection_kwargs["connection_class"] = guarded
+    for node in cluster.nodes_manager.startup_nodes.values():
+        node.connection_class = guarded
+
+
+def topology_is_stale(cluster: RedisCluster) -> None:
+    """Read the topology again before the next command, as redis-py does after a failed single command:
+    how the replica promoted in a failover is found when a pipeline, not a command, failed."""
+    cluster._initialize = True
+
+
+async def node_pipeline(node: ClusterNode, commands: Sequence[tuple[object, ...]]) -> list[object]:
+    """Commands of one node's slots as one pipeline on one of its connections; each reply or its error.
+
+    The node's own pipeline call rather than a cluster pipeline: that one works out every command's
+    slot and node again (about half again the request path's client CPU), and one unreachable node
+    fails all of it.
+    """
+    stack = [PipelineCommand(i, *args) for i, args in enumerate(commands)]
+    await node.execute_pipeline(stack)  # each command's reply, or its error, in .result
+    return [command.result for command in stack]
