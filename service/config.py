@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     # 0: a pod starts (and serves heartbeats) while Postgres is still down
     database_pool_min_size: int = Field(0, ge=0)
     database_pool_max_size: int = Field(10, ge=1)
+    # a wait for a pool connection (connecting one included) past which Postgres is unavailable to that caller;
+    # the reads and the syncs wait 1 s at most, degraded mode its request's deadline
+    database_pool_acquire_timeout_seconds: float = Field(5.0, gt=0)
     database_command_timeout_seconds: float = Field(30.0, gt=0)
     # asyncpg waits 60 s for a new connection by default: a blackholed Postgres would stall a batch that long
     database_connect_timeout_seconds: float = Field(10.0, gt=0)
