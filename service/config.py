@@ -93,6 +93,8 @@ class Settings(BaseSettings):
     # heartbeats' limit); the burst holds at least one full request of 500 items
     sync_items_per_user_per_second: float = Field(1.0, gt=0)
     sync_items_burst: int = Field(2000, ge=500)
+    # syncs reading Postgres at once per process (one connection each); one that waits 1 s for its turn gets 503
+    sync_max_concurrency: int = Field(2, ge=1)
 
     degraded_max_concurrency: int = Field(4, ge=1)
     degraded_max_waiting: int = Field(2000, ge=1)
