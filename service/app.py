@@ -266,6 +266,7 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
                 ttl_s=settings.progress_position_ttl_seconds,
                 max_skew_s=settings.sync_max_clock_skew_seconds,
                 max_backdate_s=settings.sync_max_backdate_hours * 3600,
+                max_concurrency=settings.sync_max_concurrency,
             )
         # Everything alive now lives as long as the process: moved out of the collector's sight,
         # a full collection under load scans ~1 k objects instead of ~80 k (a 37 ms pause at p99.9).

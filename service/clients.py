@@ -49,20 +49,39 @@ async def _reset_session(conn: asyncpg.Connection) -> None:
 
 
 async def fetch_stateless(
-    pool: asyncpg.Pool, statements: Sequence[tuple[str, Sequence[object]]]
+    pool: asyncpg.Pool, statements: Sequence[tuple[str, Sequence[object]]], *, timeout_s: float | None = None
 ) -> list[list[asyncpg.Record]]:
     """pool.fetch of each statement in turn, on one connection, for statements that leave no session state
     behind (no SET, LISTEN, cursor or lock); the first that fails raises, and the rest do not run.
 
-    The connection goes back without the reset query: one round trip per statement, not one more. Any
-    other use of the pool, an error here included, still resets the session on release.
+    The connection is waited for `timeout_s` at most (None: the pool's own deadline), then TimeoutError.
+    It goes back without the reset query: one round trip per statement, not one more. Any other use of
+    the pool, an error here included, still resets the session on release.
     """
-    async with pool.acquire() as conn:
+    async with pool.acquire(timeout=timeout_s) as conn:
         answers: list[list[asyncpg.Record]] = [await conn.fetch(query, *args) for query, args in statements]
         mark = getattr(conn, "took_no_session_state", None)  # a pool not made by create_db_pool: reset as usual
         if mark is not None:
             mark()
     return answers
+
+
+class _DeadlinePool(asyncpg.Pool):  # type: ignore[misc]  # asyncpg ships no types here
+    """A pool whose every acquire has a deadline: the caller's, else the pool's.
+
+    Without one, a caller waits in the pool's queue for as long as the connections ahead of it are held
+    (by statements waiting on a migration's lock, say), and pool.fetch() and the like give none. Past
+    it the acquire raises TimeoutError, which POSTGRES_UNAVAILABLE counts: the caller's work waits.
+    """
+
+    __slots__ = ("_acquire_timeout_s",)
+
+    def __init__(self, *args: Any, acquire_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._acquire_timeout_s = acquire_timeout_s
+
+    def acquire(self, *, timeout: float | None = None) -> Any:
+        return super().acquire(timeout=self._acquire_timeout_s if timeout is None else timeout)
 
 
 async def create_db_pool(settings: Settings) -> asyncpg.Pool:
@@ -74,10 +93,18 @@ async def create_db_pool(settings: Settings) -> asyncpg.Pool:
         lock_timeout_s=settings.database_lock_timeout_seconds,
     )
     server_settings = timeouts if settings.database_timeouts_at_connect else None
-    return await asyncpg.create_pool(
+    # what asyncpg.create_pool does (it takes no pool class), with asyncpg's defaults for what is not set here
+    pool: asyncpg.Pool = await _DeadlinePool(
         settings.database_url,
+        acquire_timeout_s=settings.database_pool_acquire_timeout_seconds,
         min_size=settings.database_pool_min_size,
         max_size=settings.database_pool_max_size,
+        max_queries=50_000,
+        max_inactive_connection_lifetime=300.0,
+        setup=None,
+        init=None,
+        loop=None,
+        record_class=asyncpg.Record,
         command_timeout=settings.database_command_timeout_seconds,
         timeout=settings.database_connect_timeout_seconds,
         statement_cache_size=settings.database_statement_cache_size,
@@ -85,3 +112,4 @@ async def create_db_pool(settings: Settings) -> asyncpg.Pool:
         connection_class=_PoolConnection,
         reset=_reset_session,
     )
+    return pool

@@ -9,6 +9,10 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# GET /progress reads each content type in lanes of its own (lesson, audio, meditation, live:
+# service/progress/content.py), PROGRESS_READ_BATCHES_IN_FLIGHT connections each
+READ_LANES = 4
+
 
 class ConfigError(Exception):
     """The environment does not describe a service that can start; the message says what to set."""
@@ -34,7 +38,11 @@ class Settings(BaseSettings):
     database_url: str = ""
     # 0: a pod starts (and serves heartbeats) while Postgres is still down
     database_pool_min_size: int = Field(0, ge=0)
-    database_pool_max_size: int = Field(10, ge=1)
+    # `serve` checks that it holds every part's share at once (Settings.check_pool_shares)
+    database_pool_max_size: int = Field(16, ge=1)
+    # a wait for a pool connection (connecting one included) past which Postgres is unavailable to that caller;
+    # the reads and the syncs wait 1 s at most, degraded mode its request's deadline
+    database_pool_acquire_timeout_seconds: float = Field(5.0, gt=0)
     database_command_timeout_seconds: float = Field(30.0, gt=0)
     # asyncpg waits 60 s for a new connection by default: a blackholed Postgres would stall a batch that long
     database_connect_timeout_seconds: float = Field(10.0, gt=0)
@@ -90,6 +98,8 @@ class Settings(BaseSettings):
     # heartbeats' limit); the burst holds at least one full request of 500 items
     sync_items_per_user_per_second: float = Field(1.0, gt=0)
     sync_items_burst: int = Field(2000, ge=500)
+    # syncs reading Postgres at once per process (one connection each); one that waits 1 s for its turn gets 503
+    sync_max_concurrency: int = Field(2, ge=1)
 
     degraded_max_concurrency: int = Field(4, ge=1)
     degraded_max_waiting: int = Field(2000, ge=1)
@@ -207,6 +217,27 @@ class Settings(BaseSettings):
                 raise ConfigError("JWT_SECRET is too short to be a real secret (at least 32 characters)")
         if self.database_url and (self.relay_enabled or self.trial_journey_interval_seconds > 0):
             self.check_celery_broker()
+        if self.database_url:
+            self.check_pool_shares()
+
+    def check_pool_shares(self) -> None:
+        """The pool holds every part's connections at once, so none waits on another's: the reads and the
+        syncs (bounded in-process) can never take the connections the flush and degraded mode need."""
+        shares = {
+            "PROGRESS_FLUSH_CONCURRENCY": self.progress_flush_concurrency if self.progress_flusher_enabled else 0,
+            "DEGRADED_MAX_CONCURRENCY": self.degraded_max_concurrency,
+            f"{READ_LANES} x PROGRESS_READ_BATCHES_IN_FLIGHT": READ_LANES * self.progress_read_batches_in_flight,
+            "SYNC_MAX_CONCURRENCY": self.sync_max_concurrency,
+        }
+        # the relay, the trial-journey sweep, the door's catalog and the probes share what is left
+        needed = sum(shares.values()) + 1
+        if self.database_pool_max_size < needed:
+            parts = " + ".join(f"{name} ({count})" for name, count in shares.items() if count)
+            raise ConfigError(
+                f"DATABASE_POOL_MAX_SIZE={self.database_pool_max_size} is too small: {parts} connections may be "
+                f"held at once, and the relay, the email sweep, the catalog and the probes need at least one more; "
+                f"set DATABASE_POOL_MAX_SIZE to {needed} or more, or lower those"
+            )
 
     def _check_algorithms_fit_key(self) -> None:
         # One key verifies every token: an algorithm of another key kind can only fail (PyJWT's

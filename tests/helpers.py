@@ -98,6 +98,24 @@ async def wait_for(condition: Callable[[], Awaitable[object]], timeout_s: float 
         await asyncio.sleep(0.02)
 
 
+@asynccontextmanager
+async def table_locked(db: asyncpg.Pool, table: str) -> AsyncIterator[None]:
+    """`table` under ACCESS EXCLUSIVE (a migration's lock) from a connection of `db`, until the block ends."""
+    async with db.acquire() as conn, conn.transaction():
+        await conn.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+        held = (
+            "SELECT count(*) FROM pg_locks WHERE relation = $1::regclass AND mode = 'AccessExclusiveLock' AND granted"
+        )
+        assert await db.fetchval(held, table) == 1
+        yield
+
+
+async def waiting_on_lock(db: asyncpg.Pool, table: str) -> int:
+    """Statements waiting for a lock on `table` now, as pg_locks shows them."""
+    count: int = await db.fetchval("SELECT count(*) FROM pg_locks WHERE relation = $1::regclass AND NOT granted", table)
+    return count
+
+
 def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 

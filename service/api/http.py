@@ -109,6 +109,11 @@ def rate_limited(detail: str, retry_after_s: float) -> HttpError:
     return HttpError(429, detail, [(b"retry-after", retry_after_header(retry_after_s))])
 
 
+def retry_soon(detail: str) -> HttpError:
+    """A 503 to retry in a second: a store down, or too slow for the requests waiting; nothing was written."""
+    return HttpError(503, detail, [(b"retry-after", b"1")])
+
+
 async def read_json(receive: Receive, model: type[Body], declared_length: int, *, limit: int, timeout_s: float) -> Body:
     """The body as `model`; HttpError 413 past `limit` bytes, 408 past `timeout_s`, 400/422 when invalid.
 

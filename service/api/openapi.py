@@ -30,6 +30,13 @@ def _too_many(description: str) -> dict[str, Any]:
     }
 
 
+def _retry_soon(description: str) -> dict[str, Any]:
+    return {
+        **_error_response(description),
+        "headers": {"Retry-After": {"description": "Seconds to wait: 1.", "schema": {"type": "integer", "minimum": 1}}},
+    }
+
+
 _UNAUTHENTICATED = _error_response(
     "Missing, malformed, expired or wrongly signed token; or the identity header (Authorization, or the "
     "gateway's in gateway mode) twice."
@@ -85,13 +92,10 @@ _READ_ERRORS = {
     "401": _UNAUTHENTICATED,
     "422": _error_response("Unknown content type or ids that are not integers from 1 to 2^63-1; `detail` says which."),
     "429": _too_many("Too many requests from this user (they count against the heartbeats' per-user rate)."),
-    "503": {
-        **_error_response(
-            "Redis or Postgres cannot be read now, or answers too slowly for the reads waiting (or no database is"
-            " configured); retry later."
-        ),
-        "headers": {"Retry-After": {"description": "Seconds to wait: 1.", "schema": {"type": "integer", "minimum": 1}}},
-    },
+    "503": _retry_soon(
+        "Redis or Postgres cannot be read now, or answers too slowly for the reads waiting (or no database is"
+        " configured); retry later."
+    ),
 }
 
 
@@ -207,7 +211,10 @@ def _read_operations() -> dict[str, Any]:
                     "Too many syncs or items from this user (one call against the heartbeats' rate; "
                     "items against SYNC_ITEMS_PER_USER_PER_SECOND)."
                 ),
-                "503": _error_response("Redis or Postgres cannot take the items now; nothing to lose, retry later."),
+                "503": _retry_soon(
+                    "Redis or Postgres cannot take the items now, or answers too slowly for the syncs waiting (or no"
+                    " database is configured); nothing was written, retry later."
+                ),
             },
         }
     }

@@ -15,7 +15,7 @@ from urllib.parse import parse_qsl
 from prometheus_client import Counter
 
 from service import metrics
-from service.api.http import HttpError, as_http_error, charge, identify, send_error, send_json
+from service.api.http import HttpError, as_http_error, charge, identify, retry_soon, send_error, send_json
 from service.api.ratelimit import RateLimiter
 from service.api.sync import SYNC_ROUTE
 from service.asgi import ASGIApp, Receive, Scope, Send
@@ -34,7 +34,6 @@ MAX_IDS = 100
 
 # another device may move a position any second, and a 404 "no progress" is no more lasting
 _NO_STORE = [(b"cache-control", b"no-store")]
-_RETRY_SOON = [(b"retry-after", b"1")]
 
 
 def _invalid(location: str, name: str, message: str, error_type: str) -> HttpError:
@@ -181,13 +180,11 @@ class ProgressReads:
 
     async def _read(self, kind: ContentKind, user_id: int, content_ids: list[int]) -> list[Progress]:
         if self.reader is None:
-            raise HttpError(
-                503, "progress reads need the database (DATABASE_URL), or the service is starting", _RETRY_SOON
-            )
+            raise retry_soon("progress reads need the database (DATABASE_URL), or the service is starting")
         try:
             return await self.reader.read(kind, user_id, content_ids)
         except ReadsWaiting as exc:  # a storm of reads, or a store that stalls: shed, not queued
-            raise HttpError(503, "progress store too slow for the reads waiting, retry later", _RETRY_SOON) from exc
+            raise retry_soon("progress store too slow for the reads waiting, retry later") from exc
         except (*REDIS_FAILED, *POSTGRES_FAILED) as exc:
             log.warning("progress read failed: %s: %s", type(exc).__name__, exc)
-            raise HttpError(503, "progress store unavailable, retry later", _RETRY_SOON) from exc
+            raise retry_soon("progress store unavailable, retry later") from exc

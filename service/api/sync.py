@@ -22,6 +22,7 @@ from service.api.http import (
     invalid_body,
     json_body,
     read_body,
+    retry_soon,
     send_error,
     send_json,
 )
@@ -29,7 +30,7 @@ from service.api.ratelimit import RateLimiter
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.buffer import now_ms
-from service.progress.sync import OfflineSync, SyncOutcome, parse_request
+from service.progress.sync import OfflineSync, SyncOutcome, SyncsWaiting, parse_request
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
 log = logging.getLogger(__name__)
@@ -92,11 +93,13 @@ class ProgressSync:
             raise invalid_body(exc) from None
         offline = self.offline  # once: the lifespan may take it away while the items are applied
         if offline is None:
-            raise HttpError(503, "offline sync needs the database (DATABASE_URL), or the service is starting")
+            raise retry_soon("offline sync needs the database (DATABASE_URL), or the service is starting")
         charge(self.items_limiter, user_id, _TOO_MANY, len(items))
         try:
             outcomes = await offline.apply(user_id, items, now_ms=now_ms())
+        except SyncsWaiting as exc:  # the syncs' connections are held (a table locked, a slow database): shed
+            raise retry_soon("progress store too slow for the syncs waiting, retry later") from exc
         except (*REDIS_FAILED, *POSTGRES_FAILED) as exc:
             log.warning("offline sync failed: %s: %s", type(exc).__name__, exc)
-            raise HttpError(503, "progress store unavailable, retry later") from exc
+            raise retry_soon("progress store unavailable, retry later") from exc
         return b'{"items":[' + b",".join(map(_outcome_json, outcomes)) + b"]}"

@@ -83,13 +83,14 @@ async def fetch_rows(
     pool: asyncpg.Pool, pairs_by_kind: Mapping[ContentKind, Sequence[tuple[int, int]]]
 ) -> dict[ContentKind, StoredRows]:
     """Per type, what Postgres has of its (user_id, content_id) pairs: one query per type, in turn on one
-    connection (a sync holds one of the pool's, a read's batch too)."""
+    connection (a sync holds one of the pool's, a read's batch too), waited for MAX_WAIT_S at most."""
     answers = await fetch_stateless(
         pool,
         [
             (rows_sql(kind), ([user_id for user_id, _ in pairs], [content_id for _, content_id in pairs]))
             for kind, pairs in pairs_by_kind.items()
         ],
+        timeout_s=MAX_WAIT_S,
     )
     # by position, in _ROWS_SQL's order: user_id, content_id, then the StoredRow (a slice of a record is a tuple)
     return {kind: {(r[0], r[1]): r[2:] for r in answer} for kind, answer in zip(pairs_by_kind, answers, strict=True)}

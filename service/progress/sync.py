@@ -18,6 +18,7 @@ A client's clock is not evidence: an item is written at most `max_backdate_s` be
 dated further back, and one request cannot fill a month of the monolith's journey.
 """
 
+import asyncio
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,9 +31,11 @@ from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Fiel
 
 from service.progress.buffer import PositionWriter
 from service.progress.content import CONTENT_KINDS, MAX_ID, MAX_POSITION_S, ContentId, ContentKind, Position
-from service.progress.reads import StoredRows, as_ms, fetch_rows
+from service.progress.reads import MAX_WAIT_S, StoredRows, as_ms, fetch_rows
 
 SYNC_MAX_ITEMS = 500
+# how long a sync waits for its turn at the database, as a read waits for its batch: then SyncsWaiting
+SYNC_MAX_WAIT_S = MAX_WAIT_S
 
 ContentType = Literal["lesson", "audio", "meditation", "live"]
 assert set(get_args(ContentType)) == {kind.name for kind in CONTENT_KINDS}
@@ -180,12 +183,29 @@ def _all_set(outcomes: list[SyncOutcome | None]) -> list[SyncOutcome]:
     return settled
 
 
+class SyncsWaiting(Exception):
+    """The syncs at the database do not come back: this one is refused before anything is written."""
+
+
 class OfflineSync:
+    """Applies a user's offline items; at most `max_concurrency` syncs of the process hold a connection at
+    once, so syncs stalled on a locked table leave the rest of the pool to the reads, the flush and degraded
+    mode. A sync that waited SYNC_MAX_WAIT_S for its turn raises SyncsWaiting."""
+
     def __init__(
-        self, writer: PositionWriter, pool: asyncpg.Pool, *, ttl_s: int, max_skew_s: float, max_backdate_s: float
+        self,
+        writer: PositionWriter,
+        pool: asyncpg.Pool,
+        *,
+        ttl_s: int,
+        max_skew_s: float,
+        max_backdate_s: float,
+        max_concurrency: int,
     ) -> None:
         self._writer = writer
         self._pool = pool
+        self._max_concurrency = max_concurrency
+        self._connections = asyncio.Semaphore(max_concurrency)
         self._ttl_s = ttl_s
         self._max_skew_ms = int(max_skew_s * 1000)
         self._max_backdate_ms = int(max_backdate_s * 1000)
@@ -253,6 +273,16 @@ class OfflineSync:
         ids_by_kind: dict[ContentKind, set[int]] = {}
         for a in accepted:
             ids_by_kind.setdefault(a.kind, set()).add(a.content_id)
-        return await fetch_rows(
-            self._pool, {kind: [(user_id, cid) for cid in sorted(ids)] for kind, ids in ids_by_kind.items()}
-        )
+        try:
+            async with asyncio.timeout(SYNC_MAX_WAIT_S):
+                await self._connections.acquire()
+        except TimeoutError:
+            raise SyncsWaiting(
+                f"{self._max_concurrency} syncs at the database did not come back in {SYNC_MAX_WAIT_S:g} s"
+            ) from None
+        try:
+            return await fetch_rows(
+                self._pool, {kind: [(user_id, cid) for cid in sorted(ids)] for kind, ids in ids_by_kind.items()}
+            )
+        finally:
+            self._connections.release()

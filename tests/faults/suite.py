@@ -126,7 +126,6 @@ class Cluster:
             PROGRESS_FLUSH_LEASE_SECONDS="3",
             PROGRESS_SHUTDOWN_TIMEOUT_SECONDS="5",
             DEGRADED_REDIS_RETRY_SECONDS="0.5",
-            DATABASE_POOL_MAX_SIZE="6",
             # delivery to the monolith has its own tests (tests/outbox); here it stays off
             RELAY_ENABLED="false",
             EMAIL_PUBLISHER="redis-stream",

@@ -258,7 +258,12 @@ async def test_closing_the_reader_answers_the_reads_still_waiting(counted: Count
 async def test_500_items_in_one_sync_are_one_redis_round_trip(counted: Counted, db: asyncpg.Pool, redis: Redis) -> None:
     await seed(db, users=7, contents=125)
     sync = OfflineSync(
-        PositionWriter(counted.redis, ttl_s=3600), counted.pool, ttl_s=3600, max_skew_s=300, max_backdate_s=6 * 3600
+        PositionWriter(counted.redis, ttl_s=3600),
+        counted.pool,
+        ttl_s=3600,
+        max_skew_s=300,
+        max_backdate_s=6 * 3600,
+        max_concurrency=1,
     )
     listened_at = datetime.now(UTC) - timedelta(minutes=5)
     items = [
