@@ -21,7 +21,7 @@ import harness
 from redis.asyncio import Redis
 
 from service.app import build_flusher
-from service.clients import create_db_pool
+from service.postgres import create_db_pool
 from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS
 from service.progress.keys import latest_position_key, parse_member, pending_flush_key

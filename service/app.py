@@ -20,13 +20,13 @@ from service.api.ratelimit import RateLimiter
 from service.api.reads import ProgressReads
 from service.api.sync import ProgressSync
 from service.auth import Authenticator
-from service.clients import create_db_pool
 from service.config import Settings, load_settings
 from service.logs import RequestIdMiddleware, configure_logging
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
 from service.outbox.messages import Publisher
 from service.outbox.outboxes import COMPLETIONS, EMAILS, publish_budget_s
 from service.outbox.relay import Relay, Route
+from service.postgres import create_db_pool
 from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
 from service.progress.flusher import Flusher
 from service.progress.keys import KeyLayout, key_layout

@@ -16,7 +16,6 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
-from service.clients import create_db_pool
 from service.config import ConfigError, Settings, load_settings
 from service.console import Progress
 from service.embedded import EmbeddedServerError
@@ -25,6 +24,7 @@ from service.loops import run_until_stopped
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
 from service.outbox.outboxes import Outbox
 from service.outbox.relay import counts_text
+from service.postgres import create_db_pool
 from service.progress.backlog import measure_backlog
 from service.redis_client import RedisClient, connect_redis
 from service.stores import POSTGRES_FAILED, REDIS_FAILED

@@ -18,9 +18,9 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from service.app import build_key_layout
-from service.clients import create_db_pool, local_timeouts_sql
 from service.config import Settings
 from service.outbox.outboxes import COMPLETIONS, EMAILS, outbox_counts
+from service.postgres import create_db_pool, local_timeouts_sql
 from service.progress.backlog import measure_backlog
 from service.progress.content import CONTENT_KINDS
 from service.progress.known_content import count_ids

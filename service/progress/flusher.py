@@ -24,8 +24,8 @@ from functools import partial
 import asyncpg
 
 from service import checkpoints, metrics
-from service.clients import local_timeouts_sql
 from service.loops import Backoff, every
+from service.postgres import local_timeouts_sql
 from service.progress.backlog import Backlog, measure_backlog
 from service.progress.budget import FlushBudget, Reservation
 from service.progress.buffer import decode_value, now_ms

@@ -22,7 +22,7 @@ from typing import TypeAlias
 import asyncpg
 from redis.exceptions import RedisError
 
-from service.clients import fetch_stateless
+from service.postgres import fetch_stateless
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS, ContentKind

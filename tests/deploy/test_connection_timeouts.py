@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from service.clients import create_db_pool
 from service.config import Settings
+from service.postgres import create_db_pool
 from service.redis_client import connect_redis
 
 

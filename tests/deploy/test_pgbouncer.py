@@ -11,9 +11,9 @@ from redis.asyncio import Redis
 
 from service.app import build_flusher, build_relay, completion_route
 from service.auth import make_token
-from service.clients import create_db_pool, local_timeouts_sql
 from service.config import Settings
 from service.outbox.celery_publisher import publisher_from_settings
+from service.postgres import create_db_pool, local_timeouts_sql
 from service.progress.content import CONTENT_KINDS
 from service.redis_client import connect_redis
 from tests.helpers import PgBouncer, Tls, auth, seed

@@ -12,8 +12,8 @@ import pytest
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.connection import Connection
 
-from service.clients import create_db_pool, fetch_stateless
 from service.config import Settings
+from service.postgres import create_db_pool, fetch_stateless
 from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
 from service.progress.content import CONTENT_KINDS
 from service.progress.reads import MAX_WAIT_S, MAX_WAITING_LOOKUPS, Progress, ProgressReader, ReadsWaiting, rows_sql
