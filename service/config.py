@@ -92,7 +92,8 @@ class Settings(BaseSettings):
     # POST /progress/sync: positions listened offline, uploaded later
     sync_max_body_bytes: int = Field(262_144, ge=4096, le=4_194_304)
     sync_max_clock_skew_seconds: float = Field(300.0, ge=0)
-    # how far before its receipt a sync item may date a position or a completion (older: stored at that edge)
+    # how far before its receipt a sync item may date a completion (older: dated at that edge; the position
+    # itself is ordered at its own listened_at, however old)
     sync_max_backdate_hours: float = Field(6.0, gt=0)
     # a sync's items count against their own per-user cap (the request itself is one call against the
     # heartbeats' limit); the burst holds at least one full request of 500 items

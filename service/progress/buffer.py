@@ -25,12 +25,18 @@ from service.stores import REDIS_UNAVAILABLE
 # The receive time is whole milliseconds, as the monolith's readers and the previous release parse it;
 # the microseconds within it (0-999) come last, where those readers ignore them, so a rolling deploy
 # never makes a value unreadable. Values of two or three fields (older releases) still read.
+# An offline item is written with the time it was heard, however old (service/progress/sync.py), and
+# only then a fifth field, its completion floor (whole ms): the earliest date a completion of this
+# value may carry (its receipt minus SYNC_MAX_BACKDATE_HOURS); the flush and the reads date a
+# completion max(receive time, floor). No heartbeat writes one, and a value newer than its floor has none.
 # KEYS: latest-position key, pending set. ARGV: position, receive time (ms), TTL (s), pending member,
-# microseconds. A heartbeat received earlier than the stored one (two pods, a retried request) never
-# replaces its position, only raises its peak; the member is added either way: the flusher reads the
-# newest value. Receive times are strictly increasing per process (receive_ms), so two heartbeats of
-# one connection never tie; an exact tie (two pods, same microsecond) keeps what is stored: the same
-# rule as persist_batch's dedupe and the upsert's strict `<`.
+# microseconds, and a sync item's completion floor (ms; a heartbeat sends none). A write received earlier
+# than the stored one (two pods, a retried request, an older offline listen) never replaces its position,
+# only raises its peak (and then the floor, so the completion it brings is dated no earlier than its own
+# floor); the member is added either way: the flusher reads the newest value. Receive times are strictly
+# increasing per process (receive_ms), so two heartbeats of one connection never tie; an exact tie (two
+# pods, same microsecond) keeps what is stored: the same rule as persist_batch's dedupe and the upsert's
+# strict `<`. A write that stands drops the stored floor: its own time (or floor) is later.
 # No TTL: a value whose member is pending never expires before the flush has written it, however slow
 # the drain; SET drops the TTL a flushed value had (service/progress/leases.py: the ack sets it).
 # Returns 1 when this write is now the stored position, 2 when the stored one is this very write
@@ -39,14 +45,22 @@ WRITE_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
 local peak = ARGV[1]
 local us = tonumber(ARGV[2]) * 1000 + tonumber(ARGV[5])
+local floor = ARGV[6]
 if current then
-  local position, ms, stored_peak, frac = string.match(current, '^([^:]*):(%d+):?([^:]*):?(%d*)$')
+  local position, ms, stored_peak, frac, stored_floor =
+    string.match(current, '^([^:]*):(%d+):?([^:]*):?(%d*):?(%d*)$')
   if stored_peak == '' then stored_peak = position end
   if ms then
     local stored_us = tonumber(ms) * 1000 + (tonumber(frac) or 0)
     if stored_us >= us then
       if tonumber(ARGV[1]) > tonumber(stored_peak) then
-        redis.call('SET', KEYS[1], position .. ':' .. ms .. ':' .. ARGV[1] .. ':' .. (tonumber(frac) or 0))
+        if floor and tonumber(floor) * 1000 > stored_us
+           and (stored_floor == '' or tonumber(floor) > tonumber(stored_floor)) then
+          stored_floor = floor
+        end
+        local kept = position .. ':' .. ms .. ':' .. ARGV[1] .. ':' .. (tonumber(frac) or 0)
+        if stored_floor ~= '' then kept = kept .. ':' .. stored_floor end
+        redis.call('SET', KEYS[1], kept)
       end
       redis.call('SADD', KEYS[2], ARGV[4])
       if stored_us == us and tonumber(position) == tonumber(ARGV[1]) then return 2 end
@@ -55,7 +69,9 @@ if current then
     if tonumber(stored_peak) > tonumber(peak) then peak = stored_peak end
   end
 end
-redis.call('SET', KEYS[1], ARGV[1] .. ':' .. ARGV[2] .. ':' .. peak .. ':' .. ARGV[5])
+local value = ARGV[1] .. ':' .. ARGV[2] .. ':' .. peak .. ':' .. ARGV[5]
+if floor then value = value .. ':' .. floor end
+redis.call('SET', KEYS[1], value)
 redis.call('SADD', KEYS[2], ARGV[4])
 return 1
 """
@@ -65,15 +81,17 @@ WRITE_SCRIPT_SHA = hashlib.sha1(WRITE_SCRIPT.encode()).hexdigest()
 # in the order given, so the writes settle exactly as the same calls one after the other would.
 # KEYS: the shard's pending set. ARGV: the shard's value key prefix (it carries the shard's hash tag:
 # the value keys built from it are in the slot of KEYS), TTL (s), then one line per write:
-# "{pending member} {position} {receive time ms} {microseconds}" (one argument: 500 writes cost the
-# client one string to send, not 2,000 arguments to encode). Returns WRITE_SCRIPT's answer per write.
+# "{pending member} {position} {receive time ms} {microseconds}[ {completion floor ms}]" (one argument:
+# 500 writes cost the client one string to send, not 2,000 arguments to encode). Returns WRITE_SCRIPT's
+# answer per write.
 WRITE_MANY_SCRIPT = (
     "local function write(KEYS, ARGV)\n"
     + WRITE_SCRIPT
     + """end
 local results = {}
-for member, position, ms, us in string.gmatch(ARGV[3], '(%S+) (%S+) (%S+) (%S+)') do
-  results[#results + 1] = write({ARGV[1] .. member, KEYS[1]}, {position, ms, ARGV[2], member, us})
+for member, position, ms, us, floor in string.gmatch(ARGV[3], '(%S+) (%S+) (%S+) (%d+) ?(%d*)') do
+  if floor == '' then floor = nil end
+  results[#results + 1] = write({ARGV[1] .. member, KEYS[1]}, {position, ms, ARGV[2], member, us, floor})
 end
 return results
 """
@@ -85,6 +103,7 @@ class StoredPosition(NamedTuple):  # a tuple: a read of 100 ids decodes 100 of t
     position: float
     received_ms: float
     peak: float
+    completion_floor_ms: int | None = None  # an offline item's (see WRITE_SCRIPT); None: the receive time
 
 
 def decode_value(raw: bytes | str) -> StoredPosition:
@@ -92,12 +111,13 @@ def decode_value(raw: bytes | str) -> StoredPosition:
     try:
         text = raw.decode() if isinstance(raw, bytes) else raw
         fields = text.split(":")
-        if not 2 <= len(fields) <= 4:
+        if not 2 <= len(fields) <= 5:
             raise ValueError(f"{len(fields)} fields")
         position = float(fields[0])
-        # older releases wrote two fields (no peak) or three (no microseconds)
+        # older releases wrote two fields (no peak) or three (no microseconds); a fifth is an offline item's floor
         received_ms = int(fields[1]) + (int(fields[3]) / 1000 if len(fields) > 3 else 0)
-        return StoredPosition(position, received_ms, float(fields[2]) if len(fields) > 2 else position)
+        peak = float(fields[2]) if len(fields) > 2 else position
+        return StoredPosition(position, received_ms, peak, int(fields[4]) if len(fields) > 4 else None)
     except (ValueError, UnicodeDecodeError) as exc:  # UnicodeDecodeError is a ValueError too; said for clarity
         raise ValueError(f"not a progress value: {raw[:100]!r} ({exc})") from None
 
@@ -153,12 +173,16 @@ def write_args(
     )
 
 
-def write_many_args(shard: Shard, writes: Sequence[tuple[int, int, float, float]], ttl_s: int) -> tuple[object, ...]:
-    """One WRITE_MANY_SCRIPT call for (content id, user id, position, receive time ms) writes of one shard."""
+def write_many_args(
+    shard: Shard, writes: Sequence[tuple[int, int, float, float, int | None]], ttl_s: int
+) -> tuple[object, ...]:
+    """One WRITE_MANY_SCRIPT call for (content id, user id, position, receive time ms, completion floor ms or
+    None) writes of one shard."""
     lines = []
-    for content_id, user_id, position, received_ms in writes:
+    for content_id, user_id, position, received_ms, floor_ms in writes:
         ms, us = split_ms(received_ms)
-        lines.append(f"{content_id}:{user_id} {position!r} {ms} {us}")
+        line = f"{content_id}:{user_id} {position!r} {ms} {us}"
+        lines.append(line if floor_ms is None else f"{line} {floor_ms}")
     return ("EVALSHA", WRITE_MANY_SCRIPT_SHA, 1, shard.pending_key, shard.value_prefix, ttl_s, "\n".join(lines))
 
 
@@ -199,16 +223,19 @@ class PositionWriter:
         except REDIS_UNAVAILABLE:
             return "?"
 
-    async def write_all(self, writes: Sequence[tuple[str, int, int, float, float]], *, ttl_s: int) -> list[bool]:
-        """(content type, content id, user id, position, receive time ms) writes, in order, in one round trip
-        of their own (one script call per shard); for each, whether its value was stored.
+    async def write_all(
+        self, writes: Sequence[tuple[str, int, int, float, float, int | None]], *, ttl_s: int
+    ) -> list[bool]:
+        """(content type, content id, user id, position, receive time ms, completion floor ms or None) writes,
+        in order, in one round trip of their own (one script call per shard); for each, whether its value
+        was stored.
 
         False: the stored value was received later, so it stays (only its peak may rise). True also
         when the stored value is this very write (a repeat). An error of any call raises: the
         caller answers for the whole set, which is safe to send again.
         """
         by_shard: dict[Shard, list[int]] = {}
-        for i, (content_type, content_id, user_id, _, _) in enumerate(writes):
+        for i, (content_type, content_id, user_id, _, _, _) in enumerate(writes):
             by_shard.setdefault(self.layout.shard(content_type, content_id, user_id), []).append(i)
         commands = [
             write_many_args(shard, [writes[i][1:] for i in indexes], ttl_s) for shard, indexes in by_shard.items()

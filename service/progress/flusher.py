@@ -430,7 +430,9 @@ class Flusher:
                 extra={"content_type": kind.name, "key": member, "error": repr(raw)[:200]},
             )
             return None
-        return Heartbeat(content_id, user_id, stored.position, stored.received_ms, stored.peak)
+        return Heartbeat(
+            content_id, user_id, stored.position, stored.received_ms, stored.peak, stored.completion_floor_ms
+        )
 
     async def _persist_with_retry(
         self, conn: asyncpg.Connection, kind: ContentKind, heartbeats: list[Heartbeat]

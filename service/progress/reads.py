@@ -7,7 +7,8 @@ will leave in Postgres, before it runs:
 - the position and `updated_at` of the buffered value when it was received after the row's
   `updated_at` (the flush's upsert only moves forward the same way), else the row's;
 - `completed_at`: the row's, or, when the buffered peak reached `duration - margin` and the row
-  has none yet, the buffered value's receive time (what the flush will write);
+  has none yet, the buffered value's receive time, or its completion floor when later (what the flush
+  will write);
 - nothing for content or a user the database does not have: the flush drops those values.
 """
 
@@ -40,8 +41,9 @@ StoredRow: TypeAlias = tuple[int, float | None, datetime | None, datetime | None
 updated_at and completed_at, or Nones when there is no row."""
 StoredRows: TypeAlias = dict[tuple[int, int], StoredRow]
 """(user_id, content_id) -> its StoredRow, for the pairs whose user and content exist."""
-Buffered: TypeAlias = tuple[float, int, float]
-"""A buffered value as decode_value reads it: position, receive time (µs since the epoch), peak."""
+Buffered: TypeAlias = tuple[float, int, float, int | None]
+"""A buffered value as decode_value reads it: position, receive time (µs since the epoch), peak, and an offline
+item's completion floor (µs) or None."""
 Progress: TypeAlias = tuple[int, float, int, int | None]
 """What a read answers for one id: content_id, position, updated_at and completed_at (or None), the times
 in µs since the epoch, UTC."""
@@ -107,7 +109,7 @@ def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | N
             # what this service writes, position:ms:peak:µs, read from the bytes: float() and int() of bytes accept
             # a subset of what they accept of the decoded text, with the same values
             position, ms, peak, us = raw.split(b":") if isinstance(raw, bytes) else raw.split(":")
-            decoded.append((float(position), int(ms) * 1000 + int(us), float(peak)))
+            decoded.append((float(position), int(ms) * 1000 + int(us), float(peak), None))
         except ValueError:
             decoded.append(_decoded(raw))  # anything else, by the flush's own decoder
     return decoded
@@ -115,10 +117,11 @@ def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | N
 
 def _decoded(raw: bytes | str) -> Buffered | None:
     try:
-        value = decode_value(raw)  # an older release's value (two or three fields), or a str
+        value = decode_value(raw)  # an older release's value (two or three fields), an offline item's floor, or a str
     except ValueError:
         return None  # not written by this service's script: the flush drops it too
-    return value.position, round(value.received_ms * 1000), value.peak
+    floor_ms = value.completion_floor_ms
+    return value.position, round(value.received_ms * 1000), value.peak, None if floor_ms is None else floor_ms * 1000
 
 
 def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, *, margin_s: float) -> Progress | None:
@@ -128,9 +131,10 @@ def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, 
     updated_us = None if updated_at is None else as_us(updated_at)
     completed_us = None if completed_at is None else as_us(completed_at)
     if buffered is not None:
-        buffered_position, received_us, peak = buffered
+        buffered_position, received_us, peak, floor_us = buffered
         if completed_us is None and peak >= duration_s - margin_s:
-            completed_us = received_us  # the time the flush will set
+            # the time the flush will set
+            completed_us = received_us if floor_us is None or floor_us < received_us else floor_us
         if updated_us is None or received_us > updated_us:
             return content_id, buffered_position, received_us, completed_us
     if updated_us is None or position is None:

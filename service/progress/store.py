@@ -19,6 +19,8 @@ class Heartbeat:
     position: float
     received_ms: float  # with a microsecond fraction (buffer.receive_ms): ties only across pods
     peak: float  # the furthest position heard since the value was first written: decides completion
+    # an offline item's: its completion is dated no earlier (receipt - SYNC_MAX_BACKDATE_HOURS), see buffer.py
+    completion_floor_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,18 +47,21 @@ class BatchResult:
 #   select_for_update, an admin edit, an idle transaction) instead of waiting for them: the rest of
 #   the batch is written, and those keys stay pending. SKIP LOCKED never waits, so it cannot deadlock.
 # - position/updated_at only move forward; completed_at is set by any heartbeat whose peak reached
-#   the margin, even a late one, and never cleared.
+#   the margin, even a late one, and never cleared. An offline item's updated_at is when it was heard
+#   (so an older listen never replaces a newer position), its completed_at no earlier than its floor
+#   ($8, NULL for a heartbeat; GREATEST ignores a NULL): the one date the monolith's journey acts on.
 # - an event is written only where this statement set completed_at (a row the monolith completed
 #   before gets none), and the UNIQUE key makes it one per (type, content, user), ever, whatever
 #   retries, redeliveries or concurrent pods do.
 _UPSERT_SQL = """
 WITH incoming AS (
-    SELECT content_id, user_id, position, peak, to_timestamp(received_ms / 1000.0) AS received_at
-    FROM unnest($1::bigint[], $2::bigint[], $3::float8[], $4::float8[], $7::float8[])  -- $4: ms, microsecond fraction
-        AS h(content_id, user_id, position, received_ms, peak)
+    SELECT content_id, user_id, position, peak, to_timestamp(received_ms / 1000.0) AS received_at,
+           to_timestamp(floor_ms / 1000.0) AS floor_at
+    FROM unnest($1::bigint[], $2::bigint[], $3::float8[], $4::float8[], $7::float8[], $8::float8[])
+        AS h(content_id, user_id, position, received_ms, peak, floor_ms)  -- $4: ms, microsecond fraction
 ), {busy} known AS (
     SELECT h.content_id, h.user_id, h.position, h.received_at,
-           CASE WHEN h.peak >= c.duration - $5::float8 THEN h.received_at END AS completed_at
+           CASE WHEN h.peak >= c.duration - $5::float8 THEN GREATEST(h.received_at, h.floor_at) END AS completed_at
     FROM incoming h
     JOIN {content_table} c ON c.id = h.content_id
     JOIN users_user u ON u.id = h.user_id
@@ -142,7 +147,8 @@ async def persist_batch(
             latest[key] = hb
         else:
             newest = hb if kept.received_ms < hb.received_ms else kept
-            latest[key] = replace(newest, peak=max(kept.peak, hb.peak))
+            floors = [floor for floor in (kept.completion_floor_ms, hb.completion_floor_ms) if floor is not None]
+            latest[key] = replace(newest, peak=max(kept.peak, hb.peak), completion_floor_ms=max(floors, default=None))
     # in the order of the unique index (user_id, content): neighbouring rows share its pages
     rows = [latest[key] for key in sorted(latest)]
     record = await conn.fetchrow(
@@ -154,6 +160,7 @@ async def persist_batch(
         margin_s,
         kind.name,
         [hb.peak for hb in rows],
+        [hb.completion_floor_ms for hb in rows],
         timeout=timeout_s,
     )
     assert record is not None

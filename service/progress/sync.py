@@ -2,9 +2,10 @@
 
 Each accepted item is one run of WRITE_SCRIPT with `listened_at` as its receive time, so the buffer
 settles an offline position and a live heartbeat the way it settles two heartbeats: the later one
-stands whichever arrives last, and the furthest position heard still raises the peak that decides
-completion (judged by the flush as for any heartbeat). The whole request is one Redis round trip
-(one WRITE_MANY_SCRIPT call per shard: its items in the order they are written, all keys in the
+stands whichever arrives last, in Redis and in the upsert (whose `updated_at` is that time), however
+old the listen, and the furthest position heard still raises the peak that decides completion
+(judged by the flush as for any heartbeat). The whole request is one Redis round trip (one
+WRITE_MANY_SCRIPT call per shard: its items in the order they are written, all keys in the
 shard's slot) after one query per content type present.
 
 `applied` is true only when the item's position is the one that now stands: written to the buffer
@@ -13,9 +14,10 @@ value may have expired after its flush (the same time counts as applied: a retri
 the same answer). An item older than either is still written, so its peak can complete
 the content, but reported `applied: false`.
 
-A client's clock is not evidence: an item is written at most `max_backdate_s` before its receipt
-(clamped, not refused: offline progress is kept), so no completion, event or row a sync writes is
-dated further back, and one request cannot fill a month of the monolith's journey.
+A client's clock is not evidence of a completion's date: an item heard more than `max_backdate_s`
+before its receipt carries a completion floor (receipt - max_backdate_s, see buffer.py), and a
+completion it brings is dated no earlier than that, so one request cannot fill a month of the
+monolith's journey. The floor bounds that date only; the order stays the listen's.
 """
 
 import asyncio
@@ -162,19 +164,25 @@ class _Accepted(NamedTuple):  # a tuple: 500 of them per request cost less to bu
     kind: ContentKind
     content_id: int
     position: float
-    listened_ms: float  # the time it is written with: listened_at within [now - window, now] (listened_ms())
-    told_ms: float  # listened_at as the device said it: orders items clamped to the same time
+    listened_ms: float  # the time it is written with: listened_at, at most now (listened_ms())
+    told_ms: float  # listened_at as the device said it: orders items clamped to now
+    floor_ms: int | None  # the completion floor it is written with, if any (completion_floor_ms())
 
 
-def listened_ms(told_ms: float, now_ms: int, max_backdate_ms: int) -> float:
-    """The receive time an item is written with: its `listened_at`, clamped to the back-dating window.
+def listened_ms(told_ms: float, now_ms: int) -> float:
+    """The receive time an item is written with: its `listened_at`, however old, so it is ordered as heard.
 
-    Earlier than the window's edge it is stored at the edge, so no completion, event or row is dated
-    more than the window before its receipt; a clock a little ahead (within the skew) is stored as
-    now, so it cannot hold off the live heartbeats that follow. Items clamped to the same time are
-    ordered by `told_ms` (see apply).
+    A clock a little ahead (within the skew) is stored as now, so it cannot hold off the live heartbeats
+    that follow. Items clamped to now are ordered by `told_ms` (see apply).
     """
-    return min(max(told_ms, now_ms - max_backdate_ms), now_ms)
+    return told_ms if told_ms < now_ms else now_ms
+
+
+def completion_floor_ms(told_ms: float, now_ms: int, max_backdate_ms: int) -> int | None:
+    """The earliest date a completion this item brings may carry: receipt - window, for an item older than
+    that (None for the others: their own time is within the window)."""
+    floor_ms = now_ms - max_backdate_ms
+    return floor_ms if told_ms < floor_ms else None
 
 
 def _all_set(outcomes: list[SyncOutcome | None]) -> list[SyncOutcome]:
@@ -232,8 +240,9 @@ class OfflineSync:
                     KIND_BY_NAME[item.content_type],
                     item.content_id,
                     item.position,
-                    listened_ms(told_ms, now_ms, self._max_backdate_ms),
+                    listened_ms(told_ms, now_ms),
                     told_ms,
+                    completion_floor_ms(told_ms, now_ms, self._max_backdate_ms),
                 )
             )
         if not accepted:
@@ -247,9 +256,9 @@ class OfflineSync:
                 outcomes[a.at] = _UNKNOWN  # the flush would drop it
         # oldest first: for one content the later item is written last and stands, the script keeps
         # the furthest position of all of them as the peak (an offline listen to the end completes).
-        # Items of one time (or clamped to the same edge or now): the one that stands (latest as the device
-        # told it, then last in the request) is written first, as the script keeps the first of equal
-        # times, so the item reported as standing is the one stored.
+        # Items of one time (or clamped to now): the one that stands (latest as the device told it, then
+        # last in the request) is written first, as the script keeps the first of equal times, so the
+        # item reported as standing is the one stored.
         known.sort(key=lambda a: (a.listened_ms, -a.told_ms, -a.at))
         latest: dict[tuple[str, int], _Accepted] = {}
         for a in known:
@@ -257,7 +266,8 @@ class OfflineSync:
             if kept is None or (a.listened_ms, a.told_ms, a.at) > (kept.listened_ms, kept.told_ms, kept.at):
                 latest[(a.kind.name, a.content_id)] = a
         written = await self._writer.write_all(
-            [(a.kind.name, a.content_id, user_id, a.position, a.listened_ms) for a in known], ttl_s=self._ttl_s
+            [(a.kind.name, a.content_id, user_id, a.position, a.listened_ms, a.floor_ms) for a in known],
+            ttl_s=self._ttl_s,
         )
         for a, stored in zip(known, written, strict=True):
             updated_at = rows[a.kind][(user_id, a.content_id)][2]

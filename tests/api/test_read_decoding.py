@@ -70,12 +70,13 @@ def test_edge_times_are_written_as_isoformat_writes_them(us: int) -> None:
     assert iso_utc(us) == (EPOCH + timedelta(microseconds=us)).isoformat()
 
 
-def by_decode_value(raw: bytes) -> tuple[float, int, float] | None:
+def by_decode_value(raw: bytes) -> tuple[float, int, float, int | None] | None:
     try:
         value = decode_value(raw)
     except ValueError:
         return None
-    return value.position, round(value.received_ms * 1000), value.peak
+    floor_ms = value.completion_floor_ms
+    return value.position, round(value.received_ms * 1000), value.peak, None if floor_ms is None else floor_ms * 1000
 
 
 FIELDS = st.one_of(
@@ -86,7 +87,7 @@ FIELDS = st.one_of(
 )
 
 
-@given(st.lists(FIELDS, min_size=1, max_size=5))
+@given(st.lists(FIELDS, min_size=1, max_size=6))
 def test_any_buffered_value_decodes_as_the_flush_decodes_it(fields: list[str]) -> None:
     raw = ":".join(fields).encode()
     [decoded] = decode_values([raw])
@@ -94,7 +95,17 @@ def test_any_buffered_value_decodes_as_the_flush_decodes_it(fields: list[str]) -
 
 
 @pytest.mark.parametrize(
-    "raw", [b"130.25:1796034958972:140.0:123", b"5:1796034958972", b"5:1796034958972:9", b"42.5", b"\xff:1:2:3", b""]
+    "raw",
+    [
+        b"130.25:1796034958972:140.0:123",
+        b"5:1796034958972",
+        b"5:1796034958972:9",
+        b"600:1796034958972:600:7:1796099999000",  # an offline item's, with its completion floor
+        b"600:1796034958972:600:7:x",
+        b"42.5",
+        b"\xff:1:2:3",
+        b"",
+    ],
 )
 def test_edge_buffered_values_decode_as_the_flush_decodes_them(raw: bytes) -> None:
     assert decode_values([raw, None]) == [by_decode_value(raw), None]

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from service.api.ingest import ProgressIngest
 from service.app import build_flusher
 from service.config import Settings
-from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
+from service.progress.buffer import WRITE_SCRIPT, PositionWriter, decode_value, write_args
 from service.progress.flusher import Flusher
 from service.progress.reads import as_ms
 from service.progress.sync import OLDER_THAN_STORED, SUPERSEDED, UNKNOWN_CONTENT
@@ -158,42 +158,106 @@ async def test_refused_items_are_reported_one_by_one_and_not_written(
 async def test_one_sync_cannot_date_completions_further_back_than_the_window(
     client: httpx.AsyncClient, settings: Settings, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
 ) -> None:
-    """29 items at the end, listened 1..29 days ago: applied (offline progress is not lost), but every
-    completion, event and row is dated at most SYNC_MAX_BACKDATE_HOURS before the request."""
+    """29 items at the end, listened 1..29 days ago: applied (offline progress is not lost), each row dated when
+    it was heard, but every completion and event at most SYNC_MAX_BACKDATE_HOURS before the request."""
     await seed(db, users=7, contents=29, duration_s=600)
     window_ms = settings.sync_max_backdate_hours * 3_600_000
     assert window_ms == 6 * 3_600_000  # the default
     before = time.time_ns() // 1_000_000
-    outcomes = await sync(client, token, *(item(d, 600.0, ago(d * 86_400)) for d in range(1, 30)))
+    listened = {d: ago(d * 86_400) for d in range(1, 30)}
+    outcomes = await sync(client, token, *(item(d, 600.0, at) for d, at in listened.items()))
     after = time.time_ns() // 1_000_000
     assert outcomes == [(True, None)] * 29
     assert (await flusher.flush_cycle()).completions == 29
     dates = [as_ms(row["completed_at"]) for row in await db.fetch("SELECT completed_at FROM progress_completion_event")]
     assert len(dates) == 29 and before - window_ms <= min(dates) and max(dates) <= after - window_ms
-    rows = await db.fetch("SELECT created_at, updated_at, completed_at FROM audios_audioprogress")
+    rows = await db.fetch("SELECT audio_id, updated_at, completed_at FROM audios_audioprogress")
     assert len(rows) == 29
-    assert all(before - window_ms <= as_ms(row[column]) for row in rows for column in row.keys())
+    assert all(before - window_ms <= as_ms(row["completed_at"]) <= after - window_ms for row in rows)
+    assert {row["audio_id"]: row["updated_at"] for row in rows} == listened
 
 
-async def test_items_clamped_to_the_window_are_ordered_at_its_edge(
-    client: httpx.AsyncClient, settings: Settings, redis: Redis, db: asyncpg.Pool, token: str
+@pytest.mark.regression
+async def test_an_older_offline_listen_never_replaces_a_newer_row(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
 ) -> None:
-    await seed(db, users=7, contents=3, duration_s=600)
-    window_s = settings.sync_max_backdate_hours * 3600
-    # stored 1 s before the window's edge: the clamped items are later, so they stand
-    await live_heartbeat(redis, 1, 70.0, ms(ago(window_s + 1)))
-    outcomes = await sync(
-        client,
-        token,
-        item(1, 50.0, ago(window_s + 3 * 3600)),
-        item(1, 100.0, ago(window_s + 3600)),  # clamped to the same edge, told later: stands
-        item(2, 30.0, ago(400 * 86_400)),
-    )  # no age limit: a year offline is still progress
-    assert outcomes == [(False, SUPERSEDED), (True, None), (True, None)]
-    stored = decode_value(await redis.get(VALUE.format("audio", 1)))
-    assert stored.position == 100.0
-    assert abs(stored.received_ms - ms(ago(window_s))) < 5_000
-    assert abs(decode_value(await redis.get(VALUE.format("audio", 2))).received_ms - stored.received_ms) < 1
+    """Found by an outside attack (case 1): the row at 900, written by live heartbeats 7 h ago; a sync of 100
+    listened 8 h ago answered applied and replaced it, its time clamped to 6 h ago. Against the row (the value
+    expired after its flush) and against a value still buffered."""
+    await seed(db, users=7, contents=2)
+    live_at = ago(7 * 3600)
+    await live_heartbeat(redis, 1, 900.0, ms(live_at))
+    await flusher.flush_cycle()
+    await redis.delete(VALUE.format("audio", 1))  # its TTL passed after the flush: only the row knows
+    await live_heartbeat(redis, 2, 900.0, ms(live_at))  # not flushed yet
+    outcomes = await sync(client, token, item(1, 100.0, ago(8 * 3600)), item(2, 100.0, ago(8 * 3600)))
+    assert outcomes == [(False, OLDER_THAN_STORED)] * 2
+    assert decode_value(await redis.get(VALUE.format("audio", 2))).position == 900.0
+    await flusher.flush_cycle()
+    rows = await db.fetch("SELECT audio_id, position, updated_at FROM audios_audioprogress ORDER BY audio_id")
+    assert [tuple(row) for row in rows] == [(1, 900.0, live_at), (2, 900.0, live_at)]
+    for content_id in (1, 2):
+        assert (await client.get(f"/progress/audio/{content_id}", headers=auth(token))).json()["position"] == 900.0
+
+
+@pytest.mark.regression
+async def test_of_two_old_offline_listens_the_later_heard_stands_whichever_is_sent_last(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
+) -> None:
+    """Found by an outside attack (case 2): a sync of 500 listened 10 h ago, then one of 100 listened 30 h ago;
+    both were clamped to 6 h before their receipt, so the second, received later, stood. Before the flush
+    (content 1) and after it, once the value expired (content 2)."""
+    await seed(db, users=7, contents=2)
+    assert (
+        await sync(client, token, item(1, 500.0, ago(10 * 3600)), item(2, 500.0, ago(10 * 3600))) == [(True, None)] * 2
+    )
+    await flusher.flush_cycle()
+    await redis.delete(VALUE.format("audio", 2))
+    outcomes = await sync(client, token, item(1, 100.0, ago(30 * 3600)), item(2, 100.0, ago(30 * 3600)))
+    assert outcomes == [(False, OLDER_THAN_STORED)] * 2
+    await flusher.flush_cycle()
+    assert await db.fetchval("SELECT array_agg(position ORDER BY audio_id) FROM audios_audioprogress") == [500.0] * 2
+
+
+@pytest.mark.regression
+async def test_a_completion_heard_30_hours_ago_is_dated_within_the_window_and_its_row_when_heard(
+    client: httpx.AsyncClient, settings: Settings, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
+) -> None:
+    """The completion's date is bounded (receipt - SYNC_MAX_BACKDATE_HOURS), the position's order is not: the
+    row's updated_at is when the listen happened, and the read before the flush answers what the flush writes."""
+    await seed(db, users=7, duration_s=600)
+    window_ms = settings.sync_max_backdate_hours * 3_600_000
+    heard = ago(30 * 3600).replace(microsecond=125_000)
+    before = time.time_ns() // 1_000_000
+    assert await sync(client, token, item(1, 598.0, heard, "lesson")) == [(True, None)]
+    after = time.time_ns() // 1_000_000
+    answer = (await client.get("/progress/lesson/1", headers=auth(token))).json()
+    assert answer["updated_at"] == heard.isoformat()
+    assert (await flusher.flush_cycle()).completions == 1
+    row = await db.fetchrow("SELECT updated_at, completed_at FROM engagements_lessonprogress WHERE user_id = 7")
+    assert row["updated_at"] == heard
+    assert before - window_ms <= as_ms(row["completed_at"]) <= after - window_ms
+    assert answer["completed_at"] == row["completed_at"].isoformat()  # the read said what the flush wrote
+    assert await db.fetchval("SELECT completed_at FROM progress_completion_event") == row["completed_at"]
+
+
+async def test_a_completion_floor_rises_with_the_peak_and_goes_with_a_later_write(redis: Redis) -> None:
+    """The buffer keeps the floor of the write that brought the peak, and drops it when a later write stands
+    (whose own time is later than any floor before it)."""
+    key = VALUE.format("audio", 1)
+    writer = PositionWriter(redis, ttl_s=60)
+    heard_ms = 1_700_000_000_000.25  # long ago
+    assert await writer.write_all([("audio", 1, 7, 10.0, heard_ms, 1_700_100_000_000)], ttl_s=60) == [True]
+    assert await redis.get(key) == "10.0:1700000000000:10.0:250:1700100000000"
+    # older, further, and received later (a later floor): the peak rises, and so does the floor
+    assert await writer.write_all([("audio", 1, 7, 590.0, heard_ms - 5, 1_700_200_000_000)], ttl_s=60) == [False]
+    assert await redis.get(key) == "10.0:1700000000000:590.0:250:1700200000000"
+    assert decode_value(await redis.get(key)).completion_floor_ms == 1_700_200_000_000
+    # not further: nothing changes, floor included
+    assert await writer.write_all([("audio", 1, 7, 5.0, heard_ms - 9, 1_700_300_000_000)], ttl_s=60) == [False]
+    assert await redis.get(key) == "10.0:1700000000000:590.0:250:1700200000000"
+    await live_heartbeat(redis, 1, 20.0, 1_800_000_000_000)  # a live heartbeat: later than any floor
+    assert await redis.get(key) == "20.0:1800000000000:590.0:0"
 
 
 @pytest.mark.parametrize(("body", "status", "named"), BAD_SYNCS)

@@ -319,7 +319,7 @@ async def test_an_unreadable_value_is_dropped_and_logged_not_fatal(
     await write(redis, "live", 1, 1, 5)
     await redis.set("progress:latest_position:live:2:1", "garbage")
     await redis.set("progress:latest_position:live:3:1", "42.5")  # one field: written by someone else
-    await redis.set("progress:latest_position:live:1:2", "1:2:3:4:5")
+    await redis.set("progress:latest_position:live:1:2", "1:2:3:4:5:6")
     await redis.sadd("progress:pending_flush:live", "2:1", "3:1", "1:2", "not-a-member")
     with caplog.at_level(logging.ERROR, logger="service.progress.flusher"):
         result = await flusher.flush_cycle()
