@@ -16,7 +16,7 @@ from redis.exceptions import NoScriptError, RedisError
 from service import metrics
 from service.progress.batching import TurnBatcher
 from service.progress.keys import STANDALONE, KeyLayout, Shard, pending_member
-from service.redis_client import RedisClient, execute_by_node, node_name
+from service.redis_client import RedisClient, execute_by_node, get_many, node_name
 from service.stores import REDIS_UNAVAILABLE
 
 # The value is "{position}:{receive time ms}:{peak}:{microseconds}": peak is the furthest position
@@ -249,6 +249,10 @@ class PositionWriter:
             for i, answer in zip(indexes, result, strict=True):
                 stored[i] = answer in (1, 2)
         return stored
+
+    async def read_values(self, keys: Sequence[str]) -> list[bytes | str | None]:
+        """The values of `keys`, in order, in one round trip (the sync's look at the previous shard layout)."""
+        return await get_many(self._redis, keys)
 
     async def _send(self, commands: list[tuple[object, ...]]) -> list[BaseException | None]:
         results = await self._send_pipeline(commands, len(commands))

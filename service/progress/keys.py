@@ -16,6 +16,7 @@ Every caller goes through KeyLayout (which shard, which keys): it is the one pla
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
@@ -104,7 +105,8 @@ class KeyLayout:
     """Which shard a (content, user) belongs to and the names of its keys.
 
     `previous_shards` is the shard count before a change: the flusher still drains those shards,
-    so members pending under the old layout are persisted (writes use `shards` only).
+    so members pending under the old layout are persisted (writes use `shards` only), and the reads
+    and the sync look at their values too (`previous`).
     """
 
     shards: int = 1
@@ -115,6 +117,13 @@ class KeyLayout:
     def __post_init__(self) -> None:
         if self.shards < 1 or self.previous_shards < 0:
             raise ValueError("a layout needs at least one shard")
+
+    @cached_property
+    def previous(self) -> "KeyLayout | None":
+        """The layout of `previous_shards`, whose values a pod still on the old count writes; None without one."""
+        if not self.previous_shards or self.previous_shards == self.shards:
+            return None
+        return KeyLayout(shards=self.previous_shards, cluster=self.cluster)
 
     def shard(self, content_type: str, content_id: int, user_id: int) -> Shard:
         # one shard (the standalone default): no hash to work out on the request path

@@ -10,6 +10,8 @@ will leave in Postgres, before it runs:
   has none yet, the buffered value's receive time, or its completion floor when later (what the flush
   will write);
 - nothing for content or a user the database does not have: the flush drops those values.
+While the shard count changes (PROGRESS_BUFFER_PREVIOUS_SHARDS), the MGET names each value key of
+both layouts, and the newer of the two values stands: a pod still on the old count writes there.
 """
 
 import asyncio
@@ -124,6 +126,12 @@ def _decoded(raw: bytes | str) -> Buffered | None:
     return value.position, round(value.received_ms * 1000), value.peak, None if floor_ms is None else floor_ms * 1000
 
 
+def newer_of(values: list[Buffered | None], previous: list[Buffered | None]) -> list[Buffered | None]:
+    """Per key, the value received later of the two layouts' (the current one's on a tie, as a flush of
+    both leaves it: the upsert's strict `<`)."""
+    return [b if a is None or (b is not None and b[1] > a[1]) else a for a, b in zip(values, previous, strict=True)]
+
+
 def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, *, margin_s: float) -> Progress | None:
     if row is None:
         return None  # unknown content or user: nothing the flush would keep
@@ -182,6 +190,7 @@ class ProgressReader:
     ) -> None:
         self._redis = redis
         self._layout = layout
+        self._previous = layout.previous
         self._pool = pool
         self._margin_s = margin_s
         self._batchers: dict[ContentKind, TurnBatcher[_Lookup]] = {
@@ -208,6 +217,11 @@ class ProgressReader:
             key for lookup in lookups for key in self._layout.value_keys(kind.name, lookup.user_id, lookup.content_ids)
         ]
         pairs = [(lookup.user_id, content_id) for lookup in lookups for content_id in lookup.content_ids]
+        previous = self._previous
+        if previous is not None:  # the same keys of the old shard count, after them
+            keys += [
+                key for lookup in lookups for key in previous.value_keys(kind.name, lookup.user_id, lookup.content_ids)
+            ]
         # both stores at once: the query in a task of its own, the MGET in this one; both are awaited to their
         # end before an error goes up
         fetch = asyncio.ensure_future(fetch_rows(self._pool, {kind: pairs}))
@@ -217,7 +231,10 @@ class ProgressReader:
             with contextlib.suppress(Exception):  # its error goes up below, or after the MGET's
                 await fetch
         rows = fetch.result()[kind]
-        buffered = iter(decode_values(raw_values))
+        decoded = decode_values(raw_values)
+        if previous is not None:
+            decoded = newer_of(decoded[: len(pairs)], decoded[len(pairs) :])
+        buffered = iter(decoded)
         for lookup in lookups:
             for content_id in lookup.content_ids:
                 progress = freshest(

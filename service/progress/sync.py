@@ -6,13 +6,14 @@ stands whichever arrives last, in Redis and in the upsert (whose `updated_at` is
 old the listen, and the furthest position heard still raises the peak that decides completion
 (judged by the flush as for any heartbeat). The whole request is one Redis round trip (one
 WRITE_MANY_SCRIPT call per shard: its items in the order they are written, all keys in the
-shard's slot) after one query per content type present.
+shard's slot) after one query per content type present; while the shard count changes, the values
+of the previous layout are read beside that query (a second round trip, at the same time).
 
 `applied` is true only when the item's position is the one that now stands: written to the buffer
-as no older than its value (the script says so) and no older than the row (`updated_at`), whose
-value may have expired after its flush (the same time counts as applied: a retried request gets
-the same answer). An item older than either is still written, so its peak can complete
-the content, but reported `applied: false`.
+as no older than its value (the script says so), no older than the row (`updated_at`), whose
+value may have expired after its flush, and no older than a value of the previous shard layout
+(the same time counts as applied: a retried request gets the same answer). An item older than any
+of them is still written, so its peak can complete the content, but reported `applied: false`.
 
 A client's clock is not evidence of a completion's date: an item heard more than `max_backdate_s`
 before its receipt carries a completion floor (receipt - max_backdate_s, see buffer.py), and a
@@ -21,6 +22,7 @@ monolith's journey. The floor bounds that date only; the order stays the listen'
 """
 
 import asyncio
+import contextlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Fiel
 
 from service.progress.buffer import PositionWriter
 from service.progress.content import CONTENT_KINDS, MAX_ID, MAX_POSITION_S, ContentId, ContentKind, Position
-from service.progress.reads import MAX_WAIT_S, StoredRows, as_ms, fetch_rows
+from service.progress.reads import MAX_WAIT_S, StoredRows, as_ms, decode_values, fetch_rows
 
 SYNC_MAX_ITEMS = 500
 # how long a sync waits for its turn at the database, as a read waits for its batch: then SyncsWaiting
@@ -247,7 +249,7 @@ class OfflineSync:
             )
         if not accepted:
             return _all_set(outcomes)
-        rows = await self._rows(user_id, accepted)
+        rows, previous_us = await self._rows_and_previous(user_id, accepted)
         known: list[_Accepted] = []
         for a in accepted:
             if (user_id, a.content_id) in rows[a.kind]:
@@ -275,9 +277,31 @@ class OfflineSync:
                 outcomes[a.at] = _SUPERSEDED
             elif not stored or (updated_at is not None and as_ms(updated_at) > a.listened_ms):
                 outcomes[a.at] = _OLDER
+            elif previous_us and previous_us.get((a.kind.name, a.content_id), -1) > round(a.listened_ms * 1000):
+                outcomes[a.at] = _OLDER  # a pod still on the previous shard count buffered a later one
             else:
                 outcomes[a.at] = _APPLIED
         return _all_set(outcomes)
+
+    async def _rows_and_previous(
+        self, user_id: int, accepted: list[_Accepted]
+    ) -> tuple[dict[ContentKind, StoredRows], dict[tuple[str, int], int] | None]:
+        """The rows, and while the shard count changes the receive times (µs) of the previous layout's values,
+        read at the same time; None without a previous layout."""
+        previous = self._writer.layout.previous
+        if previous is None:
+            return await self._rows(user_id, accepted), None
+        items = list({(a.kind.name, a.content_id): None for a in accepted})
+        keys = [previous.value_key(content_type, content_id, user_id) for content_type, content_id in items]
+        # both stores at once, as a read does: the query in a task of its own, both awaited before an error goes up
+        fetch = asyncio.ensure_future(self._rows(user_id, accepted))
+        try:
+            raw_values = await self._writer.read_values(keys)
+        finally:
+            with contextlib.suppress(Exception):  # its error goes up below, or after the read's
+                await fetch
+        times = {item: value[1] for item, value in zip(items, decode_values(raw_values), strict=True) if value}
+        return fetch.result(), times
 
     async def _rows(self, user_id: int, accepted: list[_Accepted]) -> dict[ContentKind, StoredRows]:
         ids_by_kind: dict[ContentKind, set[int]] = {}

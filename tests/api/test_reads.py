@@ -10,13 +10,13 @@ from redis.asyncio import Redis
 
 from service.api.http import json_body
 from service.api.reads import progress_json
-from service.app import build_flusher
+from service.app import build_flusher, build_key_layout
 from service.auth import make_token
 from service.config import Settings
 from service.progress.buffer import decode_value
 from service.progress.flusher import Flusher
 from service.progress.reads import Progress, as_us, from_ms
-from tests.helpers import auth, running_app, seed, wait_for
+from tests.helpers import auth, running_app, seed, wait_for, write
 
 
 async def heartbeat(client: httpx.AsyncClient, token: str, lesson_id: int, position: float) -> None:
@@ -276,3 +276,27 @@ def test_an_entry_is_written_as_json_dumps_wrote_its_dict(position: float, compl
         "completed_at": updated_at.isoformat() if completed else None,
     }
     assert progress_json("meditation", progress).encode() == json_body(as_dict)
+
+
+@pytest.mark.regression
+async def test_while_the_shard_count_changes_a_read_takes_the_newer_value_of_both_layouts(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    """Found by an outside attack: with PROGRESS_BUFFER_SHARDS=4 and PREVIOUS_SHARDS=1, a pod still on the old
+    count buffered 321 while the row held 10, and the new pod's GET answered 10."""
+    await seed(db, users=7, contents=3)
+    changed = settings.model_copy(update={"progress_buffer_shards": 4, "progress_buffer_previous_shards": 1})
+    new_layout = build_key_layout(changed)
+    await write(redis, "lesson", 1, 7, 10.0, received_ms=ms_ago(60))
+    await build_flusher(settings, redis, db).flush_cycle()  # the row holds 10
+    await write(redis, "lesson", 1, 7, 321.0, received_ms=ms_ago(30))  # a pod on the old count: its names
+    await write(redis, "lesson", 2, 7, 50.0, received_ms=ms_ago(30))  # old layout, older than the new one's
+    await write(redis, "lesson", 2, 7, 60.0, received_ms=ms_ago(20), layout=new_layout)
+    await write(redis, "lesson", 3, 7, 70.0, received_ms=ms_ago(20), layout=new_layout)  # the new layout only
+    async with running_app(changed) as (_, client):
+        response = await client.get("/progress/lesson?ids=1,2,3", headers=auth(token))
+    assert [(p["content_id"], p["position"]) for p in response.json()["data"]] == [(1, 321.0), (2, 60.0), (3, 70.0)]
+
+
+def ms_ago(seconds: float) -> float:
+    return (datetime.now(UTC) - timedelta(seconds=seconds)).timestamp() * 1000

@@ -16,7 +16,7 @@ from service.progress.buffer import WRITE_SCRIPT, PositionWriter, decode_value, 
 from service.progress.flusher import Flusher
 from service.progress.reads import as_ms
 from service.progress.sync import OLDER_THAN_STORED, SUPERSEDED, UNKNOWN_CONTENT
-from tests.helpers import BAD_SYNCS, ago, auth, metric, seed, sync_body
+from tests.helpers import BAD_SYNCS, ago, auth, metric, running_app, seed, sync_body
 from tests.helpers import sync_item as item
 
 VALUE = "progress:latest_position:{}:{}:7"
@@ -337,3 +337,27 @@ async def test_a_bug_in_a_route_is_a_json_500_counted_and_logged(
     assert (response.status_code, response.json()) == (500, {"detail": "internal error, retry later"})
     assert metric("progress_http_requests_total", route="/progress/sync", status="500") == before + 1
     assert any(r.exc_info and "a bug" in str(r.exc_info[1]) for r in caplog.records)
+
+
+@pytest.mark.regression
+async def test_while_the_shard_count_changes_a_sync_item_older_than_the_previous_layouts_value_is_not_applied(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, token: str
+) -> None:
+    """Found by an outside attack: a pod on the old shard count buffered a later position, and a sync on a
+    pod of the new count answered `applied` for an older item. The value of either layout that is newer stands."""
+    await seed(db, users=7, contents=3)
+    changed = settings.model_copy(update={"progress_buffer_shards": 4, "progress_buffer_previous_shards": 1})
+    await live_heartbeat(redis, 1, 321.0, ms(ago(30)))  # the one-shard names: a pod on the old count
+    await live_heartbeat(redis, 2, 321.0, ms(ago(300)))
+    async with running_app(changed) as (_, client):
+        outcomes = await sync(client, token, item(1, 10.0, ago(60)), item(2, 10.0, ago(60)), item(3, 10.0, ago(60)))
+        assert outcomes == [(False, OLDER_THAN_STORED), (True, None), (True, None)]
+        answers = (await client.get("/progress/audio?ids=1,2,3", headers=auth(token))).json()["data"]
+    assert [(a["content_id"], a["position"]) for a in answers] == [(1, 321.0), (2, 10.0), (3, 10.0)]
+    # what the flush of both layouts leaves: the newer of each
+    await build_flusher(changed, redis, db).flush_cycle()
+    assert await db.fetchval("SELECT array_agg(position ORDER BY audio_id) FROM audios_audioprogress") == [
+        321.0,
+        10.0,
+        10.0,
+    ]
