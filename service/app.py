@@ -223,10 +223,8 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             direct_timeout_s=settings.degraded_write_timeout_seconds,
         )
         resources.push_async_callback(sink.aclose)
-        if ingest.deferred is not None:  # the rate limit's refused positions, written about twice a second
-            background.start("deferred-heartbeats", ingest.deferred.run(sink, background.stop))
-            resources.push_async_callback(ingest.deferred.drain, sink)  # the last ones, before the sink closes
         # the door and Redis memory (hostile clients): the first catalog snapshot is loaded before serving
+        catalog = None
         if settings.content_catalog_enabled and pool is not None:
             catalog = ContentCatalog(
                 pool,
@@ -241,6 +239,10 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
                 "content-catalog", catalog.run_refresh(background.stop, settings.content_catalog_refresh_seconds)
             )
             ingest.catalog = catalog
+        if ingest.deferred is not None:  # the rate limit's refused positions, written about twice a second
+            background.start("deferred-heartbeats", ingest.deferred.run(sink, background.stop, catalog=catalog))
+            # the last ones, before the catalog and the sink close
+            resources.push_async_callback(ingest.deferred.drain, sink, catalog)
         background.start("redis-memory", run_redis_memory_sampler(redis, background.stop))
         ingest.sink = sink
         if pool is not None:

@@ -50,7 +50,7 @@ REFUSED = Counter(
 DEFERRED_SHED = Counter(
     "progress_deferred_shed_total",
     "Heartbeats refused by the rate limit whose position was not kept for the deferred write (past the "
-    "bounds of service/api/deferred.py).",
+    "bounds of service/api/deferred.py, or for content that does not exist).",
 )
 CATALOG_UNVERIFIED = Counter(
     "progress_catalog_unverified_total",

@@ -5,7 +5,8 @@ id costs at most one query per id and cache period, shared by every concurrent r
 and an id that cannot be checked because Postgres is unreachable is accepted (and counted), so an
 outage never costs a real heartbeat. Content published since the last snapshot is found by the
 lookup at once, and within about a second when it was asked about before it existed: an "unknown"
-answer is kept at most UNKNOWN_ANSWER_TTL_S, a known one for the configured cache period.
+answer is kept at most UNKNOWN_ANSWER_TTL_S, a known one for the configured cache period. The deferred
+write of refused heartbeats (deferred.py) asks about the ids memory does not know the same way.
 """
 
 import asyncio

@@ -119,13 +119,14 @@ class ProgressIngest:
     def _refuse(self, kind: ContentKind, content_id: int, user_id: int, position: float, retry_after_s: float) -> None:
         """429: nothing written now, nothing promised; the position is kept for the deferred write.
 
-        Kept only for content memory knows to be real: a refused request costs no lookup, so one user's
-        flood of made-up ids costs the database no more than before the limit let it through.
+        What memory knows of the content goes with it: a refused request costs no lookup here, and the
+        deferred write looks up an id memory does not know at its own pace, within its own bound.
         """
-        catalog = self.catalog
-        if self.deferred is not None and (catalog is None or catalog.known_in_memory(kind, content_id)):
+        if self.deferred is not None:
+            catalog = self.catalog
+            known = True if catalog is None else catalog.known_in_memory(kind, content_id)
             self.deferred.keep(
-                kind, content_id=content_id, user_id=user_id, position=position, received_ms=receive_ms()
+                kind, content_id=content_id, user_id=user_id, position=position, received_ms=receive_ms(), known=known
             )
         raise rate_limited("too many heartbeats from this user, retry later", retry_after_s)
 

@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import time
+from functools import partial
 
 import asyncpg
 import pytest
@@ -14,6 +15,7 @@ from service.api.catalog import ContentCatalog, LookupsSaturated
 from service.api.deferred import DEFER_INTERVAL_S, DeferredHeartbeats
 from service.api.ratelimit import RateLimiter
 from service.app import build_flusher
+from service.auth import make_token
 from service.config import Settings
 from service.progress.buffer import PositionWriter, decode_value, receive_ms
 from service.progress.content import KIND_BY_PATH
@@ -232,22 +234,133 @@ async def test_a_flood_from_one_user_gets_429_and_only_the_last_position_per_con
     assert values == {f"progress:latest_position:live:{i}:7": 3.0 for i in range(1, 51)}
 
 
-async def test_refused_made_up_ids_cost_no_lookup_and_leave_no_key(
+def shed() -> float:
+    return metrics.DEFERRED_SHED._value.get()
+
+
+async def value_at(redis: Redis, key: str, position: float) -> bool:
+    raw = await redis.get(key)
+    return raw is not None and decode_value(raw).position == position
+
+
+async def test_refused_made_up_ids_cost_one_lookup_each_at_the_drain_and_leave_no_key(
     door: Settings, db: asyncpg.Pool, redis: Redis, token: str, queries: list[int]
 ) -> None:
+    """Nothing looked up on the request path; the drain asks once per id, the answer refuses the same ids from
+    memory for the next second, and every position not kept is counted."""
     await seed(db, users=7, contents=1)
+    before = shed()
     async with running_app(door.model_copy(update={"rate_limit_burst": 1, "rate_limit_per_user_per_second": 0.01})) as (
         _,
         client,
     ):
+
+        async def refuse_all() -> list[int]:
+            statuses = []
+            for lesson_id in range(900, 920):
+                response = await client.post(
+                    "/engagements/progress/lesson", json={"lesson_id": lesson_id, "position": 1}, headers=auth(token)
+                )
+                statuses.append(response.status_code)
+            return statuses
+
+        first = await client.post(
+            "/engagements/progress/lesson", json={"lesson_id": 1, "position": 1}, headers=auth(token)
+        )
+        assert first.status_code == 201
+        assert await refuse_all() == [429] * 20
+        assert queries == []  # none on the request path
+
+        async def all_shed() -> bool:
+            return shed() == before + 20
+
+        await wait_for(all_shed, timeout_s=2.0)
+        assert sorted(queries) == list(range(900, 920))  # at the drain, once each
+        assert await refuse_all() == [429] * 20  # the same ids again, within the answers' second
+        assert shed() == before + 40 and len(queries) == 20
+    assert sorted(await redis.keys("*")) == ["progress:latest_position:lesson:1:7", "progress:pending_flush:lesson"]
+
+
+async def test_a_flood_of_made_up_ids_costs_at_most_the_bound_of_lookups_per_drain(
+    db: asyncpg.Pool, redis: Redis, queries: list[int]
+) -> None:
+    await seed(db, users=1, contents=1)
+    catalog = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=1000, max_lookups=64)
+    await catalog.refresh()
+    deferred = DeferredHeartbeats(max_unverified_ids=8)
+    before = shed()
+    for user_id in range(1, 11):  # ten users, ten made-up ids each: 100 ids memory does not know
+        for content_id in range(1000 + 10 * user_id, 1010 + 10 * user_id):
+            deferred.keep(LESSON, content_id=content_id, user_id=user_id, position=5, received_ms=1, known=None)
+    deferred.keep(LESSON, content_id=1, user_id=1, position=5, received_ms=1, known=True)  # real: kept
+    deferred.keep(LESSON, content_id=1010, user_id=2, position=5, received_ms=1, known=None)  # an id kept already
+    assert (len(deferred), shed()) == (10, before + 92)
+    sink = HeartbeatSink(PositionWriter(redis, ttl_s=60), None, redis_retry_s=0.1, direct_timeout_s=0.5)
+    assert await deferred.drain(sink, catalog) is True
+    assert sorted(queries) == list(range(1010, 1018))  # one lookup per id kept, the shared one once
+    assert shed() == before + 92 + 9
+    assert await redis.keys("progress:latest_position:*") == ["progress:latest_position:lesson:1:1"]
+
+
+@pytest.mark.regression
+async def test_a_refused_final_position_of_content_created_after_start_is_written_and_completes(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str, queries: list[int]
+) -> None:
+    """Found by an outside attack (case A): lesson 50, created after the pod started, refused at 100, 200 and
+    595 with the bucket spent: no value after 1.5 s, a 404, the completion lost, and nothing counted."""
+    await seed(db, users=8, contents=1, duration_s=600)
+    other = make_token(door, 8)
+    async with running_app(door.model_copy(update={"rate_limit_burst": 1, "rate_limit_per_user_per_second": 0.01})) as (
+        _,
+        client,
+    ):
+        await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (50, 'new', 600)")
+        for user in (token, other):
+            spend = await client.post(
+                "/engagements/progress/lesson", json={"lesson_id": 1, "position": 1}, headers=auth(user)
+            )
+            assert spend.status_code == 201
+        for position in (100, 200, 595):
+            for user in (token, other):
+                response = await client.post(
+                    "/engagements/progress/lesson", json={"lesson_id": 50, "position": position}, headers=auth(user)
+                )
+                assert response.status_code == 429
+        await wait_for(partial(value_at, redis, "progress:latest_position:lesson:50:7", 595.0), timeout_s=1.5)
+        answer = await client.get("/progress/lesson/50", headers=auth(token))
+        assert (answer.status_code, answer.json()["position"]) == (200, 595.0)
+        assert answer.json()["completed_at"] is not None
+    assert queries == [50]  # one lookup for both users' refusals
+    assert decode_value(await redis.get("progress:latest_position:lesson:50:8")).position == 595.0
+    assert (await build_flusher(door, redis, db).flush_cycle()).completions == 2
+    assert sorted(await events(db)) == [("lesson", 50, 7), ("lesson", 50, 8)]
+
+
+@pytest.mark.regression
+async def test_a_pod_started_with_postgres_unreachable_still_writes_the_refused_final_position(
+    door: Settings, db: asyncpg.Pool, redis: Redis, token: str
+) -> None:
+    """Found by an outside attack (case B): no catalog snapshot, so memory knew no content: the stored position
+    stayed at 20 after refused heartbeats at 30, 40 and 595. Postgres cannot be asked: accepted, as the door does."""
+    await seed(db, users=7, contents=1, duration_s=600)
+    dsn_port = int(door.database_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = _Proxy(dsn_port)
+    port = await proxy.start()
+    await proxy.cut()  # unreachable before the pod starts: no snapshot
+    unreachable = door.database_url.replace(f":{dsn_port}/", f":{port}/")
+    limited = {"database_url": unreachable, "rate_limit_burst": 1, "rate_limit_per_user_per_second": 0.01}
+    async with running_app(door.model_copy(update=limited)) as (app, client):
+        assert app.catalog is not None and app.catalog.snapshot_bytes() == 0
         statuses = []
-        for lesson_id in (1, *range(900, 920)):
+        for position in (20, 30, 40, 595):
             response = await client.post(
-                "/engagements/progress/lesson", json={"lesson_id": lesson_id, "position": 1}, headers=auth(token)
+                "/engagements/progress/lesson", json={"lesson_id": 1, "position": position}, headers=auth(token)
             )
             statuses.append(response.status_code)
-    assert statuses == [201] + [429] * 20 and queries == []
-    assert sorted(await redis.keys("*")) == ["progress:latest_position:lesson:1:7", "progress:pending_flush:lesson"]
+        assert statuses == [201, 429, 429, 429]
+        await wait_for(partial(value_at, redis, "progress:latest_position:lesson:1:7", 595.0), timeout_s=1.5)
+    assert (await build_flusher(door, redis, db).flush_cycle()).completions == 1
+    assert await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7") == 595.0
 
 
 async def test_refused_positions_neither_store_took_are_kept_for_the_next_drain(redis: Redis) -> None:
