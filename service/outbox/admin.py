@@ -29,15 +29,20 @@ SELECT {key} AS id, publish_error AS error, publish_failed_at AS failed_at, publ
 _COUNT_SQL = """
 SELECT count(*) FROM {table} WHERE {parked} AND ($1::bigint[] IS NULL OR {key} = ANY($1::bigint[]))
 """
-# One chunk: the next parked rows by key after $1 (at most $2; only $3 when given), made owed again.
-# The UPDATE re-checks that a row is still parked and unpublished, so two re-drives at once count
-# each row once; `last` moves the cursor even past rows the other one took. The relay is woken.
+# One chunk: the next parked rows by key after $1 (at most $2; only $3 when given), locked in key order and
+# made owed again. The chunk locks its rows itself (FOR UPDATE, applied after its ORDER BY), so every
+# re-drive waits on another's rows in the one order of their keys and two at once cannot deadlock; an
+# UPDATE ... FROM a chunk that took no lock would lock in the join's order, which the planner picks (a
+# hash join probing the table goes in heap or index order). A row another re-drive made owed while we
+# waited for it is re-checked once its lock is granted and skipped, so each row is counted once and the
+# chunk fills up with the rows after it; `last` moves the cursor past them. The relay is woken.
 _REDRIVE_SQL = """
-WITH chunk AS (
+WITH chunk AS MATERIALIZED (
     SELECT {key} AS id FROM {table}
      WHERE {parked} AND {key} > $1 AND ($3::bigint[] IS NULL OR {key} = ANY($3::bigint[]))
      ORDER BY {key}
      LIMIT $2
+       FOR UPDATE
 ), redriven AS (
     UPDATE {table} o SET publish_failed_at = NULL, claimed_until = NULL
       FROM chunk

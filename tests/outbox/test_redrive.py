@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+from functools import partial
 from typing import Any
 
 import asyncpg
@@ -9,7 +10,15 @@ import pytest
 
 from service.outbox.admin import count_parked, redrive_parked
 from service.outbox.outboxes import COMPLETIONS, completion_task_id, email_task_id
-from tests.helpers import Servers, add_events, limited_broker_user, relay_env, relay_once, start_service_command
+from tests.helpers import (
+    Servers,
+    add_events,
+    limited_broker_user,
+    relay_env,
+    relay_once,
+    start_service_command,
+    wait_for,
+)
 from tests.monolith.fixtures import Broker, Executions
 
 LIST_KEYS = {"outbox", "id", "error", "failed_at", "attempts"}
@@ -131,3 +140,80 @@ async def test_a_redrive_goes_in_chunks_and_touches_only_parked_unpublished_rows
     assert [row["publish_attempts"] for row in rows[:5]] == [3] * 5  # kept: a new refusal parks again at once
     assert [row["published_at"] is not None for row in rows] == [False] * 5 + [True, False]
     assert await redrive_parked(db, COMPLETIONS) == 0
+
+
+async def _parked_out_of_key_order(db: asyncpg.Pool, parked: int) -> None:
+    """`parked` rows written in descending key order (a scan of the table meets them last key first), behind
+    many published ones."""
+    await db.execute(
+        "INSERT INTO progress_completion_event (id, content_type, content_id, user_id, completed_at, published_at) "
+        "SELECT g, 'lesson', g, 1, now(), now() FROM generate_series($1 + 1, $1 + 20000) g",
+        parked,
+    )
+    await db.execute(
+        "INSERT INTO progress_completion_event (id, content_type, content_id, user_id, completed_at,"
+        "                                       publish_attempts, publish_failed_at, publish_error) "
+        "SELECT g, 'lesson', g, 1, now(), 12, now(), 'NOPERM' FROM generate_series($1, 1, -1) g",
+        parked,
+    )
+    await db.execute("ANALYZE progress_completion_event")
+
+
+async def _waiting_for_a_lock(db: asyncpg.Pool, pids: list[int]) -> bool:
+    return bool(
+        await db.fetchval(
+            "SELECT count(DISTINCT pid) = $2 FROM pg_locks WHERE NOT granted AND pid = ANY($1)", pids, len(pids)
+        )
+    )
+
+
+@pytest.mark.regression
+async def test_two_redrives_at_once_cannot_deadlock_whatever_join_the_planner_picks(
+    migrated: str, db: asyncpg.Pool
+) -> None:
+    """Found by an outside attack: three re-drives at once over 3,000 rows, one died of a deadlock. The chunk
+    took no lock and the UPDATE locked in its join's order: here one re-drive joins by a nested loop over the
+    chunk (key order), the other by a hash join probing the table (heap order, last key first), and a third
+    session holds the middle row until both wait on it. Locked by the chunk in key order, both finish."""
+    parked = 3000
+    await _parked_out_of_key_order(db, parked)
+    plans = {
+        "nested loop over the chunk": ("enable_hashjoin", "enable_mergejoin"),
+        "hash join probing the table": ("enable_nestloop", "enable_mergejoin", "enable_indexscan", "enable_bitmapscan"),
+    }
+    connections = [await asyncpg.connect(migrated) for _ in range(3)]
+    blocker, *redrivers = connections
+    try:
+        for conn, off in zip(redrivers, plans.values(), strict=True):
+            for setting in off:
+                await conn.execute(f"SET {setting} = off")
+            await conn.execute("SET deadlock_timeout = '100ms'")  # a deadlock, if any, is found at once
+        holding = blocker.transaction()
+        await holding.start()
+        await blocker.execute("SELECT 1 FROM progress_completion_event WHERE id = $1 FOR UPDATE", parked // 2)
+        runs = [asyncio.ensure_future(redrive_parked(conn, COMPLETIONS, chunk=parked)) for conn in redrivers]
+        await wait_for(partial(_waiting_for_a_lock, db, [conn.get_server_pid() for conn in redrivers]), timeout_s=10)
+        await holding.rollback()
+        done = await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), timeout=30)
+    finally:
+        for conn in connections:
+            await conn.close()
+    assert not [result for result in done if isinstance(result, BaseException)], done
+    assert sum(done) == parked  # type: ignore[arg-type]  # each row once, by one of them
+    assert await count_parked(db, COMPLETIONS) == 0
+
+
+async def test_redrives_at_once_over_rows_parked_out_of_order_each_row_once(migrated: str, db: asyncpg.Pool) -> None:
+    """Five re-drives at once, in chunks, with the planner's own plans: every row re-driven exactly once."""
+    parked = 3000
+    await _parked_out_of_key_order(db, parked)
+    connections = [await asyncpg.connect(migrated) for _ in range(5)]
+    try:
+        done = await asyncio.wait_for(
+            asyncio.gather(*(redrive_parked(conn, COMPLETIONS, chunk=200) for conn in connections)), timeout=30
+        )
+    finally:
+        for conn in connections:
+            await conn.close()
+    assert sum(done) == parked
+    assert await count_parked(db, COMPLETIONS) == 0
