@@ -335,13 +335,21 @@ async def _redrive_parked(parts: _Parts, *, args: argparse.Namespace) -> int:
 
 
 def _ids(value: str) -> list[int]:
-    try:
-        ids = [int(part) for part in value.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--ids takes comma-separated row ids, not {value!r}") from None
-    if not ids:
+    """Row ids as the outboxes' bigint keys hold them: plain decimal digits (not "1_0", "+3", "-4"), 1 to 2^63-1."""
+    parts = [part.strip() for part in value.split(",") if part.strip()]
+    if not parts:
         raise argparse.ArgumentTypeError("--ids needs at least one row id")
-    return ids
+    for part in parts:
+        # the length before int(): it refuses thousands of digits, and past 19 no number is below 2^63
+        plain = part.isascii() and part.isdigit() and len(part.lstrip("0")) <= 19
+        if not (plain and 1 <= int(part) <= _MAX_ROW_ID):
+            raise argparse.ArgumentTypeError(
+                f"--ids takes comma-separated row ids from 1 to {_MAX_ROW_ID}, not {part[:40]!r}"
+            )
+    return [int(part) for part in parts]
+
+
+_MAX_ROW_ID = 2**63 - 1  # the outboxes' keys are bigint
 
 
 def _positive(value: str) -> int:

@@ -8,7 +8,9 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
+from service.config import Settings
 from service.embedded import free_port
+from service.status import gather_status
 from tests.helpers import FLUSH_LEASE_S, Servers, flusher_env, run_status, seed, start_service_command, write
 
 TYPES = ("lesson", "audio", "meditation", "live")
@@ -144,3 +146,18 @@ async def test_the_screen_is_plain_text_with_every_section(
         assert "reachable" in screen and process.returncode == 0
     with pytest.raises(json.JSONDecodeError):
         json.loads(screen)
+
+
+@pytest.mark.regression
+async def test_a_table_locked_by_another_session_is_reported_as_the_lock_timeout(
+    settings: Settings, redis: Redis, db: asyncpg.Pool
+) -> None:
+    """Found by an outside attack: status said "not read within 5 s" when it had waited its 1 s lock_timeout."""
+    await _seed_outboxes(db)
+    async with db.acquire() as conn, conn.transaction():
+        await conn.execute("LOCK TABLE progress_completion_event IN ACCESS EXCLUSIVE MODE")  # a migration's
+        status = await asyncio.wait_for(gather_status(settings), timeout=30)
+    [failure] = status.failures
+    assert failure.startswith("Postgres: the completion outbox's counts not read: waited 1 s for a lock")
+    assert "LockNotAvailableError" in failure and "within 5 s" not in failure
+    assert status.report["outbox"]["completion"]["owed"] is None and status.report["outbox"]["email"]["owed"] == 1
