@@ -190,12 +190,10 @@ class DeferredHeartbeats:
         return True
 
     async def _exists(self, catalog: ContentCatalog, kind: ContentKind, content_id: int) -> bool:
-        known = catalog.is_known(kind, content_id)  # memory may know by now: a refresh, a request's lookup
-        if isinstance(known, bool):
-            return known
         async with self._lookups_at_once:
+            known = catalog.is_known(kind, content_id)  # memory may know by now: a refresh, a request's lookup
             try:
-                return await known
+                return known if isinstance(known, bool) else await known
             except LookupsSaturated as exc:
                 raise _NotCheckedNow(f"cannot check {kind.id_column} {content_id} now ({exc})") from None
 

@@ -302,6 +302,20 @@ async def test_a_flood_of_made_up_ids_costs_at_most_the_bound_of_lookups_per_dra
     assert await redis.keys("progress:latest_position:*") == ["progress:latest_position:lesson:1:1"]
 
 
+async def test_an_id_the_catalog_cannot_check_now_waits_for_the_next_drain(db: asyncpg.Pool, redis: Redis) -> None:
+    await seed(db, users=7, contents=1)
+    await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (50, 'new', 600)")
+    deferred = DeferredHeartbeats()
+    deferred.keep(LESSON, content_id=50, user_id=7, position=595, received_ms=receive_ms(), known=None)
+    sink = HeartbeatSink(PositionWriter(redis, ttl_s=60), None, redis_retry_s=0.1, direct_timeout_s=0.5)
+    saturated = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=10, max_lookups=0)
+    assert await deferred.drain(sink, saturated) is False and len(deferred) == 1  # kept, not shed
+    assert await redis.keys("*") == []
+    catalog = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=10, max_lookups=64)
+    assert await deferred.drain(sink, catalog) is True and len(deferred) == 0
+    assert decode_value(await redis.get("progress:latest_position:lesson:50:7")).position == 595.0
+
+
 @pytest.mark.regression
 async def test_a_refused_final_position_of_content_created_after_start_is_written_and_completes(
     door: Settings, db: asyncpg.Pool, redis: Redis, token: str, queries: list[int]
