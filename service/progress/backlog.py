@@ -10,7 +10,7 @@ how late positions reach the database.
 from dataclasses import dataclass, field
 
 from service.progress.content import CONTENT_KINDS
-from service.progress.keys import KeyLayout
+from service.progress.keys import KeyLayout, Shard
 from service.redis_client import RedisClient, execute_by_node
 
 
@@ -29,6 +29,8 @@ class Backlog:
     # what the nodes that did not answer raised; their shards are counted as empty
     errors: list[Exception] = field(default_factory=list)
     answered: int = 0  # replies that came back
+    # pending + in flight of each shard; None where its node did not answer
+    by_shard: dict[Shard, int | None] = field(default_factory=dict)
 
     @property
     def pending(self) -> int:
@@ -59,9 +61,12 @@ async def measure_backlog(redis: RedisClient, layout: KeyLayout, *, leases_at_ms
     backlog = Backlog({})
     for kind in CONTENT_KINDS:
         sizes = backlog.by_type[kind.name] = TypeBacklog()
-        for _ in layout.shards_to_flush(kind.name):
-            sizes.pending += backlog.count(next(replies), sizes)
-            sizes.in_flight += backlog.count(next(replies), sizes)
+        for shard in layout.shards_to_flush(kind.name):
+            unread = sizes.unread
+            pending, in_flight = backlog.count(next(replies), sizes), backlog.count(next(replies), sizes)
+            sizes.pending += pending
+            sizes.in_flight += in_flight
+            backlog.by_shard[shard] = None if sizes.unread > unread else pending + in_flight
             if leases_at_ms is None:
                 continue
             head = next(replies)

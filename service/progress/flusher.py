@@ -79,7 +79,11 @@ class CycleResult:
 
 @dataclass
 class _Quota:
-    """What a content type's cycle may still claim: what was pending at its start (None: not known)."""
+    """What a cycle may still claim of one shard: what it held at the cycle's start (None: not known).
+
+    Per shard, not per type: a drain that takes a type's whole quota for its batch of one shard would
+    leave the type's other shards nothing to claim while it waits for the budget.
+    """
 
     left: int | None
 
@@ -97,10 +101,9 @@ class _Quota:
 
 @dataclass
 class _Turn:
-    """One content type in a cycle: what it may still claim, and whether a batch of it failed."""
+    """One content type in a cycle: whether a batch of it failed."""
 
     kind: ContentKind
-    quota: _Quota
     failed: bool = False  # its siblings claim no more this cycle: no point retrying at once
 
 
@@ -108,7 +111,7 @@ class _Turn:
 class _Cycle:
     """What the drains of one cycle share: the work left, the nodes down, and the counts."""
 
-    work: deque[tuple[_Turn, Shard]]
+    work: deque[tuple[_Turn, Shard, _Quota]]
     stop: asyncio.Event | None
     on_batch: OnBatch | None
     result: CycleResult = field(default_factory=CycleResult)
@@ -203,7 +206,7 @@ class Flusher:
         `on_batch` is told how many entries each batch took out of the buffer (a progress display).
         """
         started = time.monotonic()
-        # what each type holds now: the cycle claims no more than that (see _Quota)
+        # what each shard holds now: the cycle claims no more than that (see _Quota)
         at_start = await measure_backlog(self._redis, self._layout)
         cycle = _Cycle(self._work(at_start), stop, on_batch)
         # a drain per shard at most (no connection taken for nothing); every drain is awaited to its end
@@ -229,21 +232,21 @@ class Flusher:
             metrics.FLUSH_LAST_SUCCESS.set_to_current_time()
         return total
 
-    def _work(self, at_start: Backlog) -> deque[tuple[_Turn, Shard]]:
+    def _work(self, at_start: Backlog) -> deque[tuple[_Turn, Shard, _Quota]]:
         """Every shard of every type that holds something, interleaved: one of each type in turn."""
         per_type = []
         for kind in CONTENT_KINDS:
-            sizes = at_start.by_type[kind.name]
-            if not sizes.unread and not sizes.pending + sizes.in_flight:
-                continue
+            turn = _Turn(kind)
             # a node that did not answer: no quota (the drains find out which node, and skip its shards)
-            turn = _Turn(kind, _Quota(None if sizes.unread else sizes.pending + sizes.in_flight))
-            shards = self._layout.shards_to_flush(kind.name)
+            quotas = {shard: _Quota(at_start.by_shard.get(shard)) for shard in self._layout.shards_to_flush(kind.name)}
+            shards = [shard for shard, quota in quotas.items() if quota.left != 0]
+            if not shards:
+                continue
             first = random.randrange(len(shards))  # pods start at different shards
             shards = shards[first:] + shards[:first]
             # fewer shards than drains (one on a standalone server): several drains share a shard
             shards = (shards * -(-self._concurrency // len(shards)))[: max(self._concurrency, len(shards))]
-            per_type.append([(turn, shard) for shard in shards])
+            per_type.append([(turn, shard, quotas[shard]) for shard in shards])
         return deque(item for items in itertools.zip_longest(*per_type) for item in items if item is not None)
 
     async def _drain(self, cycle: "_Cycle") -> None:
@@ -253,13 +256,13 @@ class Flusher:
             # back to the pool cannot fail the batches it persisted
             async with pooled_connection(self._pool) as conn:
                 while cycle.work and not cycle.stopped:
-                    turn, shard = cycle.work.popleft()
-                    if not turn.failed and await self._turn(conn, cycle, turn, shard):
-                        cycle.work.append((turn, shard))
+                    turn, shard, quota = cycle.work.popleft()
+                    if not turn.failed and await self._turn(conn, cycle, turn, shard, quota):
+                        cycle.work.append((turn, shard, quota))
         except POSTGRES_FAILED as exc:
             # no connection to be had (down, full, refused our password): nothing was claimed, and the
             # types still to do wait for the next cycle
-            waiting = sorted({turn.kind.name for turn, _ in cycle.work})
+            waiting = sorted({turn.kind.name for turn, _, _ in cycle.work})
             for content_type in waiting:
                 metrics.FLUSH_FAILURES.labels(content_type).inc()
             log.warning(
@@ -271,7 +274,9 @@ class Flusher:
             )
             cycle.result.failed_batches += 1
 
-    async def _turn(self, conn: asyncpg.Connection, cycle: "_Cycle", turn: "_Turn", shard: Shard) -> bool:
+    async def _turn(
+        self, conn: asyncpg.Connection, cycle: "_Cycle", turn: "_Turn", shard: Shard, quota: _Quota
+    ) -> bool:
         """One batch of `shard`, unless its node is down this cycle; True when the shard may hold more."""
         try:
             node = node_name(self._redis, shard.pending_key)
@@ -285,7 +290,7 @@ class Flusher:
                 cycle.requeued.add(shard)
                 moved = await self._leases.requeue_expired(shard, now_ms=now_ms())
                 cycle.lease_expired += moved  # counted after the await: the drains add up, none overwrites
-            return await self._batch(conn, cycle, turn, shard)
+            return await self._batch(conn, cycle, turn, shard, quota)
         except REDIS_UNAVAILABLE as exc:
             # that shard's node is down (or failing over): its members wait there, under lease if
             # claimed; the shards of the other nodes are still flushed
@@ -301,9 +306,11 @@ class Flusher:
             )
             return False
 
-    async def _batch(self, conn: asyncpg.Connection, cycle: "_Cycle", turn: "_Turn", shard: Shard) -> bool:
+    async def _batch(
+        self, conn: asyncpg.Connection, cycle: "_Cycle", turn: "_Turn", shard: Shard, quota: _Quota
+    ) -> bool:
         """Reserve, claim and persist one batch; True when it was full (the shard may hold more)."""
-        rows = turn.quota.take(self.budget.batch_rows)
+        rows = quota.take(self.budget.batch_rows)
         if not rows:
             return False
         # the budget first, the claim after: the lease starts when the batch may be written
@@ -316,7 +323,7 @@ class Flusher:
                 claimed = len(claim.entries)
         finally:
             if claimed < rows:  # the shard had fewer, or the drain stops: later batches may go sooner
-                turn.quota.give_back(rows - claimed)
+                quota.give_back(rows - claimed)
                 if reservation is not None:
                     await asyncio.shield(self.budget.refund(reservation, rows - claimed))
         if not claimed:

@@ -24,7 +24,7 @@ from service.progress.budget import FlushBudget
 from service.progress.buffer import WRITE_SCRIPT, decode_value, now_ms
 from service.progress.concurrency import AdaptiveLimit
 from service.progress.flusher import Flusher
-from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE
+from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, KeyLayout
 from service.progress.leases import Leases
 from tests.helpers import (
     Servers,
@@ -123,7 +123,7 @@ async def full(redis: Redis) -> AsyncIterator[None]:
     try:
         await redis.config_set("maxmemory-policy", "noeviction")
         used = int((await redis.info("memory"))["used_memory"])
-        await redis.config_set("maxmemory", str(max(1, used - 1024)))
+        await redis.config_set("maxmemory", str(max(1, used // 2)))  # well under, whatever is freed meanwhile
         with pytest.raises(OutOfMemoryError):
             await redis.set("probe", "x")
         yield
@@ -328,3 +328,23 @@ async def test_flush_once_stops_on_sigterm_whatever_the_budget_key_says(
     assert 0 < written < 2000
     # what it did not write waits in the pending set, none of it under a lease
     assert await backlog(redis) == (2000 - written, 0)
+
+
+async def test_one_cycle_drains_every_shard_of_a_type_under_the_budget(
+    settings: Settings, redis: Redis, db: asyncpg.Pool
+) -> None:
+    """A drain's batch takes the quota of its own shard, not of its whole type: the other drains still
+    claim the other shards while it waits for the budget."""
+    layout = KeyLayout(shards=4)
+    last = await fill(redis, db, 400, layout)
+    flusher = _flusher(
+        settings,
+        redis,
+        db,
+        progress_buffer_shards=4,
+        progress_flush_concurrency=4,
+        progress_flush_max_rows_per_second=2000,
+    )
+    result = await flusher.flush_cycle()
+    assert result.written == 400
+    await assert_all_persisted(redis, db, last, layout)
