@@ -324,7 +324,7 @@ async def fill(
         async with redis.pipeline(transaction=False) as pipe:
             for i in range(first, min(first + 1000, keys)):
                 pipe.execute_command(
-                    *write_args("lesson", i % lessons + 1, i // lessons + 1, position(i), now_ms(), 3600, layout)
+                    *write_args("lesson", i % lessons + 1, i // lessons + 1, position(i), now_ms(), layout)
                 )
             await pipe.execute()
 

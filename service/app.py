@@ -211,7 +211,6 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             )
         writer = PositionWriter(
             redis,
-            ttl_s=settings.progress_position_ttl_seconds,
             layout=build_key_layout(settings),
             wait_replicas=settings.redis_wait_replicas,
             wait_timeout_ms=settings.redis_wait_timeout_ms,
@@ -259,13 +258,11 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             sync.offline = OfflineSync(
                 PositionWriter(
                     redis,
-                    ttl_s=settings.progress_position_ttl_seconds,
                     layout=writer.layout,
                     wait_replicas=settings.redis_wait_replicas,
                     wait_timeout_ms=settings.redis_wait_timeout_ms,
                 ),
                 pool,
-                ttl_s=settings.progress_position_ttl_seconds,
                 max_skew_s=settings.sync_max_clock_skew_seconds,
                 max_backdate_s=settings.sync_max_backdate_hours * 3600,
                 max_concurrency=settings.sync_max_concurrency,

@@ -141,13 +141,12 @@ async def write(
     user_id: int,
     position: float,
     received_ms: float | None = None,
-    ttl_s: int = 3600,
     layout: KeyLayout = STANDALONE,
 ) -> float:
     """What the request path writes, through the same script (receive times strictly increasing, as there)."""
     received_ms = received_ms if received_ms is not None else receive_ms()
     await redis.script_load(WRITE_SCRIPT)
-    await redis.execute_command(*write_args(content_type, content_id, user_id, position, received_ms, ttl_s, layout))  # type: ignore[arg-type]
+    await redis.execute_command(*write_args(content_type, content_id, user_id, position, received_ms, layout))  # type: ignore[arg-type]
     return received_ms
 
 
@@ -239,7 +238,7 @@ async def fill(
 
 
 def _args(content_id: int, user_id: int, position: float, layout: KeyLayout = STANDALONE) -> tuple[object, ...]:
-    return write_args("lesson", content_id, user_id, position, time.time_ns() // 1_000_000, 3600, layout)
+    return write_args("lesson", content_id, user_id, position, time.time_ns() // 1_000_000, layout)
 
 
 async def backlog(redis: RedisClient, layout: KeyLayout = STANDALONE) -> tuple[int, int]:

@@ -29,7 +29,7 @@ from service.stores import REDIS_UNAVAILABLE
 # only then a fifth field, its completion floor (whole ms): the earliest date a completion of this
 # value may carry (its receipt minus SYNC_MAX_BACKDATE_HOURS); the flush and the reads date a
 # completion max(receive time, floor). No heartbeat writes one, and a value newer than its floor has none.
-# KEYS: latest-position key, pending set. ARGV: position, receive time (ms), TTL (s), pending member,
+# KEYS: latest-position key, pending set. ARGV: position, receive time (ms), pending member,
 # microseconds, and a sync item's completion floor (ms; a heartbeat sends none). A write received earlier
 # than the stored one (two pods, a retried request, an older offline listen) never replaces its position,
 # only raises its peak (and then the floor, so the completion it brings is dated no earlier than its own
@@ -44,8 +44,8 @@ from service.stores import REDIS_UNAVAILABLE
 WRITE_SCRIPT = """
 local current = redis.call('GET', KEYS[1])
 local peak = ARGV[1]
-local us = tonumber(ARGV[2]) * 1000 + tonumber(ARGV[5])
-local floor = ARGV[6]
+local us = tonumber(ARGV[2]) * 1000 + tonumber(ARGV[4])
+local floor = ARGV[5]
 if current then
   local position, ms, stored_peak, frac, stored_floor =
     string.match(current, '^([^:]*):(%d+):?([^:]*):?(%d*):?(%d*)$')
@@ -62,17 +62,17 @@ if current then
         if stored_floor ~= '' then kept = kept .. ':' .. stored_floor end
         redis.call('SET', KEYS[1], kept)
       end
-      redis.call('SADD', KEYS[2], ARGV[4])
+      redis.call('SADD', KEYS[2], ARGV[3])
       if stored_us == us and tonumber(position) == tonumber(ARGV[1]) then return 2 end
       return 0
     end
     if tonumber(stored_peak) > tonumber(peak) then peak = stored_peak end
   end
 end
-local value = ARGV[1] .. ':' .. ARGV[2] .. ':' .. peak .. ':' .. ARGV[5]
+local value = ARGV[1] .. ':' .. ARGV[2] .. ':' .. peak .. ':' .. ARGV[4]
 if floor then value = value .. ':' .. floor end
 redis.call('SET', KEYS[1], value)
-redis.call('SADD', KEYS[2], ARGV[4])
+redis.call('SADD', KEYS[2], ARGV[3])
 return 1
 """
 WRITE_SCRIPT_SHA = hashlib.sha1(WRITE_SCRIPT.encode()).hexdigest()
@@ -80,7 +80,7 @@ WRITE_SCRIPT_SHA = hashlib.sha1(WRITE_SCRIPT.encode()).hexdigest()
 # Many writes to one shard in one call (an offline sync): WRITE_SCRIPT's own text, run once per write
 # in the order given, so the writes settle exactly as the same calls one after the other would.
 # KEYS: the shard's pending set. ARGV: the shard's value key prefix (it carries the shard's hash tag:
-# the value keys built from it are in the slot of KEYS), TTL (s), then one line per write:
+# the value keys built from it are in the slot of KEYS), then one line per write:
 # "{pending member} {position} {receive time ms} {microseconds}[ {completion floor ms}]" (one argument:
 # 500 writes cost the client one string to send, not 2,000 arguments to encode). Returns WRITE_SCRIPT's
 # answer per write.
@@ -89,9 +89,9 @@ WRITE_MANY_SCRIPT = (
     + WRITE_SCRIPT
     + """end
 local results = {}
-for member, position, ms, us, floor in string.gmatch(ARGV[3], '(%S+) (%S+) (%S+) (%d+) ?(%d*)') do
+for member, position, ms, us, floor in string.gmatch(ARGV[2], '(%S+) (%S+) (%S+) (%d+) ?(%d*)') do
   if floor == '' then floor = nil end
-  results[#results + 1] = write({ARGV[1] .. member, KEYS[1]}, {position, ms, ARGV[2], member, us, floor})
+  results[#results + 1] = write({ARGV[1] .. member, KEYS[1]}, {position, ms, member, us, floor})
 end
 return results
 """
@@ -154,7 +154,6 @@ def write_args(
     user_id: int,
     position: float,
     received_ms: float,
-    ttl_s: int,
     layout: KeyLayout = STANDALONE,
 ) -> tuple[object, ...]:
     shard = layout.shard(content_type, content_id, user_id)  # both keys in the shard's one slot
@@ -167,15 +166,12 @@ def write_args(
         shard.pending_key,
         repr(position),
         ms,
-        ttl_s,
         pending_member(content_id, user_id),
         us,
     )
 
 
-def write_many_args(
-    shard: Shard, writes: Sequence[tuple[int, int, float, float, int | None]], ttl_s: int
-) -> tuple[object, ...]:
+def write_many_args(shard: Shard, writes: Sequence[tuple[int, int, float, float, int | None]]) -> tuple[object, ...]:
     """One WRITE_MANY_SCRIPT call for (content id, user id, position, receive time ms, completion floor ms or
     None) writes of one shard."""
     lines = []
@@ -183,7 +179,7 @@ def write_many_args(
         ms, us = split_ms(received_ms)
         line = f"{content_id}:{user_id} {position!r} {ms} {us}"
         lines.append(line if floor_ms is None else f"{line} {floor_ms}")
-    return ("EVALSHA", WRITE_MANY_SCRIPT_SHA, 1, shard.pending_key, shard.value_prefix, ttl_s, "\n".join(lines))
+    return ("EVALSHA", WRITE_MANY_SCRIPT_SHA, 1, shard.pending_key, shard.value_prefix, "\n".join(lines))
 
 
 class PositionWriter:
@@ -193,13 +189,11 @@ class PositionWriter:
         self,
         redis: RedisClient,
         *,
-        ttl_s: int,
         layout: KeyLayout = STANDALONE,
         wait_replicas: int = 0,
         wait_timeout_ms: int = 50,
     ) -> None:
         self._redis = redis
-        self._ttl_s = ttl_s
         self.layout = layout
         self._wait_replicas = wait_replicas
         self._wait_timeout_ms = wait_timeout_ms
@@ -210,9 +204,7 @@ class PositionWriter:
     async def write(
         self, *, content_type: str, content_id: int, user_id: int, position: float, received_ms: float
     ) -> None:
-        await self._batcher.submit(
-            write_args(content_type, content_id, user_id, position, received_ms, self._ttl_s, self.layout)
-        )
+        await self._batcher.submit(write_args(content_type, content_id, user_id, position, received_ms, self.layout))
 
     def node_of(self, content_type: str, content_id: int, user_id: int) -> str:
         """The Redis node this heartbeat's write goes to ("" on a standalone server; "?" if none is known)."""
@@ -223,9 +215,7 @@ class PositionWriter:
         except REDIS_UNAVAILABLE:
             return "?"
 
-    async def write_all(
-        self, writes: Sequence[tuple[str, int, int, float, float, int | None]], *, ttl_s: int
-    ) -> list[bool]:
+    async def write_all(self, writes: Sequence[tuple[str, int, int, float, float, int | None]]) -> list[bool]:
         """(content type, content id, user id, position, receive time ms, completion floor ms or None) writes,
         in order, in one round trip of their own (one script call per shard); for each, whether its value
         was stored.
@@ -237,9 +227,7 @@ class PositionWriter:
         by_shard: dict[Shard, list[int]] = {}
         for i, (content_type, content_id, user_id, _, _, _) in enumerate(writes):
             by_shard.setdefault(self.layout.shard(content_type, content_id, user_id), []).append(i)
-        commands = [
-            write_many_args(shard, [writes[i][1:] for i in indexes], ttl_s) for shard, indexes in by_shard.items()
-        ]
+        commands = [write_many_args(shard, [writes[i][1:] for i in indexes]) for shard, indexes in by_shard.items()]
         results = await self._send_pipeline(commands, len(writes))
         stored: list[bool] = [False] * len(writes)
         for indexes, result in zip(by_shard.values(), results, strict=True):

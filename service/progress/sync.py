@@ -207,7 +207,6 @@ class OfflineSync:
         writer: PositionWriter,
         pool: asyncpg.Pool,
         *,
-        ttl_s: int,
         max_skew_s: float,
         max_backdate_s: float,
         max_concurrency: int,
@@ -216,7 +215,6 @@ class OfflineSync:
         self._pool = pool
         self._max_concurrency = max_concurrency
         self._connections = asyncio.Semaphore(max_concurrency)
-        self._ttl_s = ttl_s
         self._max_skew_ms = int(max_skew_s * 1000)
         self._max_backdate_ms = int(max_backdate_s * 1000)
 
@@ -268,8 +266,7 @@ class OfflineSync:
             if kept is None or (a.listened_ms, a.told_ms, a.at) > (kept.listened_ms, kept.told_ms, kept.at):
                 latest[(a.kind.name, a.content_id)] = a
         written = await self._writer.write_all(
-            [(a.kind.name, a.content_id, user_id, a.position, a.listened_ms, a.floor_ms) for a in known],
-            ttl_s=self._ttl_s,
+            [(a.kind.name, a.content_id, user_id, a.position, a.listened_ms, a.floor_ms) for a in known]
         )
         for a, stored in zip(known, written, strict=True):
             updated_at = rows[a.kind][(user_id, a.content_id)][2]

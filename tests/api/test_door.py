@@ -295,7 +295,7 @@ async def test_a_flood_of_made_up_ids_costs_at_most_the_bound_of_lookups_per_dra
     deferred.keep(LESSON, content_id=1, user_id=1, position=5, received_ms=1, known=True)  # real: kept
     deferred.keep(LESSON, content_id=1010, user_id=2, position=5, received_ms=1, known=None)  # an id kept already
     assert (len(deferred), shed()) == (10, before + 92)
-    sink = HeartbeatSink(PositionWriter(redis, ttl_s=60), None, redis_retry_s=0.1, direct_timeout_s=0.5)
+    sink = HeartbeatSink(PositionWriter(redis), None, redis_retry_s=0.1, direct_timeout_s=0.5)
     assert await deferred.drain(sink, catalog) is True
     assert sorted(queries) == list(range(1010, 1018))  # one lookup per id kept, the shared one once
     assert shed() == before + 92 + 9
@@ -307,7 +307,7 @@ async def test_an_id_the_catalog_cannot_check_now_waits_for_the_next_drain(db: a
     await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (50, 'new', 600)")
     deferred = DeferredHeartbeats()
     deferred.keep(LESSON, content_id=50, user_id=7, position=595, received_ms=receive_ms(), known=None)
-    sink = HeartbeatSink(PositionWriter(redis, ttl_s=60), None, redis_retry_s=0.1, direct_timeout_s=0.5)
+    sink = HeartbeatSink(PositionWriter(redis), None, redis_retry_s=0.1, direct_timeout_s=0.5)
     saturated = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=10, max_lookups=0)
     assert await deferred.drain(sink, saturated) is False and len(deferred) == 1  # kept, not shed
     assert await redis.keys("*") == []
@@ -382,10 +382,10 @@ async def test_refused_positions_neither_store_took_are_kept_for_the_next_drain(
     deferred = DeferredHeartbeats()
     deferred.keep(LESSON, content_id=1, user_id=7, position=590, received_ms=receive_ms())
     deferred.keep(LESSON, content_id=1, user_id=7, position=5, received_ms=receive_ms())
-    down = HeartbeatSink(PositionWriter(unreachable, ttl_s=60), None, redis_retry_s=0.1, direct_timeout_s=0.5)
+    down = HeartbeatSink(PositionWriter(unreachable), None, redis_retry_s=0.1, direct_timeout_s=0.5)
     assert await deferred.drain(down) is False and len(deferred) == 1
     await unreachable.aclose()
-    up = HeartbeatSink(PositionWriter(redis, ttl_s=60), None, redis_retry_s=0.1, direct_timeout_s=0.5)
+    up = HeartbeatSink(PositionWriter(redis), None, redis_retry_s=0.1, direct_timeout_s=0.5)
     assert await deferred.drain(up) is True and len(deferred) == 0
     stored = decode_value(await redis.get("progress:latest_position:lesson:1:7"))
     assert (stored.position, stored.peak) == (5.0, 590.0)

@@ -31,7 +31,7 @@ async def sync(client: httpx.AsyncClient, token: str, *items: dict[str, object])
 async def live_heartbeat(redis: Redis, content_id: int, position: float, received_ms: int) -> None:
     """A heartbeat the request path stored at `received_ms`, through its own script."""
     await redis.script_load(WRITE_SCRIPT)
-    await redis.execute_command(*write_args("audio", content_id, 7, position, received_ms, 3600))
+    await redis.execute_command(*write_args("audio", content_id, 7, position, received_ms))
 
 
 def ms(moment: datetime) -> float:
@@ -245,16 +245,16 @@ async def test_a_completion_floor_rises_with_the_peak_and_goes_with_a_later_writ
     """The buffer keeps the floor of the write that brought the peak, and drops it when a later write stands
     (whose own time is later than any floor before it)."""
     key = VALUE.format("audio", 1)
-    writer = PositionWriter(redis, ttl_s=60)
+    writer = PositionWriter(redis)
     heard_ms = 1_700_000_000_000.25  # long ago
-    assert await writer.write_all([("audio", 1, 7, 10.0, heard_ms, 1_700_100_000_000)], ttl_s=60) == [True]
+    assert await writer.write_all([("audio", 1, 7, 10.0, heard_ms, 1_700_100_000_000)]) == [True]
     assert await redis.get(key) == "10.0:1700000000000:10.0:250:1700100000000"
     # older, further, and received later (a later floor): the peak rises, and so does the floor
-    assert await writer.write_all([("audio", 1, 7, 590.0, heard_ms - 5, 1_700_200_000_000)], ttl_s=60) == [False]
+    assert await writer.write_all([("audio", 1, 7, 590.0, heard_ms - 5, 1_700_200_000_000)]) == [False]
     assert await redis.get(key) == "10.0:1700000000000:590.0:250:1700200000000"
     assert decode_value(await redis.get(key)).completion_floor_ms == 1_700_200_000_000
     # not further: nothing changes, floor included
-    assert await writer.write_all([("audio", 1, 7, 5.0, heard_ms - 9, 1_700_300_000_000)], ttl_s=60) == [False]
+    assert await writer.write_all([("audio", 1, 7, 5.0, heard_ms - 9, 1_700_300_000_000)]) == [False]
     assert await redis.get(key) == "10.0:1700000000000:590.0:250:1700200000000"
     await live_heartbeat(redis, 1, 20.0, 1_800_000_000_000)  # a live heartbeat: later than any floor
     assert await redis.get(key) == "20.0:1800000000000:590.0:0"

@@ -82,7 +82,7 @@ async def test_a_batch_read_of_100_ids_is_one_redis_round_trip_and_one_query(
     counted: Counted, db: asyncpg.Pool, redis: Redis
 ) -> None:
     await seed(db, users=7, contents=100)
-    writer = PositionWriter(counted.redis, ttl_s=3600)
+    writer = PositionWriter(counted.redis)
     for content_id in range(1, 51):
         await writer.write(
             content_type="audio", content_id=content_id, user_id=7, position=content_id, received_ms=1_700_000_000_000
@@ -133,7 +133,7 @@ async def test_reads_that_come_while_two_batches_are_out_go_together_in_the_next
     """Two batches held out, then 27 reads in turns of their own: they wait and go in the next batches, 20
     and 7, not one each; each read gets its own user's position."""
     await seed(db, users=30, contents=3)
-    writer = PositionWriter(counted.redis, ttl_s=3600)
+    writer = PositionWriter(counted.redis)
     for user_id in range(1, 30):
         await writer.write(content_type="lesson", content_id=1, user_id=user_id, position=user_id, received_ms=10**12)
     reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=2)
@@ -258,9 +258,8 @@ async def test_closing_the_reader_answers_the_reads_still_waiting(counted: Count
 async def test_500_items_in_one_sync_are_one_redis_round_trip(counted: Counted, db: asyncpg.Pool, redis: Redis) -> None:
     await seed(db, users=7, contents=125)
     sync = OfflineSync(
-        PositionWriter(counted.redis, ttl_s=3600),
+        PositionWriter(counted.redis),
         counted.pool,
-        ttl_s=3600,
         max_skew_s=300,
         max_backdate_s=6 * 3600,
         max_concurrency=1,

@@ -94,7 +94,7 @@ async def test_a_cluster_connection_closed_under_script_load_or_a_write_is_a_red
     request path takes to degraded mode, instead of AttributeError, which was a 500."""
     client = connect_redis(cluster_settings)
     commands = [
-        write_args("lesson", content_id, user_id, 5.0, 1000.0, 60, cluster_layout)
+        write_args("lesson", content_id, user_id, 5.0, 1000.0, cluster_layout)
         for content_id in (1, 2, 3)
         for user_id in range(1, 21)
     ]
