@@ -1,4 +1,5 @@
-"""`serve` on SIGTERM: it leaves its load balancer before it stops (service/serving.py), one worker or several."""
+"""`serve` leaving and keeping connections (service/serving.py): on SIGTERM it leaves its load balancer before it
+stops, one worker or several; an idle keep-alive connection outlives the proxies' idle timeouts."""
 
 import asyncio
 import json
@@ -11,13 +12,12 @@ import pytest
 from redis.asyncio import Redis
 
 from service.auth import make_token
-from service.config import Settings
+from service.config import ConfigError, Settings, load_settings
 from service.embedded import free_port
 from tests.helpers import TEST_JWT_SECRET, Servers, auth, seed, service_env, start_service_command, wait_for
 
-pytestmark = pytest.mark.slow  # real `serve` processes
-
 DRAIN_S = 3.0
+UVICORN_KEEP_ALIVE_S = 5  # uvicorn's default timeout_keep_alive
 LESSON = "/engagements/progress/lesson"
 
 
@@ -30,6 +30,7 @@ async def _readiness(base_url: str) -> int | None:
         return None
 
 
+@pytest.mark.slow  # real `serve` processes
 @pytest.mark.regression
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_after_sigterm_a_keep_alive_client_is_answered_and_told_to_close(
@@ -89,6 +90,50 @@ async def test_after_sigterm_a_keep_alive_client_is_answered_and_told_to_close(
     # the final flush wrote the position answered during the drain
     row = await db.fetchrow("SELECT position FROM engagements_lessonprogress WHERE user_id = 2 AND lesson_id = 3")
     assert row is not None and row["position"] == 20
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("SHUTDOWN_DRAIN_SECONDS", "-1"), ("SHUTDOWN_DRAIN_SECONDS", "soon"), ("HTTP_KEEP_ALIVE_TIMEOUT_SECONDS", "0")],
+)
+def test_a_drain_or_keep_alive_out_of_range_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=variable):
+        load_settings()
+
+
+@pytest.mark.slow
+@pytest.mark.regression
+async def test_an_idle_keep_alive_connection_outlasts_uvicorns_five_seconds(servers: Servers, db: asyncpg.Pool) -> None:
+    """uvicorn's own keep-alive (5 s) is below every proxy's idle timeout: the proxy could send on a connection
+    the service was closing. The service keeps an idle one HTTP_KEEP_ALIVE_TIMEOUT_SECONDS (75 s)."""
+    await seed(db, users=3, contents=3)
+    port = free_port()
+    env = service_env(
+        servers,
+        JWT_SECRET=TEST_JWT_SECRET,
+        RELAY_ENABLED="false",
+        EMAIL_PUBLISHER="redis-stream",
+        SHUTDOWN_DRAIN_SECONDS="0",
+    )
+    process = await start_service_command("serve", "--host", "127.0.0.1", "--port", str(port), env=env)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        await wait_for(lambda: _readiness_is(base_url, 200), timeout_s=60)
+        headers = auth(make_token(Settings(jwt_secret=TEST_JWT_SECRET), 2))
+        # httpx drops its own idle connections after 5 s by default: here the server's side is under test
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1, keepalive_expiry=60)
+        async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=10) as client:
+            first = await client.post(LESSON, headers=headers, json={"lesson_id": 1, "position": 1})
+            await asyncio.sleep(UVICORN_KEEP_ALIVE_S + 1)  # the idle time is what is tested, not a wait for an event
+            second = await client.post(LESSON, headers=headers, json={"lesson_id": 1, "position": 2})
+        assert (first.status_code, second.status_code) == (201, 201)
+        assert second.extensions["network_stream"] is first.extensions["network_stream"]
+    finally:
+        process.terminate()
+        await process.wait()
 
 
 async def _readiness_is(base_url: str, status: int) -> bool:
