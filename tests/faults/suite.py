@@ -75,7 +75,8 @@ FLEET_SHORT = Size(
     users=300, lessons=4, rounds=2000, crossing=200, outage_s=0, min_round_s=0.3, kill_every_s=0,
     crossing_round=5, rolls=1, drain_s=3, check_interval="500ms",
 )  # fmt: skip
-FLEET_LONG = replace(FLEET_SHORT, users=2000, crossing=500, min_round_s=1.0, rolls=3)
+# the larger run (bench/bench_fleet.py): the pods' default drain (5 s) and deploy/haproxy/haproxy.cfg's own interval
+FLEET_LONG = replace(FLEET_SHORT, users=2000, crossing=500, min_round_s=1.0, rolls=3, drain_s=5, check_interval="2s")
 
 
 @dataclass
@@ -418,6 +419,7 @@ def main() -> int:
     parser.add_argument("--scenario", choices=(*SCENARIOS, FLEET), action="append", help="default: all but rolling")
     parser.add_argument("--users", type=int, help="users of the load (default: the size's)")
     parser.add_argument("--rolls", type=int, help="rolling: restarts of every pod (default: the size's)")
+    parser.add_argument("--drain-seconds", type=float, help="the pods' SHUTDOWN_DRAIN_SECONDS (default: the size's)")
     parser.add_argument("--json", action="store_true", help="each report as one JSON line on stdout, the log on stderr")
     args = parser.parse_args()
     reports = []
@@ -425,6 +427,8 @@ def main() -> int:
         for scenario in args.scenario or SCENARIOS:
             size = (FLEET_SHORT if args.short else FLEET_LONG) if scenario == FLEET else SHORT if args.short else LONG
             size = replace(size, users=args.users or size.users, rolls=args.rolls or size.rolls)
+            if args.drain_seconds is not None:
+                size = replace(size, drain_s=args.drain_seconds)
             log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
             reports.append(run_scenario(scenario, size, Path(tmp) / scenario, log=log))
     if args.json:
