@@ -32,6 +32,7 @@ from service.progress.flusher import Flusher
 from service.progress.keys import KeyLayout, key_layout
 from service.progress.reads import ProgressReader
 from service.progress.redis_memory import run_redis_memory_sampler
+from service.progress.redis_persistence import run_redis_persistence_sampler
 from service.progress.sink import DirectWriter, HeartbeatSink
 from service.progress.sync import OfflineSync
 from service.redis_client import RedisClient, connect_redis
@@ -243,6 +244,13 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             # the last ones, before the catalog and the sink close
             resources.push_async_callback(ingest.deferred.drain, sink, catalog)
         background.start("redis-memory", run_redis_memory_sampler(redis, background.stop))
+        # what a Redis restart would lose: its first reading is the start's log line
+        background.start(
+            "redis-persistence",
+            run_redis_persistence_sampler(
+                redis, background.stop, flush_interval_s=settings.progress_flush_interval_seconds
+            ),
+        )
         ingest.sink = sink
         if pool is not None:
             reader = ProgressReader(

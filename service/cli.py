@@ -35,7 +35,12 @@ from service.trial_emails.sweep import sweep_journeys
 DEV_JWT_SECRET = "dev-only-secret-not-for-production"
 
 
-def _uvicorn_options(host: str, port: int) -> dict[str, Any]:
+# after the drain, how long uvicorn waits for the requests in flight before cancelling them (each is bounded well
+# below it: BODY_READ_TIMEOUT_SECONDS for a slow body, the stores' deadlines); deploy/k8s's grace period counts it
+IN_FLIGHT_TIMEOUT_S = 30
+
+
+def _uvicorn_options(host: str, port: int, settings: Settings) -> dict[str, Any]:
     from service.api.http_limits import LimitedHttpToolsProtocol
 
     return {
@@ -48,7 +53,8 @@ def _uvicorn_options(host: str, port: int) -> dict[str, Any]:
         "access_log": False,
         "proxy_headers": True,
         "server_header": False,
-        "timeout_graceful_shutdown": 30,
+        "timeout_keep_alive": settings.http_keep_alive_timeout_seconds,
+        "timeout_graceful_shutdown": IN_FLIGHT_TIMEOUT_S,
     }
 
 
@@ -56,14 +62,19 @@ def _serve(args: argparse.Namespace) -> int:
     settings = load_settings()
     configure_logging(settings.log_level)
     settings.check_can_serve()  # in the parent too: a bad config fails once, with its message
-    import uvicorn
+    from service.serving import ServeConfig, run
 
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it so the process dies "by signal".
     # A graceful stop is a success for the orchestrator: with this handler in place, exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.run(
-        "service.app:app_from_environment", factory=True, workers=args.workers, **_uvicorn_options(args.host, args.port)
+    config = ServeConfig(
+        "service.app:app_from_environment",
+        factory=True,
+        workers=args.workers,
+        drain_s=settings.shutdown_drain_seconds,
+        **_uvicorn_options(args.host, args.port, settings),
     )
+    run(config)
     return 0
 
 
@@ -121,7 +132,7 @@ def _dev(args: argparse.Namespace) -> int:
         # KeyboardInterrupt in the middle of the lifespan's shutdown, which cut the final flush short. As
         # `serve` does for SIGTERM: the re-raise is a no-op, the lifespan finishes, our servers stop after.
         signal.signal(signal.SIGINT, lambda *_: None)
-        uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args.host, args.port))).run()
+        uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args.host, args.port, settings))).run()
     finally:
         for server in reversed(servers):
             _progress(f"stopping embedded {server.name}")

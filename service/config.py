@@ -65,6 +65,13 @@ class Settings(BaseSettings):
     jwt_audience: str = ""
     jwt_issuer: str = ""
 
+    # `serve` on SIGTERM: readiness answers 503 and every answer says `Connection: close` for this long, then it
+    # stops listening (service/serving.py); at least the time the load balancer takes to see the pod down
+    shutdown_drain_seconds: float = Field(5.0, ge=0, le=300)
+    # an idle keep-alive connection is closed by the service after this; above every proxy's own idle timeout
+    # (ALB and nginx 60 s), so that the proxy always closes first and never sends on a connection being closed
+    http_keep_alive_timeout_seconds: int = Field(75, ge=1, le=3600)
+
     max_body_bytes: int = Field(4096, ge=256, le=1_048_576)
     # a body not fully received by then gets 408 and the connection is closed (a client sending a byte a second)
     body_read_timeout_seconds: float = Field(10.0, gt=0)

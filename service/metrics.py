@@ -71,6 +71,13 @@ REDIS_USED_MEMORY = Gauge(
 REDIS_MAX_MEMORY = Gauge(
     "progress_redis_maxmemory_bytes", "Redis maxmemory (0: no limit), sampled.", multiprocess_mode="max"
 )
+REDIS_PERSISTENCE = Gauge(
+    "progress_redis_persistence",
+    "1 for the persistence Redis runs with, 0 for the others: aof, rdb, none (a restart loses everything not yet "
+    "flushed), unknown (neither CONFIG GET nor INFO answered); the weakest master of a cluster. Sampled.",
+    ["mode"],
+    multiprocess_mode="max",
+)
 
 # flusher
 PENDING_ENTRIES = Gauge(

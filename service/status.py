@@ -25,6 +25,7 @@ from service.progress.backlog import measure_backlog
 from service.progress.content import CONTENT_KINDS
 from service.progress.known_content import count_ids
 from service.progress.redis_memory import memory_by_node, used_and_max
+from service.progress.redis_persistence import read_persistence, weakest
 from service.redis_client import connect_redis
 from service.stores import POSTGRES_BUSY, POSTGRES_FAILED, REDIS_FAILED
 
@@ -60,7 +61,7 @@ async def gather_status(settings: Settings) -> Status:
                 outbox.name: {"owed": None, "parked": None, "oldest_owed_age_seconds": None}
                 for outbox in (COMPLETIONS, EMAILS)
             },
-            "redis": {"ok": False, "used_memory_bytes": None, "maxmemory_bytes": None},
+            "redis": {"ok": False, "used_memory_bytes": None, "maxmemory_bytes": None, "persistence": None},
             "postgres": {"ok": False},
             "catalog": dict.fromkeys(types),
         }
@@ -95,13 +96,20 @@ async def _read_redis(settings: Settings, status: Status) -> None:
                 f"partial ({type(error).__name__}: {error})"
             )
         by_node = await memory_by_node(redis)
-        nodes = {
+        nodes: dict[str, dict[str, Any]] = {
             name: dict(zip(("used_memory_bytes", "maxmemory_bytes"), used_and_max(info), strict=True))
             for name, info in by_node.items()
         }
         memory["used_memory_bytes"] = sum(node["used_memory_bytes"] for node in nodes.values())
         memory["maxmemory_bytes"] = sum(node["maxmemory_bytes"] for node in nodes.values())
+        # what a restart would lose: the weakest master's persistence, each master's mode beside its memory
+        persistence = await read_persistence(redis)
+        weakest_node, weakest_persistence = weakest(persistence)
+        memory["persistence"] = weakest_persistence.as_json(settings.progress_flush_interval_seconds)
         if settings.redis_cluster:
+            memory["persistence"]["node"] = weakest_node
+            for name, node in nodes.items():
+                node["persistence"] = persistence[name].mode if name in persistence else None
             memory["nodes"] = nodes
         memory["ok"] = not backlog.errors
     except REDIS_FAILED as exc:
@@ -198,11 +206,22 @@ def render(report: Report) -> str:
         memory = "NOT REACHABLE" if redis["used_memory_bytes"] is None else f"NOT OK (partly read): {memory}"
     lines += ["", f"{'Redis':<14}{memory}"]
     for name, node in redis.get("nodes", {}).items():
-        lines.append(f"  {name:<22}{_memory(node['used_memory_bytes'], node['maxmemory_bytes'])}")
+        lines.append(
+            f"  {name:<22}{_memory(node['used_memory_bytes'], node['maxmemory_bytes'])}, {node['persistence']}"
+        )
+    lines.append(f"{'Persistence':<14}{_persistence(redis['persistence'])}")
     lines.append(f"{'Postgres':<14}{'reachable' if report['postgres']['ok'] else 'NOT REACHABLE'}")
     catalog = "   ".join(f"{content_type} {_n(size)}" for content_type, size in report["catalog"].items())
     lines.append(f"{'Catalog':<14}{catalog}")
     return "\n".join(lines)
+
+
+def _persistence(persistence: dict[str, Any] | None) -> str:
+    if persistence is None:
+        return "?"
+    where = f" on {persistence['node']}, the weakest master" if persistence.get("node") else ""
+    read = " (INFO only: CONFIG refused)" if persistence["source"] == "info" else ""
+    return f"{persistence['mode']}{where}{read}: a restart loses {persistence['restart_loses']}"
 
 
 def _n(count: int | None) -> str:

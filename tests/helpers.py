@@ -1,7 +1,7 @@
 """What several test modules share: the running app, seeding, tokens, waiting, and each area's helpers.
 
 Test modules and conftest.py files import from here (and from the helper modules tests/monolith/fixtures.py,
-tests/faults/, tests/deploy/files.py), never from one another; conftest.py files keep only fixtures.
+tests/faults/, tests/deploy/files.py, tests/debian.py), never from one another; conftest.py files keep only fixtures.
 """
 
 import asyncio

@@ -139,6 +139,11 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
              ("max(progress_degraded_mode)", "degraded"),
              thresholds=[("green", None), ("red", 1)],
              mappings=[{"type": "value", "options": {"0": {"text": "normal"}, "1": {"text": "DEGRADED"}}}]),
+        stat("Redis persistence", "1 while Redis keeps neither an AOF nor RDB saves: a restart would lose every "
+             "position not yet flushed (ProgressRedisPersistenceOff). `progress-service status` says more.", "none",
+             ('max(progress_redis_persistence{mode="none"})', "no persistence"),
+             thresholds=[("green", None), ("red", 1)],
+             mappings=[{"type": "value", "options": {"0": {"text": "AOF or RDB"}, "1": {"text": "NONE"}}}]),
         graph("Degraded writes and Redis write errors", "Heartbeats written straight to Postgres, and heartbeats "
               "whose Redis write failed (ProgressRedisWritesFailing).", "reqps",
               (f"sum by (content_type) (rate(progress_degraded_writes_total[{RATE}])) or vector(0)",

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from service import metrics
+from service.asgi import draining
 from service.redis_client import ping
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
@@ -21,11 +22,15 @@ _READY_TIMEOUT_S = 1.0
 class Readiness(BaseModel):
     """The body of both readiness answers (200 and 503), as openapi.yaml documents it."""
 
-    status: Literal["ready", "unavailable"]
+    status: Literal["ready", "unavailable", "draining"] = Field(
+        description="draining: the pod got SIGTERM and is leaving the load balancer (it still takes heartbeats)."
+    )
     mode: Literal["normal", "degraded", "unavailable"] = Field(
         description="normal: heartbeats go to Redis; degraded: straight to Postgres while Redis is unreachable."
     )
-    checks: dict[str, str] = Field(description="`ok` or why not, for `redis` and (with a database) `postgres`.")
+    checks: dict[str, str] = Field(
+        description="`ok` or why not, for `redis` and (with a database) `postgres`; `shutdown` while draining."
+    )
 
 
 @router.get("/health/live", summary="The process is up")
@@ -39,11 +44,14 @@ async def live() -> dict[str, str]:
     response_model=None,
     responses={
         200: {"model": Readiness, "description": "Ready; `mode` says which store takes the heartbeats."},
-        503: {"model": Readiness, "description": "No store can keep a heartbeat; `checks` says why."},
+        503: {
+            "model": Readiness,
+            "description": "No store can keep a heartbeat (`checks` says why), or the pod is draining before it stops.",
+        },
     },
 )
 async def ready(request: Request) -> JSONResponse:
-    """Ready while one path can keep a heartbeat: Redis (normal) or Postgres directly (degraded)."""
+    """Ready while one path can keep a heartbeat: Redis (normal) or Postgres directly (degraded), and not draining."""
     redis_check, postgres_check = await asyncio.gather(_check_redis(request), _check_postgres(request))
     sink = request.app.state.ingest.sink
     if redis_check == "ok" and sink is not None and sink.redis_writes_failing:
@@ -58,6 +66,10 @@ async def ready(request: Request) -> JSONResponse:
         readiness = Readiness(status="ready", mode="degraded", checks=checks)
     else:
         readiness = Readiness(status="unavailable", mode="unavailable", checks=checks)
+    if draining(request.scope) and readiness.status == "ready":
+        # SIGTERM came (service/serving.py): the load balancer must take the pod out while it still answers
+        checks["shutdown"] = "draining: SIGTERM received, the pod stops once the drain is over"
+        readiness = Readiness(status="draining", mode=readiness.mode, checks=checks)
     return JSONResponse(readiness.model_dump(), status_code=200 if readiness.status == "ready" else 503)
 
 

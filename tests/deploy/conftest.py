@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from service.embedded import _die_with_parent, free_port
-from tests.deploy import prometheus
+from tests import debian
 from tests.helpers import PgBouncer, Servers, Tls
 
 PGBOUNCER_INSTALL_TIMEOUT_S = 300
@@ -206,9 +206,9 @@ def _listening(port: int) -> bool:
 def prometheus_bin() -> Path:
     """The directory holding Debian's `prometheus` and `promtool`, fetched into .cache/ on first use."""
     try:
-        promtool = prometheus.binary("promtool")
-        server = prometheus.binary("prometheus")
-    except prometheus.Unavailable as exc:
+        promtool = debian.program(debian.PROMETHEUS, "promtool")
+        server = debian.program(debian.PROMETHEUS, "prometheus")
+    except debian.Unavailable as exc:
         pytest.fail(f"no Prometheus for the tests: {exc} (or `apt-get install -y prometheus`)")
     assert promtool.parent == server.parent, f"{promtool} and {server} come from two installs"
     return server.parent

@@ -6,6 +6,9 @@ from typing import Any
 import pytest
 import yaml
 
+from service.cli import IN_FLIGHT_TIMEOUT_S
+from service.config import Settings
+from service.outbox.outboxes import publish_budget_s
 from tests.deploy.files import (
     ALERTS_FILE,
     K8S_DIR,
@@ -71,15 +74,30 @@ def test_deployment_probes_ports_and_lifecycle() -> None:
     assert "command" not in container and "args" not in container, "the image's CMD is the one tested"
 
 
+def _worst_stop_s(env: dict[str, str]) -> float:
+    """From SIGTERM to exit at worst, with these variables (the others at their defaults): the drain, the requests
+    in flight, the final flush (the lifespan cancels the flusher 5 s after its timeout: service/app.py) and the
+    relay's last pass."""
+
+    def setting(name: str) -> float:
+        return float(env.get(name, Settings.model_fields[name.lower()].default))
+
+    return (
+        setting("SHUTDOWN_DRAIN_SECONDS")
+        + IN_FLIGHT_TIMEOUT_S
+        + setting("PROGRESS_SHUTDOWN_TIMEOUT_SECONDS")
+        + 5
+        + publish_budget_s(setting("CELERY_PUBLISH_TIMEOUT_SECONDS"))
+    )
+
+
 @pytest.mark.parametrize("path", DEPLOYMENTS)
-def test_grace_period_outlasts_the_prestop_pause_and_the_final_flush(path: str) -> None:
+def test_grace_period_outlasts_the_prestop_pause_the_drain_and_the_final_flush(path: str) -> None:
     spec = k8s(path)["spec"]["template"]["spec"]
     container = _container(path)
     pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
-    shutdown_s = float(_config()["PROGRESS_SHUTDOWN_TIMEOUT_SECONDS"])
-    # the lifespan cancels the flusher 5 s after the shutdown timeout (service/app.py)
-    needed_s = float(pre_stop[1]) + shutdown_s + 5
-    assert spec["terminationGracePeriodSeconds"] >= needed_s + 10
+    env = {**_config(), **{item["name"]: item["value"] for item in container.get("env", []) if "value" in item}}
+    assert spec["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + _worst_stop_s(env)
 
 
 @pytest.mark.parametrize("path", DEPLOYMENTS)
@@ -159,9 +177,7 @@ def test_compose_stack_scales_behind_one_proxy_after_healthy_dependencies() -> N
         "redis": {"condition": "service_healthy"},
     }
     assert "/health/ready" in " ".join(progress["healthcheck"]["test"])
-    assert int(progress["stop_grace_period"].removesuffix("s")) >= (
-        float(progress["environment"]["PROGRESS_SHUTDOWN_TIMEOUT_SECONDS"]) + 5
-    )
+    assert int(progress["stop_grace_period"].removesuffix("s")) >= _worst_stop_s(progress["environment"])
     assert "./migrations_ref:/docker-entrypoint-initdb.d:ro" in services["postgres"]["volumes"]
     assert "--appendonly" in services["redis"]["command"]
     proxy = services["proxy"]

@@ -3,13 +3,16 @@
 Runs as its own process (`python -m tests.faults.loadgen ...`) so the service processes under test
 share nothing with it but the network. Keys are (lesson, user); in round r every key sends
 position(key, r). Rounds are sequential, so a key's heartbeats arrive in round order, and each
-position is unique to its round: the final row tells which heartbeat it holds.
+position is unique to its round: the final row tells which heartbeat it holds. SIGTERM ends the load
+after the round in hand; the ledger says how many rounds were sent.
 """
 
 import argparse
 import asyncio
 import json
 import random
+import signal
+import statistics
 import time
 
 import jwt
@@ -52,12 +55,17 @@ class Client:
             )
             async with asyncio.timeout(10):
                 status = int((await reader.readline()).split()[1])
-                length = 0
+                length, close = 0, False
                 while (line := await reader.readline()) not in (b"\r\n", b""):
                     name, _, value = line.partition(b":")
-                    if name.strip().lower() == b"content-length":
+                    name = name.strip().lower()
+                    if name == b"content-length":
                         length = int(value)
+                    elif name == b"connection":
+                        close = b"close" in value.lower()
                 await reader.readexactly(length)
+            if close:  # the server closes it after this answer (a draining pod): the next request opens another
+                self.streams.pop(port)[1].close()
             return status
         except (OSError, TimeoutError, IndexError, ValueError, asyncio.IncompleteReadError):
             dropped = self.streams.pop(port, None)
@@ -76,7 +84,10 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     ports = [int(p) for p in args.ports.split(",")]
     last_acked: dict[tuple[int, int], int] = {}
     counts = {"sent": 0, "acknowledged": 0, "refused_503": 0, "no_answer": 0, "other": 0}
+    latencies_ms: list[float] = []
     started = time.monotonic()
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
 
     async def worker(queue: asyncio.Queue[tuple[tuple[int, int], int, int]]) -> None:
         client = Client(ports)
@@ -88,7 +99,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                     "position": position(key, round_, crossing=key in crossing, crossing_round=args.crossing_round),
                 }
             ).encode()
+            sent_at = time.perf_counter()
             status = await client.post(ports[i % len(ports)], tokens[key[1]], body)
+            latencies_ms.append((time.perf_counter() - sent_at) * 1000)
             counts["sent"] += 1
             if status == 201:
                 counts["acknowledged"] += 1
@@ -103,8 +116,11 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 
     queue: asyncio.Queue[tuple[tuple[int, int], int, int]] = asyncio.Queue()
     workers = [asyncio.create_task(worker(queue)) for _ in range(args.connections)]
-    i = 0
+    i = rounds = 0
     for round_ in range(args.rounds):
+        if stop.is_set():
+            break
+        rounds += 1
         round_started = time.monotonic()
         # the crossing keys go first and together, spread over every process
         for key in sorted(keys, key=lambda k: k not in crossing):
@@ -115,9 +131,16 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         print(json.dumps({"round": round_, "elapsed_s": round(time.monotonic() - started, 1), **counts}), flush=True)
     for task in workers:
         task.cancel()
+    latencies_ms.sort()
     return {
         **counts,
+        "rounds": rounds,
         "elapsed_s": round(time.monotonic() - started, 1),
+        "latency_ms": {
+            "p50": round(statistics.median(latencies_ms), 2),
+            "p99": round(latencies_ms[int(len(latencies_ms) * 0.99)], 2),
+            "max": round(latencies_ms[-1], 2),
+        },
         "crossing": sorted(crossing),
         "last_acked": [[k[0], k[1], r] for k, r in last_acked.items()],
     }

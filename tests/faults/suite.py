@@ -4,11 +4,21 @@ of every 201.
 
     python -m tests.faults.suite            # the long run (10,000 keys, 10 s outages)
     python -m tests.faults.suite --short    # what CI runs, through tests/faults/test_fault_suite.py
+
+`rolling` is the fleet: the three behind a real HAProxy (deploy/haproxy/haproxy.cfg, active checks on
+/health/ready, no redispatch, no retries), the load through it, and rolling restarts: SIGTERM a pod,
+wait for it to exit, start it again, wait until HAProxy has it back in rotation, the next pod. The
+load runs until the last roll is over.
+
+    python -m tests.faults.suite --scenario rolling --short   # CI (tests/faults/test_fleet.py)
+    python -m tests.faults.suite --scenario rolling --json    # the larger run (bench/bench_fleet.py)
 """
 
 import argparse
 import asyncio
+import csv
 import json
+import os
 import random
 import signal
 import subprocess
@@ -16,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import asyncpg
@@ -24,11 +34,14 @@ import httpx
 from redis.asyncio import Redis
 
 from service import embedded
+from tests import debian
 from tests.faults.loadgen import DURATION_S, position
 from tests.helpers import clean_environment
 
 SECRET = "fault-suite-secret-0123456789abcdef0123"
 SCENARIOS = ("steady", "sigkill", "redis_outage", "postgres_outage")
+FLEET = "rolling"
+HAPROXY_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "haproxy" / "haproxy.cfg"
 
 
 @dataclass
@@ -40,6 +53,14 @@ class Size:
     outage_s: float
     min_round_s: float
     kill_every_s: float
+    crossing_round: int = -1  # -1: half way through the rounds
+    rolls: int = 0  # rolling: restarts of every pod, one pod after another
+    drain_s: float = 0.0  # SHUTDOWN_DRAIN_SECONDS of the pods
+    check_interval: str = "2s"  # HAProxy's `inter`
+
+    def __post_init__(self) -> None:
+        if self.crossing_round < 0:
+            self.crossing_round = self.rounds // 2
 
     @property
     def keys(self) -> int:
@@ -48,6 +69,14 @@ class Size:
 
 SHORT = Size(users=100, lessons=10, rounds=20, crossing=500, outage_s=3, min_round_s=0.4, kill_every_s=2)
 LONG = Size(users=1000, lessons=10, rounds=24, crossing=500, outage_s=10, min_round_s=1.5, kill_every_s=4)
+# the fleet: rounds is a ceiling (the load stops once the rolls are over; round 2,000 would send position 80,000 of
+# the 86,400 allowed); HAProxy checks every 0.5 s and takes a pod out after 2 failed checks, well within its 3 s drain
+FLEET_SHORT = Size(
+    users=300, lessons=4, rounds=2000, crossing=200, outage_s=0, min_round_s=0.3, kill_every_s=0,
+    crossing_round=5, rolls=1, drain_s=3, check_interval="500ms",
+)  # fmt: skip
+# the larger run (bench/bench_fleet.py): the pods' default drain (5 s) and deploy/haproxy/haproxy.cfg's own interval
+FLEET_LONG = replace(FLEET_SHORT, users=2000, crossing=500, min_round_s=1.0, rolls=3, drain_s=5, check_interval="2s")
 
 
 @dataclass
@@ -67,6 +96,12 @@ class Report:
     missing_completions: int = 0
     faults: list[str] = field(default_factory=list)
     load_s: float = 0.0
+    other: int = 0  # answers neither 201 nor 503
+    rounds: int = 0
+    latency_ms: dict[str, float] = field(default_factory=dict)
+    exit_codes: list[int] = field(default_factory=list)  # of the pods stopped by SIGTERM during the run
+    stop_s: list[float] = field(default_factory=list)  # per pod rolled: SIGTERM to exit
+    back_s: list[float] = field(default_factory=list)  # per pod rolled: start to back in HAProxy's rotation
 
     def ok(self) -> bool:
         return (
@@ -75,32 +110,76 @@ class Report:
             and self.missing_completions == 0
             and self.events == self.completed_keys
             and self.acknowledged > 0
+            # the fleet: every request answered 201 through the load balancer, every pod stopped cleanly
+            and (self.scenario != FLEET or (self.acknowledged == self.sent and set(self.exit_codes) == {0}))
         )
 
 
 class Cluster:
-    """Valkey, Postgres and N `progress-service serve` processes on loopback."""
+    """Valkey, Postgres and N `progress-service serve` processes on loopback; with `size.rolls`, HAProxy in front."""
 
-    def __init__(self, base: Path, processes: int = 3) -> None:
+    def __init__(self, base: Path, size: Size, processes: int = 3) -> None:
         self.base = base
+        self.size = size
         self.redis = embedded.EmbeddedRedis(base / "valkey", None)
         self.postgres = embedded.EmbeddedPostgres(base / "postgres", None, durable=False)
         self.ports = [embedded.free_port() for _ in range(processes)]
         self.services: list[subprocess.Popen[bytes] | None] = [None] * processes
+        self.balancer: subprocess.Popen[bytes] | None = None
+        self.front_port = self.stats_port = 0
 
     @property
     def database_url(self) -> str:
         return self.postgres.url("progress")
 
-    def start(self, size: Size) -> None:
+    def start(self) -> None:
         self.redis.start()
         self.postgres.start()
         self.postgres.create_database("progress")
-        asyncio.run(self._prepare(size))
+        asyncio.run(self._prepare(self.size))
         for i in range(len(self.ports)):
             self.start_service(i)
         for i in range(len(self.ports)):
             self.wait_ready(i)
+        if self.size.rolls:
+            self.start_balancer()
+            for i in range(len(self.ports)):
+                self.wait_in_rotation(i)
+
+    @property
+    def load_ports(self) -> list[int]:
+        return [self.front_port] if self.balancer is not None else self.ports
+
+    def start_balancer(self) -> None:
+        assert len(self.ports) == 3, "deploy/haproxy/haproxy.cfg names three pods"
+        self.front_port, self.stats_port = embedded.free_port(), embedded.free_port()
+        env = {
+            **os.environ,
+            "PROGRESS_FRONTEND": f"127.0.0.1:{self.front_port}",
+            "PROGRESS_STATS": f"127.0.0.1:{self.stats_port}",
+            "PROGRESS_CHECK_INTERVAL": self.size.check_interval,
+            **{f"PROGRESS_POD_{i + 1}": f"127.0.0.1:{port}" for i, port in enumerate(self.ports)},
+        }
+        log = open(self.base / "haproxy.log", "ab")  # the child process keeps it open
+        command = [str(debian.program(debian.HAPROXY, "haproxy")), "-db", "-f", str(HAPROXY_CONFIG)]
+        self.balancer = subprocess.Popen(command, env=env, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+
+    def wait_in_rotation(self, i: int, timeout_s: float = 30) -> None:
+        """Until HAProxy's stats say pod i is UP (its `rise` checks passed): it is sent requests again."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.balancer is not None and self.balancer.poll() is None, f"HAProxy died; see {self.base}"
+            try:
+                stats = httpx.get(f"http://127.0.0.1:{self.stats_port}/stats;csv", timeout=1).text
+            except httpx.HTTPError:
+                stats = ""
+            rows = csv.DictReader(stats.removeprefix("# ").splitlines())
+            if any(
+                row["pxname"] == "pods" and row["svname"] == f"pod{i + 1}" and row["status"] == "UP" for row in rows
+            ):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"HAProxy never took pod {i + 1} back; see {self.base}/haproxy.log")
 
     async def _prepare(self, size: Size) -> None:
         await embedded.prepare_database(self.database_url, seed=False)
@@ -131,6 +210,7 @@ class Cluster:
             EMAIL_PUBLISHER="redis-stream",
             # a round every few hundred ms is a compressed rhythm, far above the app's 5 s cadence
             RATE_LIMIT_PER_USER_PER_SECOND="0",
+            SHUTDOWN_DRAIN_SECONDS=str(self.size.drain_s),
         )
         log = open(self.base / f"service-{i}.log", "ab")  # the child process keeps it open
         self.services[i] = subprocess.Popen(
@@ -154,7 +234,17 @@ class Cluster:
             process.kill()
             process.wait()
 
+    def stop_service(self, i: int, timeout_s: float = 60) -> int:
+        """SIGTERM, as an orchestrator stops a pod; its exit code once it has drained and made its final flush."""
+        process = self.services[i]
+        assert process is not None
+        process.send_signal(signal.SIGTERM)
+        return process.wait(timeout=timeout_s)
+
     def stop(self) -> None:
+        if self.balancer is not None:
+            self.balancer.terminate()
+            self.balancer.wait(timeout=10)
         for process in self.services:
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -168,9 +258,10 @@ class Cluster:
         self.redis.stop()
 
 
-def _inject(cluster: Cluster, scenario: str, size: Size, load: subprocess.Popen[bytes], faults: list[str]) -> None:
+def _inject(cluster: Cluster, scenario: str, size: Size, load: subprocess.Popen[bytes], report: Report) -> None:
     """Runs in the orchestrator while the load process runs."""
     rng = random.Random()
+    faults = report.faults
     time.sleep(1.5)
     if scenario == "sigkill":
         while load.poll() is None:
@@ -188,6 +279,25 @@ def _inject(cluster: Cluster, scenario: str, size: Size, load: subprocess.Popen[
         faults.append(f"{server.name} stopped for {size.outage_s:g}s")
         time.sleep(size.outage_s)
         server.start()
+    elif scenario == FLEET:
+        _roll(cluster, size, load, report)
+        load.send_signal(signal.SIGTERM)  # the load ends with the round in hand
+
+
+def _roll(cluster: Cluster, size: Size, load: subprocess.Popen[bytes], report: Report) -> None:
+    """Rolling restarts, under load: each pod in turn stopped as an orchestrator stops it, started, back in rotation."""
+    for roll in range(1, size.rolls + 1):
+        for i in range(len(cluster.ports)):
+            if load.poll() is not None:
+                raise RuntimeError("the load ended before the rolls: raise Size.rounds")
+            signalled = time.monotonic()
+            report.exit_codes.append(cluster.stop_service(i))
+            report.stop_s.append(round(time.monotonic() - signalled, 2))
+            started = time.monotonic()
+            cluster.start_service(i)
+            cluster.wait_in_rotation(i)
+            report.back_s.append(round(time.monotonic() - started, 2))
+            report.faults.append(f"roll {roll}: pod {i + 1} exited {report.exit_codes[-1]}, back in rotation")
 
 
 async def _drained(cluster: Cluster, timeout_s: float = 90) -> None:
@@ -220,12 +330,12 @@ async def _verify(cluster: Cluster, ledger: dict[str, object], size: Size, repor
     }
     await conn.close()
     crossing = {tuple(k) for k in ledger["crossing"]}  # type: ignore[attr-defined]
-    crossing_round = size.rounds // 2
+    crossing_round, rounds = size.crossing_round, int(ledger["rounds"])  # type: ignore[call-overload]
     for lesson, user, acked_round in ledger["last_acked"]:  # type: ignore[attr-defined]
         key = (lesson, user)
         allowed = {
             position(key, r, crossing=key in crossing, crossing_round=crossing_round)
-            for r in range(acked_round, size.rounds)
+            for r in range(acked_round, rounds)
         }
         row = rows.get(key)
         if row is None or row["position"] not in allowed:
@@ -247,11 +357,11 @@ async def _verify(cluster: Cluster, ledger: dict[str, object], size: Size, repor
 
 def run_scenario(scenario: str, size: Size, base: Path, log: Callable[[str], None] = print) -> Report:
     base.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(base)
+    cluster = Cluster(base, size)
     report = Report(scenario, size.keys)
     try:
         log(f"[{scenario}] starting Valkey, Postgres and {len(cluster.ports)} service processes")
-        cluster.start(size)
+        cluster.start()
         ledger_path = base / "ledger.json"
         load = subprocess.Popen(
             [
@@ -259,7 +369,7 @@ def run_scenario(scenario: str, size: Size, base: Path, log: Callable[[str], Non
                 "-m",
                 "tests.faults.loadgen",
                 "--ports",
-                ",".join(map(str, cluster.ports)),
+                ",".join(map(str, cluster.load_ports)),
                 "--users",
                 str(size.users),
                 "--lessons",
@@ -269,7 +379,7 @@ def run_scenario(scenario: str, size: Size, base: Path, log: Callable[[str], Non
                 "--crossing",
                 str(size.crossing),
                 "--crossing-round",
-                str(size.rounds // 2),
+                str(size.crossing_round),
                 "--min-round-s",
                 str(size.min_round_s),
                 "--secret",
@@ -279,7 +389,7 @@ def run_scenario(scenario: str, size: Size, base: Path, log: Callable[[str], Non
             ],
             stdout=open(base / "load.log", "wb"),
         )
-        _inject(cluster, scenario, size, load, report.faults)
+        _inject(cluster, scenario, size, load, report)
         if load.wait(timeout=900) != 0:
             raise RuntimeError(f"load generator failed; see {base}/load.log")
         for i, process in enumerate(cluster.services):  # a victim of the last kill may still be starting
@@ -287,11 +397,14 @@ def run_scenario(scenario: str, size: Size, base: Path, log: Callable[[str], Non
                 cluster.start_service(i)
             cluster.wait_ready(i)
         ledger = json.loads(ledger_path.read_text())
-        for name in ("sent", "acknowledged", "refused_503", "no_answer"):
+        for name in ("sent", "acknowledged", "refused_503", "no_answer", "other", "rounds", "latency_ms"):
             setattr(report, name, ledger[name])
         report.load_s = ledger["elapsed_s"]
         log(f"[{scenario}] load done: {ledger['sent']} sent, {ledger['acknowledged']} acknowledged; draining")
-        asyncio.run(_drained(cluster))
+        if scenario == FLEET:
+            # the pods' final flushes write what the last interval left (and exit 0, as the rolled ones did)
+            report.exit_codes += [cluster.stop_service(i) for i in range(len(cluster.ports))]
+        asyncio.run(_drained(cluster, timeout_s=5 if scenario == FLEET else 90))
         asyncio.run(_verify(cluster, ledger, size, report))
     finally:
         cluster.stop()
@@ -302,13 +415,25 @@ def run_scenario(scenario: str, size: Size, base: Path, log: Callable[[str], Non
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--short", action="store_true")
-    parser.add_argument("--scenario", choices=SCENARIOS, action="append")
+    parser.add_argument("--scenario", choices=(*SCENARIOS, FLEET), action="append", help="default: all but rolling")
+    parser.add_argument("--users", type=int, help="users of the load (default: the size's)")
+    parser.add_argument("--rolls", type=int, help="rolling: restarts of every pod (default: the size's)")
+    parser.add_argument("--drain-seconds", type=float, help="the pods' SHUTDOWN_DRAIN_SECONDS (default: the size's)")
+    parser.add_argument("--json", action="store_true", help="each report as one JSON line on stdout, the log on stderr")
     args = parser.parse_args()
-    size = SHORT if args.short else LONG
     reports = []
     with tempfile.TemporaryDirectory(prefix="fault-suite-") as tmp:
         for scenario in args.scenario or SCENARIOS:
-            reports.append(run_scenario(scenario, size, Path(tmp) / scenario))
+            size = (FLEET_SHORT if args.short else FLEET_LONG) if scenario == FLEET else SHORT if args.short else LONG
+            size = replace(size, users=args.users or size.users, rolls=args.rolls or size.rolls)
+            if args.drain_seconds is not None:
+                size = replace(size, drain_s=args.drain_seconds)
+            log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+            reports.append(run_scenario(scenario, size, Path(tmp) / scenario, log=log))
+    if args.json:
+        for r in reports:
+            print(json.dumps({**asdict(r), "ok": r.ok()}), flush=True)
+        return 0 if all(r.ok() for r in reports) else 1
     print("\nscenario         keys   sent    acked   503   no-answer  persisted  lost  events  dup  faults")
     for r in reports:
         print(
