@@ -13,6 +13,11 @@ a connection closed under them (502/503, or an EOF in the client). A pod stopped
 
 SIGINT (Ctrl-C) skips the drain, and cuts one short. With `--workers N`, uvicorn's supervisor sends SIGTERM to
 every worker when it gets one: each drains, all at the same time.
+
+uvicorn has no such delay (its open pull request #2414, "delayed shutdown", would give one; drop this then).
+What this takes from uvicorn's internals (Server.handle_exit/on_tick, the headers of its config and server
+state, the lifespan's state, the supervisor's `Process`) is held in place by tests/api/test_uvicorn_internals.py,
+and uvicorn is pinned below its next minor.
 """
 
 import logging

@@ -1,8 +1,10 @@
-"""What service/api/http_limits.py takes from uvicorn's httptools protocol is still there, as it expects."""
+"""What service/api/http_limits.py and service/serving.py take from uvicorn's internals is still there."""
 
 import inspect
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.supervisors import multiprocess
 
 from service.api.http_limits import LimitedHttpToolsProtocol
 
@@ -26,3 +28,20 @@ def test_the_head_is_still_collected_where_the_limits_read_it() -> None:
     for collected in ("self.url = ", "self.headers = ", "self.headers.append", "self.loop", "self.transport"):
         assert collected in source, collected
     assert "self.parser.feed_data(data)" in inspect.getsource(HttpToolsProtocol.data_received)
+
+
+def test_the_server_hooks_and_state_the_drain_uses_keep_their_shape() -> None:
+    assert list(inspect.signature(uvicorn.Server.handle_exit).parameters) == ["self", "sig", "frame"]
+    assert list(inspect.signature(uvicorn.Server.on_tick).parameters) == ["self", "counter"]
+    assert "await self.on_tick(counter)" in inspect.getsource(uvicorn.Server.main_loop)
+    server = uvicorn.Server(uvicorn.Config("service.app:app_from_environment", factory=True))
+    assert isinstance(server.server_state.default_headers, list)
+    assert "self.lifespan = config.lifespan_class(config)" in inspect.getsource(uvicorn.Server.startup)
+    assert "self.encoded_headers = " in inspect.getsource(uvicorn.Config.load)
+
+
+def test_the_supervisor_still_makes_its_workers_from_its_modules_process_class() -> None:
+    assert "Process(" in inspect.getsource(multiprocess.Multiprocess)
+    # a worker serves with `self.server`, a property made once from `_server`: _DrainingWorker overrides it
+    assert isinstance(inspect.getattr_static(multiprocess.Process, "server"), property)
+    assert "self.server.run(sockets)" in inspect.getsource(multiprocess.Process.target)
