@@ -36,7 +36,7 @@ def test_the_server_hooks_and_state_the_drain_uses_keep_their_shape() -> None:
     assert "await self.on_tick(counter)" in inspect.getsource(uvicorn.Server.main_loop)
     server = uvicorn.Server(uvicorn.Config("service.app:app_from_environment", factory=True))
     assert isinstance(server.server_state.default_headers, list)
-    assert "self.lifespan = config.lifespan_class(config)" in inspect.getsource(uvicorn.Server.startup)
+    assert "self.lifespan = config.lifespan_class(config)" in inspect.getsource(uvicorn.Server)
     assert "self.encoded_headers = " in inspect.getsource(uvicorn.Config.load)
 
 
