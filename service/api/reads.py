@@ -20,9 +20,8 @@ from service.api.ratelimit import RateLimiter
 from service.api.sync import SYNC_ROUTE
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator
-from service.progress.content import MAX_ID, ContentKind
-from service.progress.reads import EPOCH, Progress, ProgressReader, ReadsWaiting
-from service.progress.sync import KIND_BY_NAME
+from service.progress.content import EPOCH, KIND_BY_NAME, MAX_ID, ContentKind
+from service.progress.reads import Progress, ProgressReader, ReadsWaiting
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
 log = logging.getLogger(__name__)

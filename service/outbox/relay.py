@@ -50,12 +50,12 @@ class Route:
 class RelayResult:
     published: dict[str, int] = field(default_factory=dict)  # by outbox
     republished: dict[str, int] = field(default_factory=dict)
-    failed: dict[str, int] = field(default_factory=dict)  # refused for the last time: parked
+    parked: dict[str, int] = field(default_factory=dict)  # refused for the last time
     broker_unavailable: str | None = None
     retried: dict[str, int] = field(default_factory=dict)  # refused, retried after a backoff
 
     def did_something(self) -> bool:
-        return any(self.published.values()) or any(self.failed.values()) or any(self.retried.values())
+        return any(self.published.values()) or any(self.parked.values()) or any(self.retried.values())
 
 
 class Relay:
@@ -101,7 +101,7 @@ class Relay:
             name = route.outbox.name
             result.published.setdefault(name, 0)
             result.republished.setdefault(name, 0)
-            result.failed.setdefault(name, 0)
+            result.parked.setdefault(name, 0)
             result.retried.setdefault(name, 0)
             # once the broker is known down, the other outboxes only report their lag
             try:
@@ -109,7 +109,7 @@ class Relay:
                     await self._drain(route, result, stop)
             finally:
                 # the lag must show even when the pass failed: it is what the alert watches
-                changed = bool(result.published[name] or result.retried[name] or result.failed[name])
+                changed = bool(result.published[name] or result.retried[name] or result.parked[name])
                 with contextlib.suppress(*POSTGRES_FAILED):
                     await self._report_counts(route.outbox, changed=changed)
         return result
@@ -171,7 +171,7 @@ class Relay:
         retried = len(sent.refused) - len(parked)
         result.published[name] += len(sent.sent)
         result.republished[name] += republished
-        result.failed[name] += len(parked)
+        result.parked[name] += len(parked)
         result.retried[name] += retried
         metrics.OUTBOX_PUBLISHED.labels(name).inc(len(sent.sent))
         metrics.OUTBOX_REPUBLISHED.labels(name).inc(republished)
@@ -298,7 +298,7 @@ class Relay:
                 counts_text(result.published),
                 counts_text(result.republished),
                 counts_text(result.retried),
-                counts_text(result.failed),
+                counts_text(result.parked),
                 extra={"count": sum(result.published.values())},
             )
         return True

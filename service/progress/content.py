@@ -1,6 +1,7 @@
 """The four kinds of content that send heartbeats: their routes, bodies and tables, in one place."""
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -67,3 +68,7 @@ CONTENT_KINDS: tuple[ContentKind, ...] = (
                 "lives_live", "lives_liveprogress", "live_id"),
 )  # fmt: skip
 KIND_BY_PATH = {kind.path: kind for kind in CONTENT_KINDS}
+KIND_BY_NAME = {kind.name: kind for kind in CONTENT_KINDS}
+
+# receive times, listened_at and completion dates are counted from here (ms and µs since the epoch, UTC)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from functools import partial
 from typing import TypeAlias
 
@@ -28,11 +28,10 @@ from redis.exceptions import RedisError
 from service.postgres import fetch_stateless
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.buffer import decode_value
-from service.progress.content import CONTENT_KINDS, ContentKind
+from service.progress.content import CONTENT_KINDS, EPOCH, ContentKind
 from service.progress.keys import STANDALONE, KeyLayout
 from service.redis_client import RedisClient, get_many
 
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _ONE_US = timedelta(microseconds=1)
 
 # Plain tuples, not NamedTuples: a read of 100 ids builds 100 of each, and a NamedTuple's __new__ costs

@@ -34,7 +34,15 @@ import msgspec
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
 from service.progress.buffer import PositionWriter
-from service.progress.content import CONTENT_KINDS, MAX_ID, MAX_POSITION_S, ContentId, ContentKind, Position
+from service.progress.content import (
+    CONTENT_KINDS,
+    KIND_BY_NAME,
+    MAX_ID,
+    MAX_POSITION_S,
+    ContentId,
+    ContentKind,
+    Position,
+)
 from service.progress.reads import MAX_WAIT_S, StoredRows, as_ms, decode_values, fetch_rows
 
 SYNC_MAX_ITEMS = 500
@@ -43,7 +51,6 @@ SYNC_MAX_WAIT_S = MAX_WAIT_S
 
 ContentType = Literal["lesson", "audio", "meditation", "live"]
 assert set(get_args(ContentType)) == {kind.name for kind in CONTENT_KINDS}
-KIND_BY_NAME = {kind.name: kind for kind in CONTENT_KINDS}
 
 SUPERSEDED = "superseded by a later item for the same content in this request"
 OLDER_THAN_STORED = "older than the stored position"

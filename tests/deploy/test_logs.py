@@ -144,7 +144,7 @@ async def test_a_parked_outbox_row_is_logged_with_its_outbox_and_row_id(
 
     result = await relay.relay_once()
 
-    assert result.failed == {"completion": 1}
+    assert result.parked == {"completion": 1}
     lines = [json.loads(line) for line in captured.getvalue().splitlines()]
     (parked,) = [line for line in lines if line["logger"] == "service.outbox.relay" and line["level"] == "ERROR"]
     assert (parked["outbox"], parked["row_id"]) == ("completion", row_id)

@@ -68,7 +68,7 @@ async def test_parked_rows_are_listed_then_re_driven_once_each_with_their_task_i
         "OUTBOX_MAX_ATTEMPTS": "1",
     }
     code, summary = await relay_once(servers, broker, **refused)
-    assert code == 0 and summary is not None and summary["failed"]["completion"] == 5
+    assert code == 0 and summary is not None and summary["parked"]["completion"] == 5
     dispatch_id = await park_one_email(db, 1000)
 
     rows = await listed(servers, broker)

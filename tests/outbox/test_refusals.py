@@ -189,7 +189,7 @@ async def test_a_refused_message_is_retried_with_a_doubling_backoff_and_parked_o
 
     try:
         first = await relay.relay_once()
-        assert (first.retried, first.failed) == ({"completion": 3}, {"completion": 0})
+        assert (first.retried, first.parked) == ({"completion": 3}, {"completion": 0})
         after_first = await rows()
         assert [row["publish_attempts"] for row in after_first] == [1, 1, 1]
         assert all(row["publish_failed_at"] is None for row in after_first)
@@ -197,25 +197,25 @@ async def test_a_refused_message_is_retried_with_a_doubling_backoff_and_parked_o
         assert all(0.3 < row["backoff_s"] <= 0.5 for row in after_first)  # the first backoff
 
         waiting = await relay.relay_once()  # within the backoff: nothing is claimed
-        assert (waiting.retried, waiting.failed) == ({"completion": 0}, {"completion": 0})
+        assert (waiting.retried, waiting.parked) == ({"completion": 0}, {"completion": 0})
 
         await asyncio.sleep(0.6)
         second = await relay.relay_once()
-        assert (second.retried, second.failed) == ({"completion": 3}, {"completion": 0})
+        assert (second.retried, second.parked) == ({"completion": 3}, {"completion": 0})
         after_second = await rows()
         assert [row["publish_attempts"] for row in after_second] == [2, 2, 2]
         assert all(0.8 < row["backoff_s"] <= 1.0 for row in after_second)  # doubled
 
         await asyncio.sleep(1.1)
         third = await relay.relay_once()
-        assert (third.retried, third.failed) == ({"completion": 0}, {"completion": 3})
+        assert (third.retried, third.parked) == ({"completion": 0}, {"completion": 3})
         parked = await rows()
         assert all(row["publish_failed_at"] is not None and row["backoff_s"] is None for row in parked)
         assert all(row["published_at"] is None and row["publish_attempts"] == 3 for row in parked)
 
         await asyncio.sleep(0.1)
         after = await relay.relay_once()  # parked rows are never claimed again
-        assert (after.retried, after.failed, after.published) == ({"completion": 0},) * 3
+        assert (after.retried, after.parked, after.published) == ({"completion": 0},) * 3
     finally:
         await asyncio.to_thread(publisher.close)
 

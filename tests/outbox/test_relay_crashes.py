@@ -91,8 +91,8 @@ async def test_a_message_the_broker_refuses_for_good_is_parked_and_counted_once_
     first = await relay_once(servers, broker, **refused)
     again = await relay_once(servers, broker, **refused)
 
-    assert first[0] == 0 and first[1] is not None and first[1]["failed"]["completion"] == 3, first
-    assert again[0] == 0 and again[1] is not None and again[1]["failed"]["completion"] == 0
+    assert first[0] == 0 and first[1] is not None and first[1]["parked"]["completion"] == 3, first
+    assert again[0] == 0 and again[1] is not None and again[1]["parked"]["completion"] == 0
     rows = await db.fetch("SELECT published_at, publish_failed_at, publish_error FROM progress_completion_event")
     assert all(row["published_at"] is None and row["publish_failed_at"] is not None for row in rows)
     assert all("NOPERM" in row["publish_error"] or "permission" in row["publish_error"].lower() for row in rows)

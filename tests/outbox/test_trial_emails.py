@@ -223,7 +223,7 @@ async def test_an_email_the_broker_refuses_is_not_marked_published_and_the_relay
         EMAIL_TASK_QUEUE="forbidden",
         OUTBOX_MAX_ATTEMPTS="2",
     )
-    assert code == 0 and summary is not None and summary["failed"]["email"] == 2
+    assert code == 0 and summary is not None and summary["parked"]["email"] == 2
     parked = await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE publish_failed_at IS NOT NULL")
     assert parked == 2 and await executions.count() == 0
 

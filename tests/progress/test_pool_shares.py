@@ -11,9 +11,8 @@ from service.app import build_flusher, create_app
 from service.auth import make_token
 from service.config import READ_LANES, ConfigError, Settings
 from service.progress.buffer import receive_ms
-from service.progress.content import CONTENT_KINDS
+from service.progress.content import CONTENT_KINDS, KIND_BY_NAME
 from service.progress.store import Heartbeat
-from service.progress.sync import KIND_BY_NAME
 from tests.helpers import ago, auth, running_app, seed, sync_item, table_locked, wait_for, waiting_on_lock
 
 SYNC_SHARE = 2  # SYNC_MAX_CONCURRENCY's default
