@@ -156,17 +156,16 @@ class Settings(BaseSettings):
             # a lease shorter than a publish would let a second relay republish a batch in flight
             raise ValueError("RELAY_LEASE_SECONDS must be > CELERY_PUBLISH_TIMEOUT_SECONDS")
         # A pending value has no TTL; its TTL starts once it is flushed. During a rolling deploy the pods of
-        # an older release still write values that expire from their write, and a pod killed holding them
-        # gives them back only after its lease: a TTL within the lease, or within two flush cycles, would
-        # lose them.
-        floor_s = max(self.progress_flush_lease_seconds, 2 * self.progress_flush_interval_seconds)
+        # an older release still write values that expire from their write: such a value waits up to one flush
+        # interval for its claim, and a pod killed holding it gives it back only after its lease.
+        floor_s = max(self.progress_flush_lease_seconds, self.progress_flush_interval_seconds)
         if self.progress_position_ttl_seconds < floor_s:
             raise ValueError(
                 f"PROGRESS_POSITION_TTL_SECONDS ({self.progress_position_ttl_seconds}) must be at least "
-                f"PROGRESS_FLUSH_LEASE_SECONDS ({self.progress_flush_lease_seconds:g}) and two "
-                f"PROGRESS_FLUSH_INTERVAL_SECONDS ({2 * self.progress_flush_interval_seconds:g}): a position "
-                "buffered under a shorter TTL (by a pod of an older release) expires before a flusher that "
-                "died holding it is replaced"
+                f"PROGRESS_FLUSH_LEASE_SECONDS ({self.progress_flush_lease_seconds:g}) and "
+                f"PROGRESS_FLUSH_INTERVAL_SECONDS ({self.progress_flush_interval_seconds:g}): a position "
+                "buffered under a shorter TTL (by a pod of an older release) would expire before a flush "
+                "reached it, or before a flusher that died holding it is replaced"
             )
         return self
 

@@ -27,7 +27,7 @@ from tests.helpers import TEST_JWT_SECRET, Servers, auth, clean_environment, see
 
 pytestmark = pytest.mark.slow  # runs the image's command as a process
 
-HEARTBEATS = 30
+HEARTBEATS = 60  # one log line each would be 60; start, drain and stop take about 15
 IMAGE_VENV = "/opt/venv/bin"
 
 

@@ -301,8 +301,8 @@ async def test_expired_leases_are_counted_whatever_the_drains(
 def test_a_ttl_within_the_lease_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match=r"PROGRESS_POSITION_TTL_SECONDS .* PROGRESS_FLUSH_LEASE_SECONDS"):
         Settings(jwt_secret="x" * 32, progress_position_ttl_seconds=60, progress_flush_lease_seconds=120)
-    with pytest.raises(ValueError, match="two PROGRESS_FLUSH_INTERVAL_SECONDS"):
-        Settings(jwt_secret="x" * 32, progress_position_ttl_seconds=100, progress_flush_interval_seconds=60)
+    with pytest.raises(ValueError, match="and PROGRESS_FLUSH_INTERVAL_SECONDS"):
+        Settings(jwt_secret="x" * 32, progress_position_ttl_seconds=200, progress_flush_interval_seconds=300)
     assert Settings(jwt_secret="x" * 32, progress_position_ttl_seconds=120, progress_flush_lease_seconds=120)
 
 
