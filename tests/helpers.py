@@ -31,6 +31,7 @@ from service.app import create_app
 from service.auth import make_token
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, receive_ms, write_args
+from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import STANDALONE, KeyLayout
 from service.redis_client import RedisClient
 
@@ -261,19 +262,28 @@ async def assert_all_persisted(
 
 
 class RowsWatch:
-    """Samples the lesson progress rows; a row whose (updated_at, position) ever went back is recorded."""
+    """Samples the progress rows of one content type (lessons unless told); a row whose (updated_at, position) ever
+    went back is recorded, and so is every change, with the wall-clock time of the sample that first saw it."""
 
-    def __init__(self, db: asyncpg.Pool) -> None:
+    def __init__(self, db: asyncpg.Pool | asyncpg.Connection, kind: ContentKind = CONTENT_KINDS[0]) -> None:
         self.db = db
+        self.kind = kind
         self.seen: dict[tuple[int, int], tuple[float, float]] = {}  # key -> (updated_at, position) last sampled
         self.moved_back: list[tuple[tuple[int, int], tuple[float, float], tuple[float, float]]] = []
+        # key -> (sampled at, updated_at, position) of each change seen: the time is taken before the query, whose
+        # snapshot already held the change
+        self.changes: dict[tuple[int, int], list[tuple[float, float, float]]] = {}
 
     async def sample(self) -> None:
-        query = "SELECT lesson_id, user_id, position, updated_at FROM engagements_lessonprogress"
+        query = f"SELECT {self.kind.id_column}, user_id, position, updated_at FROM {self.kind.progress_table}"
+        sampled_at = time.time()
         for row in await self.db.fetch(query):
-            key, now = (row["lesson_id"], row["user_id"]), (row["updated_at"].timestamp(), row["position"])
-            if key in self.seen and now < self.seen[key]:
-                self.moved_back.append((key, self.seen[key], now))
+            key, now = (row[0], row["user_id"]), (row["updated_at"].timestamp(), row["position"])
+            before = self.seen.get(key)
+            if before is not None and now < before:
+                self.moved_back.append((key, before, now))
+            if now != before:
+                self.changes.setdefault(key, []).append((sampled_at, *now))
             self.seen[key] = now
 
 

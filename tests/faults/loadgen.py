@@ -14,6 +14,7 @@ import random
 import signal
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import jwt
 
@@ -31,47 +32,64 @@ def position(key: tuple[int, int], round_: int, *, crossing: bool, crossing_roun
     return 100 + tag
 
 
-class Client:
-    """A keep-alive HTTP/1.1 connection per port; reconnects after any error."""
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int  # 0: no answer (refused, reset, timed out): not acknowledged
+    headers: dict[bytes, bytes] = field(default_factory=dict)  # names lower-cased
+    body: bytes = b""
 
-    def __init__(self, ports: list[int]) -> None:
+
+class Client:
+    """A keep-alive HTTP/1.1 connection per port; reconnects after any error, or after a `Connection: close`."""
+
+    def __init__(self, ports: list[int], timeout_s: float = 10.0) -> None:
         self.ports = ports
+        self.timeout_s = timeout_s
         self.streams: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
 
-    async def post(self, port: int, token: str, body: bytes) -> int:
-        try:
-            if port not in self.streams:
-                self.streams[port] = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
-            reader, writer = self.streams[port]
-            writer.write(
-                b"POST "
-                + PATH
-                + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
-                + token.encode()
-                + b"\r\nContent-Type: application/json\r\nContent-Length: "
-                + str(len(body)).encode()
-                + b"\r\n\r\n"
-                + body
-            )
-            async with asyncio.timeout(10):
-                status = int((await reader.readline()).split()[1])
-                length, close = 0, False
-                while (line := await reader.readline()) not in (b"\r\n", b""):
-                    name, _, value = line.partition(b":")
-                    name = name.strip().lower()
-                    if name == b"content-length":
-                        length = int(value)
-                    elif name == b"connection":
-                        close = b"close" in value.lower()
-                await reader.readexactly(length)
-            if close:  # the server closes it after this answer (a draining pod): the next request opens another
-                self.streams.pop(port)[1].close()
-            return status
-        except (OSError, TimeoutError, IndexError, ValueError, asyncio.IncompleteReadError):
-            dropped = self.streams.pop(port, None)
-            if dropped is not None:
-                dropped[1].close()
-            return 0  # no answer: not acknowledged
+    async def request(self, port: int, method: bytes, path: bytes, token: str, body: bytes = b"") -> Answer:
+        """One request and its answer. A kept-alive connection the server closed while it was idle (no byte of an
+        answer) is replaced and the request sent again on a new one, as HTTP clients do."""
+        for attempt in (1, 2):
+            reused = port in self.streams
+            try:
+                if not reused:
+                    self.streams[port] = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
+                reader, writer = self.streams[port]
+                writer.write(
+                    method
+                    + b" "
+                    + path
+                    + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+                    + token.encode()
+                    + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body
+                )
+                async with asyncio.timeout(self.timeout_s):
+                    status_line = await reader.readline()
+                    if not status_line and reused and attempt == 1:
+                        self._drop(port)
+                        continue
+                    status = int(status_line.split()[1])
+                    headers = {}
+                    while (line := await reader.readline()) not in (b"\r\n", b""):
+                        name, _, value = line.partition(b":")
+                        headers[name.strip().lower()] = value.strip()
+                    answer = Answer(status, headers, await reader.readexactly(int(headers.get(b"content-length", 0))))
+                if headers.get(b"connection") == b"close":
+                    self._drop(port)
+                return answer
+            except (OSError, TimeoutError, IndexError, ValueError, asyncio.IncompleteReadError):
+                self._drop(port)
+                return Answer(0)
+        return Answer(0)
+
+    def _drop(self, port: int) -> None:
+        dropped = self.streams.pop(port, None)
+        if dropped is not None:
+            dropped[1].close()
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
@@ -100,7 +118,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 }
             ).encode()
             sent_at = time.perf_counter()
-            status = await client.post(ports[i % len(ports)], tokens[key[1]], body)
+            status = (await client.request(ports[i % len(ports)], b"POST", PATH, tokens[key[1]], body)).status
             latencies_ms.append((time.perf_counter() - sent_at) * 1000)
             counts["sent"] += 1
             if status == 201:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -36,7 +36,7 @@ from redis.asyncio import Redis
 from service import embedded
 from tests import debian
 from tests.faults.loadgen import DURATION_S, position
-from tests.helpers import clean_environment
+from tests.helpers import clean_environment, seed
 
 SECRET = "fault-suite-secret-0123456789abcdef0123"
 SCENARIOS = ("steady", "sigkill", "redis_outage", "postgres_outage")
@@ -116,13 +116,27 @@ class Report:
 
 
 class Cluster:
-    """Valkey, Postgres and N `progress-service serve` processes on loopback; with `size.rolls`, HAProxy in front."""
+    """Valkey, Postgres and N `progress-service serve` processes on loopback; with `size.rolls`, HAProxy in front;
+    with `broker`, a Valkey of its own as the monolith's Celery broker and the outbox relay on in every process.
 
-    def __init__(self, base: Path, size: Size, processes: int = 3) -> None:
+    `env` is added to (and overrides) the settings every process starts with.
+    """
+
+    def __init__(
+        self,
+        base: Path,
+        processes: int = 3,
+        *,
+        size: Size | None = None,
+        env: Mapping[str, str] | None = None,
+        broker: bool = False,
+    ) -> None:
         self.base = base
         self.size = size
         self.redis = embedded.EmbeddedRedis(base / "valkey", None)
         self.postgres = embedded.EmbeddedPostgres(base / "postgres", None, durable=False)
+        self.broker = embedded.EmbeddedRedis(base / "broker", None) if broker else None
+        self.env = dict(env or {})
         self.ports = [embedded.free_port() for _ in range(processes)]
         self.services: list[subprocess.Popen[bytes] | None] = [None] * processes
         self.balancer: subprocess.Popen[bytes] | None = None
@@ -132,16 +146,19 @@ class Cluster:
     def database_url(self) -> str:
         return self.postgres.url("progress")
 
-    def start(self) -> None:
+    def start(self, *, users: int, contents: int, setup_sql: Sequence[str] = ()) -> None:
+        """The servers, users 1..users and contents 1..contents of every type, `setup_sql`, then every process."""
         self.redis.start()
         self.postgres.start()
+        if self.broker is not None:
+            self.broker.start()
         self.postgres.create_database("progress")
-        asyncio.run(self._prepare(self.size))
+        asyncio.run(self._prepare(users, contents, setup_sql))
         for i in range(len(self.ports)):
             self.start_service(i)
         for i in range(len(self.ports)):
             self.wait_ready(i)
-        if self.size.rolls:
+        if self.size is not None and self.size.rolls:
             self.start_balancer()
             for i in range(len(self.ports)):
                 self.wait_in_rotation(i)
@@ -151,6 +168,7 @@ class Cluster:
         return [self.front_port] if self.balancer is not None else self.ports
 
     def start_balancer(self) -> None:
+        assert self.size is not None
         assert len(self.ports) == 3, "deploy/haproxy/haproxy.cfg names three pods"
         self.front_port, self.stats_port = embedded.free_port(), embedded.free_port()
         env = {
@@ -181,18 +199,15 @@ class Cluster:
             time.sleep(0.1)
         raise RuntimeError(f"HAProxy never took pod {i + 1} back; see {self.base}/haproxy.log")
 
-    async def _prepare(self, size: Size) -> None:
+    async def _prepare(self, users: int, contents: int, setup_sql: Sequence[str]) -> None:
         await embedded.prepare_database(self.database_url, seed=False)
-        conn = await asyncpg.connect(self.database_url)
-        await conn.execute(
-            "INSERT INTO users_user (id, email) SELECT i, 'u' || i FROM generate_series(1, $1) i", size.users
-        )
-        await conn.execute(
-            "INSERT INTO courses_lesson (id, title, duration) SELECT i, 'l' || i, $2 FROM generate_series(1, $1) i",
-            size.lessons,
-            DURATION_S,
-        )
-        await conn.close()
+        pool = await asyncpg.create_pool(self.database_url, min_size=1, max_size=1)
+        try:
+            await seed(pool, users=users, contents=contents, duration_s=DURATION_S)
+            for statement in setup_sql:
+                await pool.execute(statement)
+        finally:
+            await pool.close()
 
     def start_service(self, i: int) -> None:
         env = clean_environment()
@@ -205,13 +220,17 @@ class Cluster:
             PROGRESS_FLUSH_LEASE_SECONDS="3",
             PROGRESS_SHUTDOWN_TIMEOUT_SECONDS="5",
             DEGRADED_REDIS_RETRY_SECONDS="0.5",
-            # delivery to the monolith has its own tests (tests/outbox); here it stays off
+            # delivery to the monolith has its own tests (tests/outbox); here it stays off, unless there is a broker
             RELAY_ENABLED="false",
             EMAIL_PUBLISHER="redis-stream",
             # a round every few hundred ms is a compressed rhythm, far above the app's 5 s cadence
             RATE_LIMIT_PER_USER_PER_SECOND="0",
-            SHUTDOWN_DRAIN_SECONDS=str(self.size.drain_s),
         )
+        if self.size is not None:
+            env.update(SHUTDOWN_DRAIN_SECONDS=str(self.size.drain_s))
+        if self.broker is not None:
+            env.update(RELAY_ENABLED="true", CELERY_BROKER_URL=self.broker.url)
+        env.update(self.env)
         log = open(self.base / f"service-{i}.log", "ab")  # the child process keeps it open
         self.services[i] = subprocess.Popen(
             [sys.executable, "-m", "service", "serve", "--port", str(self.ports[i])], env=env, stdout=log, stderr=log
@@ -241,21 +260,35 @@ class Cluster:
         process.send_signal(signal.SIGTERM)
         return process.wait(timeout=timeout_s)
 
+    def terminate_services(self, indices: Sequence[int], timeout_s: float = 30) -> dict[int, float]:
+        """SIGTERM to each running process of `indices` at once; the seconds each took to exit (SIGKILL past
+        `timeout_s`: then its time is `inf`)."""
+        signalled = {}
+        for i in indices:
+            process = self.services[i]
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                signalled[i] = (process, time.monotonic())
+        exit_s = {}
+        for i, (process, sent) in signalled.items():
+            try:
+                process.wait(timeout=max(0.0, sent + timeout_s - time.monotonic()))
+                exit_s[i] = time.monotonic() - sent
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+                exit_s[i] = float("inf")
+        return exit_s
+
     def stop(self) -> None:
         if self.balancer is not None:
             self.balancer.terminate()
             self.balancer.wait(timeout=10)
-        for process in self.services:
-            if process is not None and process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.services:
-            if process is not None:
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+        self.terminate_services(range(len(self.services)))
         self.postgres.stop()
         self.redis.stop()
+        if self.broker is not None:
+            self.broker.stop()
 
 
 def _inject(cluster: Cluster, scenario: str, size: Size, load: subprocess.Popen[bytes], report: Report) -> None:
@@ -300,20 +333,29 @@ def _roll(cluster: Cluster, size: Size, load: subprocess.Popen[bytes], report: R
             report.faults.append(f"roll {roll}: pod {i + 1} exited {report.exit_codes[-1]}, back in rotation")
 
 
-async def _drained(cluster: Cluster, timeout_s: float = 90) -> None:
-    redis = Redis.from_url(cluster.redis.url)
-    deadline = time.monotonic() + timeout_s
+async def backlog_left(redis_url: str) -> int:
+    """Members pending or in flight, over every content type and shard."""
+    redis = Redis.from_url(redis_url)
     try:
-        while time.monotonic() < deadline:
-            backlog = 0
-            for key in await redis.keys("progress:pending_flush:*") + await redis.keys("progress:in_flight:*"):
-                backlog += await (redis.scard(key) if b"pending" in key else redis.zcard(key))
-            if backlog == 0:
-                return
-            await asyncio.sleep(0.5)
-        raise RuntimeError(f"backlog of {backlog} never drained")
+        backlog = 0
+        for key in await redis.keys("progress:pending_flush:*") + await redis.keys("progress:in_flight:*"):
+            backlog += await (redis.scard(key) if b"pending" in key else redis.zcard(key))
+        return backlog
     finally:
         await redis.aclose()
+
+
+async def wait_drained(redis_url: str, timeout_s: float) -> int:
+    """Waits (at most `timeout_s`) for the buffer to be empty; what it still holds then (0: drained)."""
+    deadline = time.monotonic() + timeout_s
+    while (backlog := await backlog_left(redis_url)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    return backlog
+
+
+async def _drained(cluster: Cluster, timeout_s: float = 90) -> None:
+    if backlog := await wait_drained(cluster.redis.url, timeout_s):
+        raise RuntimeError(f"backlog of {backlog} never drained")
 
 
 async def _verify(cluster: Cluster, ledger: dict[str, object], size: Size, report: Report) -> None:
@@ -357,11 +399,11 @@ async def _verify(cluster: Cluster, ledger: dict[str, object], size: Size, repor
 
 def run_scenario(scenario: str, size: Size, base: Path, log: Callable[[str], None] = print) -> Report:
     base.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(base, size)
+    cluster = Cluster(base, size=size)
     report = Report(scenario, size.keys)
     try:
         log(f"[{scenario}] starting Valkey, Postgres and {len(cluster.ports)} service processes")
-        cluster.start()
+        cluster.start(users=size.users, contents=size.lessons)
         ledger_path = base / "ledger.json"
         load = subprocess.Popen(
             [

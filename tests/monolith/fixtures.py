@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -18,6 +19,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+import redis
 
 from service import embedded
 from tests.monolith.worker import CREATE_TABLE_SQL
@@ -39,6 +41,64 @@ class Broker:
 
     def start(self) -> None:
         self.server.start()
+
+
+class BusyBroker:
+    """The broker runs a Lua loop: every other client is answered BUSY until SCRIPT KILL."""
+
+    def __init__(self, broker: Broker) -> None:
+        self._url = broker.url
+        self._thread: threading.Thread | None = None
+        self.script_error: BaseException | None = None
+
+    def __enter__(self) -> "BusyBroker":
+        admin = redis.Redis.from_url(self._url)
+        admin.config_set("busy-reply-threshold", 100)  # ms: BUSY after a tenth of a second
+        admin.close()
+        self._thread = threading.Thread(target=self._run_script, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 5
+        while not self.busy():
+            assert time.monotonic() < deadline, "the broker never answered BUSY"
+            time.sleep(0.05)
+        return self
+
+    def _run_script(self) -> None:
+        client = redis.Redis.from_url(self._url, socket_timeout=30)
+        try:
+            client.eval("while true do end", 0)
+        except redis.ResponseError as exc:  # "Script killed by user"
+            self.script_error = exc
+        finally:
+            client.close()
+
+    def busy(self) -> bool:
+        client = redis.Redis.from_url(self._url, socket_timeout=2)
+        try:
+            client.ping()
+        except redis.ResponseError as exc:
+            return str(exc).startswith("BUSY")
+        finally:
+            client.close()
+        return False
+
+    def __exit__(self, *_: object) -> None:
+        deadline = time.monotonic() + 10
+        while True:
+            client = redis.Redis.from_url(self._url, socket_timeout=2)
+            try:
+                client.script_kill()
+                break
+            except redis.ResponseError:  # the script has not started yet, or is already gone
+                if not self.busy() or time.monotonic() > deadline:
+                    break
+            finally:
+                client.close()
+        assert self._thread is not None
+        self._thread.join(timeout=10)
+        admin = redis.Redis.from_url(self._url)
+        admin.config_set("busy-reply-threshold", 5000)
+        admin.close()
 
 
 def start_worker(

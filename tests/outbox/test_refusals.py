@@ -1,19 +1,17 @@
 """A refusal is not final at once: a busy broker is waited out, a refused message retried with backoff, then parked."""
 
 import asyncio
-import threading
 import time
 
 import asyncpg
 import pytest
-import redis
 from redis.asyncio import Redis
 
 from service.app import build_flusher, build_relay, completion_route
 from service.config import Settings
 from service.outbox.celery_publisher import _broker_reply, publisher_from_settings
 from tests.helpers import add_events, limited_broker_user, metric, post_near_end, running_app, seed
-from tests.monolith.fixtures import Broker, Executions
+from tests.monolith.fixtures import Broker, BusyBroker, Executions
 
 BUSY_S = 3.5
 
@@ -77,64 +75,6 @@ def test_a_lost_connection_is_no_broker_reply() -> None:
     lost = OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
     lost.__cause__ = RedisConnectionError("Connection refused")
     assert _broker_reply(lost) is None
-
-
-class BusyBroker:
-    """The broker runs a Lua loop: every other client is answered BUSY until SCRIPT KILL."""
-
-    def __init__(self, broker: Broker) -> None:
-        self._url = broker.url
-        self._thread: threading.Thread | None = None
-        self.script_error: BaseException | None = None
-
-    def __enter__(self) -> "BusyBroker":
-        admin = redis.Redis.from_url(self._url)
-        admin.config_set("busy-reply-threshold", 100)  # ms: BUSY after a tenth of a second
-        admin.close()
-        self._thread = threading.Thread(target=self._run_script, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 5
-        while not self.busy():
-            assert time.monotonic() < deadline, "the broker never answered BUSY"
-            time.sleep(0.05)
-        return self
-
-    def _run_script(self) -> None:
-        client = redis.Redis.from_url(self._url, socket_timeout=30)
-        try:
-            client.eval("while true do end", 0)
-        except redis.ResponseError as exc:  # "Script killed by user"
-            self.script_error = exc
-        finally:
-            client.close()
-
-    def busy(self) -> bool:
-        client = redis.Redis.from_url(self._url, socket_timeout=2)
-        try:
-            client.ping()
-        except redis.ResponseError as exc:
-            return str(exc).startswith("BUSY")
-        finally:
-            client.close()
-        return False
-
-    def __exit__(self, *_: object) -> None:
-        deadline = time.monotonic() + 10
-        while True:
-            client = redis.Redis.from_url(self._url, socket_timeout=2)
-            try:
-                client.script_kill()
-                break
-            except redis.ResponseError:  # the script has not started yet, or is already gone
-                if not self.busy() or time.monotonic() > deadline:
-                    break
-            finally:
-                client.close()
-        assert self._thread is not None
-        self._thread.join(timeout=10)
-        admin = redis.Redis.from_url(self._url)
-        admin.config_set("busy-reply-threshold", 5000)
-        admin.close()
 
 
 @pytest.mark.slow  # a real broker made busy, a real Celery worker

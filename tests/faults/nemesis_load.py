@@ -1,0 +1,323 @@
+"""The nemesis run's load (tests/faults/nemesis.py): users who listen, read, burst and sync through the pods, and the
+ledger of every request they sent, with its answer and its times.
+
+Runs as its own process (`python -m tests.faults.nemesis_load ...`), like tests/faults/loadgen.py and on its HTTP
+client, so the pods share nothing with it but the network, and a busy checker does not slow its clock. Each
+(content, user) is used by one user only, and its positions are unique: an integer part that moves as a listener's
+would, plus the request's number on that key / 10,000. The row in Postgres, or a read's answer, tells which request
+it holds. The users:
+
+- steady: one content at a time, a heartbeat every 0.4-1 s to either pod (some to the end, some rewinding after it),
+  reading it back now and then, one id or all of them (?ids=);
+- burst: 40 heartbeats of one content back to back on one connection, far over the per-user limit: the last ones
+  are refused (429), and the last refused position must still be stored;
+- sync: every second three of them send 10 offline syncs at once to one pod, each with one item of every type (an app
+  back online with its queue): each sync reads every type's tables, so any locked table holds all of them;
+- crowd: at given times, each sends one lesson heartbeat (a notification brings thousands to one screen at once):
+  a lesson backlog far above a batch, which must not hold the other types.
+
+Every action of a user waits for the one before (a storm's ten syncs go together, but name their items' times), so
+a key's requests reach the pods in the order they were sent, and a sync item is ordered by its `listened_at`.
+"""
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+
+import jwt
+import uvloop
+
+from service.progress.content import CONTENT_KINDS
+from tests.faults.loadgen import DURATION_S, Answer, Client
+
+KIND = {kind.name: kind for kind in CONTENT_KINDS}
+STEADY_WEIGHTS = (4, 2, 2, 2)  # lessons are the common case
+COMPLETES_AT = DURATION_S - 5  # above duration - the 10 s margin: completes
+STORM_SYNCS = 10
+# with 18 sync users each storms every 6 s: 10 requests within the limit's burst of 20, which refills 12 meanwhile
+STORMERS = 3
+
+
+@dataclass(frozen=True)
+class Load:
+    seconds: float
+    contents: int  # ids 1..contents of every type
+    steady_users: int
+    burst_users: int
+    sync_users: int  # STORMERS of them storm every second, in turn
+    crowd_users: int  # each sends one lesson heartbeat within crowd_spread_s of each crowd_at_s
+    crowd_at_s: tuple[float, ...]
+    crowd_spread_s: float = 2.0
+    burst_length: int = 40
+    client_timeout_s: float = 15.0  # far above every bound: a request this slow has failed its bound anyway
+
+    @property
+    def users(self) -> int:
+        return self.steady_users + self.burst_users + self.sync_users + self.crowd_users
+
+    def ids(self, role: str) -> range:
+        """The user ids of a role: steady, burst, sync, crowd, in that order from 1."""
+        first = 1
+        for name, count in (
+            ("steady", self.steady_users),
+            ("burst", self.burst_users),
+            ("sync", self.sync_users),
+            ("crowd", self.crowd_users),
+        ):
+            if name == role:
+                return range(first, first + count)
+            first += count
+        raise ValueError(role)
+
+
+Key = tuple[str, int, int]  # content type, content id, user id
+
+
+class Ledger:
+    """Every request as it went: one dict each, in the order they were answered."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, object]] = []
+        self._seq: dict[Key, int] = {}
+        self._base: dict[Key, int] = {}
+
+    def position(self, key: Key, rng: random.Random, step: str) -> float:
+        """The key's next position: `play` moves on, `end` reaches the completion, `rewind` goes back."""
+        base = self._base.get(key, 0)
+        if step == "end":
+            base = COMPLETES_AT
+        elif step == "rewind":
+            base = 100
+        else:
+            base = min(base + rng.randint(5, 40), COMPLETES_AT - 20)
+        self._base[key] = base
+        seq = self._seq.get(key, 0) + 1
+        self._seq[key] = seq
+        assert seq < 10_000, f"{key}: too many requests to tell them apart"
+        return base + seq / 10_000
+
+    def add(self, request: dict[str, object], t0: float, answer: Answer, pod: int) -> Answer:
+        request.update(t0=t0, t1=time.time(), status=answer.status, pod=pod)
+        request["retry_after"] = b"retry-after" in answer.headers
+        self.requests.append(request)
+        return answer
+
+
+class Users:
+    def __init__(self, load: Load, ports: list[int], secret: str, seed: int) -> None:
+        self.load = load
+        self.ports = ports
+        self.seed = seed
+        self.ledger = Ledger()
+        expires = int(time.time()) + 3600
+        self.tokens = {
+            user: jwt.encode({"user_id": user, "exp": expires}, secret, algorithm="HS256")
+            for user in range(1, load.users + 1)
+        }
+        self.started = time.monotonic()
+        self._out_until = [0.0] * len(ports)
+
+    def pod(self, preferred: int) -> int:
+        """A load balancer's passive check: a pod that did not answer gets nothing for a second (nginx's max_fails=1,
+        fail_timeout=1s), unless no pod is left."""
+        now = time.monotonic()
+        if self._out_until[preferred] <= now:
+            return preferred
+        return next((pod for pod, until in enumerate(self._out_until) if until <= now), preferred)
+
+    def add(self, request: dict[str, object], t0: float, answer: Answer, pod: int) -> Answer:
+        if answer.status == 0:
+            self._out_until[pod] = time.monotonic() + 1.0
+        return self.ledger.add(request, t0, answer, pod)
+
+    def running(self) -> bool:
+        return time.monotonic() - self.started < self.load.seconds
+
+    def client(self) -> Client:
+        return Client(self.ports, self.load.client_timeout_s)
+
+    def rng(self, user: int) -> random.Random:
+        return random.Random(self.seed * 1_000_003 + user)
+
+    async def heartbeat(self, client: Client, key: Key, pod: int, role: str, position: float) -> Answer:
+        kind = KIND[key[0]]
+        body = json.dumps({kind.id_column: key[1], "position": position}).encode()
+        t0 = time.time()
+        answer = await client.request(self.ports[pod], b"POST", kind.path.encode(), self.tokens[key[2]], body)
+        request = {"op": "heartbeat", "key": key, "position": position, "role": role}
+        return self.add(request, t0, answer, pod)
+
+    async def read(self, client: Client, user: int, content_type: str, ids: list[int], pod: int) -> None:
+        one = len(ids) == 1
+        path = (
+            f"/progress/{content_type}/{ids[0]}" if one else f"/progress/{content_type}?ids={','.join(map(str, ids))}"
+        )
+        t0 = time.time()
+        answer = await client.request(self.ports[pod], b"GET", path.encode(), self.tokens[user])
+        found: dict[int, float] = {}
+        if answer.status == 200:
+            entries = [json.loads(answer.body)] if one else json.loads(answer.body)["data"]
+            found = {entry["content_id"]: entry["position"] for entry in entries}
+        request = {"op": "read", "user": user, "content_type": content_type, "ids": ids, "found": list(found.items())}
+        self.add(request, t0, answer, pod)
+
+    async def sync(self, client: Client, user: int, items: list[tuple[str, int, float, float]], pod: int) -> None:
+        body = json.dumps(
+            {
+                "items": [
+                    {
+                        "content_type": content_type,
+                        "content_id": content_id,
+                        "position": position,
+                        "listened_at": datetime.fromtimestamp(listened_at, UTC).isoformat(),
+                    }
+                    for content_type, content_id, position, listened_at in items
+                ]
+            }
+        ).encode()
+        t0 = time.time()
+        answer = await client.request(self.ports[pod], b"POST", b"/progress/sync", self.tokens[user], body)
+        applied = [item["applied"] for item in json.loads(answer.body)["items"]] if answer.status == 200 else None
+        request = {"op": "sync", "user": user, "items": items, "applied": applied}
+        self.add(request, t0, answer, pod)
+
+    # --- the users ---
+
+    async def steady(self, user: int) -> None:
+        rng, client = self.rng(user), self.client()
+        while self.running():
+            content_type = rng.choices(list(KIND), STEADY_WEIGHTS)[0]
+            key = (content_type, rng.randint(1, self.load.contents), user)
+            steps = ["play"] * rng.randint(3, 8)
+            if rng.random() < 0.3:
+                steps.append("end")
+                if rng.random() < 0.3:
+                    steps.append("rewind")  # completed_at stays, and no second event
+            for step in steps:
+                if not self.running():
+                    return
+                await self.heartbeat(
+                    client,
+                    key,
+                    self.pod(rng.randrange(len(self.ports))),
+                    "steady",
+                    self.ledger.position(key, rng, step),
+                )
+                if rng.random() < 0.25:
+                    await self.read(client, user, content_type, [key[1]], self.pod(rng.randrange(len(self.ports))))
+                elif rng.random() < 0.08:
+                    everything = list(range(1, self.load.contents + 1))
+                    await self.read(client, user, content_type, everything, self.pod(rng.randrange(len(self.ports))))
+                await asyncio.sleep(rng.uniform(0.4, 1.0))
+
+    async def burst(self, user: int) -> None:
+        rng, client = self.rng(user), self.client()
+        await asyncio.sleep(rng.uniform(0, 3))
+        while self.running():
+            key = (rng.choice(list(KIND)), rng.randint(1, self.load.contents), user)
+            pod = self.pod(rng.randrange(len(self.ports)))  # one connection: one pod's limiter sees the whole burst
+            ends = rng.random() < 0.4
+            answer = Answer(0)
+            for i in range(self.load.burst_length):
+                step = "end" if ends and i == self.load.burst_length - 1 else "play"
+                answer = await self.heartbeat(client, key, pod, "burst", self.ledger.position(key, rng, step))
+            retry_after_s = int(answer.headers.get(b"retry-after", b"1"))
+            await asyncio.sleep(retry_after_s + rng.uniform(2, 4))
+
+    async def storms(self) -> None:
+        """Every second, STORMERS sync users in turn each send STORM_SYNCS syncs at once, all to one pod."""
+        rng = self.rng(0)
+        clients = {user: [self.client() for _ in range(STORM_SYNCS)] for user in self.load.ids("sync")}
+        users = itertools.cycle(self.load.ids("sync"))
+        tick = time.monotonic()
+        storms: set[asyncio.Task[None]] = set()
+        while self.running():
+            pod = self.pod(rng.randrange(len(self.ports)))
+            for _ in range(min(STORMERS, self.load.sync_users)):
+                user = next(users)
+                task = asyncio.create_task(self.storm(clients[user], user, pod, random.Random(rng.random())))
+                storms.add(task)
+                task.add_done_callback(storms.discard)
+            tick += 1.0
+            await asyncio.sleep(max(0.0, tick - time.monotonic()))
+        await asyncio.gather(*storms)
+
+    async def storm(self, clients: list[Client], user: int, pod: int, rng: random.Random) -> None:
+        content_id = rng.randint(1, self.load.contents)
+        keys = [(content_type, content_id, user) for content_type in KIND]
+        # a storm's items are heard just now: after everything the user's earlier storms said, whenever those ended
+        listened_at = time.time() - 0.3
+        ends = rng.random() < 0.2
+        syncs = []
+        for i in range(STORM_SYNCS):
+            step = "end" if ends and i == STORM_SYNCS - 1 else "play"
+            at = listened_at + i / 1000  # request order is listening order; the pods may receive them in any
+            syncs.append([(k[0], k[1], self.ledger.position(k, rng, step), at) for k in keys])
+        await asyncio.gather(
+            *(self.sync(client, user, items, pod) for client, items in zip(clients, syncs, strict=True))
+        )
+
+    async def crowd(self) -> None:
+        users = list(self.load.ids("crowd"))
+        lanes = 32
+        for at_s in self.load.crowd_at_s:
+            await asyncio.sleep(max(0.0, self.started + at_s - time.monotonic()))
+            if not self.running():
+                return
+            pause_s = self.load.crowd_spread_s * lanes / max(1, len(users))
+            await asyncio.gather(*(self.crowd_lane(users[lane::lanes], pause_s) for lane in range(lanes)))
+
+    async def crowd_lane(self, users: list[int], pause_s: float) -> None:
+        client = self.client()
+        for user in users:
+            rng = self.rng(user)
+            key = ("lesson", rng.randint(1, self.load.contents), user)
+            pod = self.pod(user % len(self.ports))
+            await self.heartbeat(client, key, pod, "crowd", self.ledger.position(key, rng, "play"))
+            await asyncio.sleep(pause_s)
+
+    async def run(self) -> dict[str, object]:
+        lag = asyncio.create_task(_loop_lag(self.running))
+        await asyncio.gather(
+            *(self.steady(user) for user in self.load.ids("steady")),
+            *(self.burst(user) for user in self.load.ids("burst")),
+            self.storms(),
+            self.crowd(),
+        )
+        return {"requests": self.ledger.requests, "loop_lag_max_s": await lag}
+
+
+async def _loop_lag(running: Callable[[], bool]) -> float:
+    """The worst lateness of this process's event loop: what the ledger's latencies may owe to the load itself."""
+    worst = 0.0
+    while running():
+        before = time.monotonic()
+        await asyncio.sleep(0.1)
+        worst = max(worst, time.monotonic() - before - 0.1)
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ports", required=True)
+    parser.add_argument("--load", required=True, help="the Load, as JSON")
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--secret", required=True)
+    parser.add_argument("--ledger", required=True)
+    args = parser.parse_args()
+    fields = json.loads(args.load)
+    load = Load(**{**fields, "crowd_at_s": tuple(fields["crowd_at_s"])})
+    users = Users(load, [int(p) for p in args.ports.split(",")], args.secret, args.seed)
+    result = uvloop.run(users.run())
+    with open(args.ledger, "w") as out:
+        json.dump({"load": asdict(load), **result}, out)
+
+
+if __name__ == "__main__":
+    main()
