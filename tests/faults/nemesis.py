@@ -63,6 +63,7 @@ STATEMENT_TIMEOUT_S = 2.0
 LOCK_TIMEOUT_S = 1.0
 DEGRADED_TIMEOUT_S = 2.0
 SHUTDOWN_S = 4.0
+DRAIN_S = 1.0  # SHUTDOWN_DRAIN_SECONDS: no load balancer here, the load is told Connection: close
 PUBLISH_TIMEOUT_S = 2.0
 COMPLETION_MARGIN_S = 10.0  # the default
 
@@ -76,9 +77,9 @@ def service_env(budget: int) -> dict[str, str]:
         # about twice the steady load's rows/s: a crowd's or a stall's backlog drains at the budget's pace
         "PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": str(budget),
         "PROGRESS_SHUTDOWN_TIMEOUT_SECONDS": str(SHUTDOWN_S),
+        "SHUTDOWN_DRAIN_SECONDS": str(DRAIN_S),
         "DATABASE_STATEMENT_TIMEOUT_SECONDS": str(STATEMENT_TIMEOUT_S),
         "DATABASE_LOCK_TIMEOUT_SECONDS": str(LOCK_TIMEOUT_S),
-        "DATABASE_POOL_MAX_SIZE": "6",
         "DEGRADED_WRITE_TIMEOUT_SECONDS": str(DEGRADED_TIMEOUT_S),
         "DEGRADED_REDIS_RETRY_SECONDS": "0.5",
         # bursts of 40 refuse their last ~20; steady users (1-2 requests/s over two pods) are never refused
@@ -112,10 +113,10 @@ BOUND_S = {"heartbeat": HEARTBEAT_S, "read": READ_S, "sync": SYNC_S}
 PERSIST_BASE_S = 2 * INTERVAL_S + MARGIN_S
 # what the budget's wait may cost once, whatever its key holds: "a few batches' worth" (issue 23)
 BUDGET_CAP_ROWS = 4 * BATCH
-# a pod given SIGTERM: requests in hand (each within HEARTBEAT_S), the batch in hand (its statement, and a capped
+# a pod given SIGTERM: its drain, requests in hand (each within HEARTBEAT_S), the batch in hand (its statement, and a capped
 # budget wait: under 1 s at either size), the final flush (PROGRESS_SHUTDOWN_TIMEOUT), the relay's last pass
 # (publish timeout + 2 s)
-EXIT_S = HEARTBEAT_S + STATEMENT_TIMEOUT_S + 1.0 + SHUTDOWN_S + PUBLISH_TIMEOUT_S + 2 + MARGIN_S
+EXIT_S = DRAIN_S + HEARTBEAT_S + STATEMENT_TIMEOUT_S + 1.0 + SHUTDOWN_S + PUBLISH_TIMEOUT_S + 2 + MARGIN_S
 # a SIGKILL this soon after a 429 may take the refused position with it (kept in memory until the next write)
 KEPT_LOSS_S = 2 * DEFER_INTERVAL_S + DEGRADED_TIMEOUT_S
 COMPLETES = DURATION_S - COMPLETION_MARGIN_S
