@@ -33,8 +33,8 @@ RUN groupadd --system --gid 10001 progress \
 
 COPY --from=build /opt/venv /opt/venv
 
-# HOST, PORT and WORKERS are read by `progress-service serve`; everything else is in the README's
-# configuration table. One worker per container: scale with replicas, not processes.
+# HOST, PORT and WORKERS are read by `progress-service serve`; everything else is in
+# docs/configuration.md. One worker per container: scale with replicas, not processes.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -59,7 +59,7 @@ def target(name: str, value: str, ok: bool) -> None:
 
 
 def cell(v: object) -> str:
-    """A table's cell, as the README quotes them: floats to 2 decimals below 1,000, else whole."""
+    """A table's cell, as bench/RESULTS.md quotes them: floats to 2 decimals below 1,000, else whole."""
     if isinstance(v, float):
         return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}"
     return f"{v:,}" if isinstance(v, int) else str(v)

@@ -23,7 +23,8 @@ DASHBOARD_SCRIPT = REPO / "deploy" / "grafana" / "dashboard.py"
 RUNBOOK = REPO / "docs" / "runbook.md"
 # every alert's annotations.runbook_url is this plus `#<section slug>` (a fork changes it in one sed)
 RUNBOOK_BASE_URL = "https://github.com/onion/progress-service/blob/main/docs/runbook.md"
-README = REPO / "README.md"
+CONFIGURATION_DOC = REPO / "docs" / "configuration.md"
+METRICS_DOC = REPO / "docs" / "metrics.md"
 # the console script and the tools of the `test` extra live next to the interpreter running the tests
 VENV_BIN = Path(sys.executable).parent
 
@@ -119,18 +120,32 @@ def service_metrics() -> dict[str, MetricInfo]:
     return found
 
 
-def readme_metrics_table() -> dict[str, MetricInfo] | None:
-    """The table under README.md's `## Metrics` heading: `name` | type | `label`, ... | alert."""
-    match = re.search(r"^## Metrics\s*$(.*?)(?=^## |\Z)", README.read_text(), re.MULTILINE | re.DOTALL)
-    if match is None:
+def table_rows(path: Path, header: str) -> list[list[str]] | None:
+    """The cells of each row of the Markdown table whose header row starts with `header` (None: no such table).
+    An escaped pipe (`\\|`) stays inside its cell."""
+    lines = path.read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(header)), None)
+    if start is None:
         return None
-    rows = {}
-    for line in match.group(1).splitlines():
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")] if line.startswith("|") else []
-        name = re.fullmatch(r"`(\w+)`", cells[0]) if cells else None
-        if name:
-            rows[name.group(1)] = MetricInfo(cells[1], tuple(re.findall(r"`(\w+)`", cells[2])))
+    rows = []
+    for line in lines[start + 2 :]:  # past the header and its |---| line
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))])
     return rows
+
+
+def metrics_doc_table() -> dict[str, MetricInfo] | None:
+    """docs/metrics.md's table: `name` | type | `label`, ... | what it drives."""
+    rows = table_rows(METRICS_DOC, "| metric | type | labels |")
+    if rows is None:
+        return None
+    found = {}
+    for cells in rows:
+        name = re.fullmatch(r"`(\w+)`", cells[0])
+        if name:
+            found[name.group(1)] = MetricInfo(cells[1], tuple(re.findall(r"`(\w+)`", cells[2])))
+    return found
 
 
 def alert_rules() -> list[dict[str, Any]]:

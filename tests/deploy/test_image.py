@@ -32,7 +32,7 @@ IMAGE_VENV = "/opt/venv/bin"
 
 
 def image_environment(servers: Servers, port: int) -> dict[str, str]:
-    """The image's ENV (its virtualenv swapped for ours), then what the README tells ops to set."""
+    """The image's ENV (its virtualenv swapped for ours), then what docs/deploy.md tells ops to set."""
     env = clean_environment()
     for name, value in image().env.items():
         env[name] = value.replace(IMAGE_VENV, str(VENV_BIN)).replace("$PATH", os.environ.get("PATH", ""))

@@ -1,21 +1,20 @@
-"""The README's configuration table lists every setting the service reads, and nothing else."""
+"""docs/configuration.md's table lists every setting the service reads, and nothing else."""
 
 import re
-from pathlib import Path
 
 from service.config import Settings
+from tests.deploy.files import CONFIGURATION_DOC, table_rows
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 # read outside Settings: by the CLI (HOST/PORT/WORKERS), the dev command, the metrics endpoint
 OTHER_VARIABLES = {"HOST", "PORT", "WORKERS", "PROMETHEUS_MULTIPROC_DIR", "DEV_DATA_DIR", "MIGRATIONS_DIR"}
 
 
 def configuration_table() -> set[str]:
-    section = README.read_text().split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    rows = table_rows(CONFIGURATION_DOC, "| variable | default | meaning |")
+    assert rows, f"{CONFIGURATION_DOC.name} needs a table of `VARIABLE` | default | meaning"
     names: set[str] = set()
-    for line in section.splitlines():
-        if line.startswith("| `"):
-            names.update(re.findall(r"`([A-Z][A-Z0-9_]+)`", line.split("|")[1]))
+    for cells in rows:
+        names.update(re.findall(r"`([A-Z][A-Z0-9_]+)`", cells[0]))
     return names
 
 
