@@ -26,6 +26,7 @@ from service import metrics
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.buffer import PositionWriter
 from service.progress.content import CONTENT_KINDS, ContentKind
+from service.progress.keys import pending_member
 from service.progress.store import Heartbeat, persist_batch, report_batch
 from service.stores import POSTGRES_FAILED, REDIS_FAILED, pooled_connection
 
@@ -41,6 +42,10 @@ class _Queued:
     heartbeat: Heartbeat
     deadline: float  # event-loop time past which its request answers 503: never written after it
     abandoned: bool = False  # its request went away (client gone): not written either
+
+
+def _row_locked() -> Unavailable:
+    return Unavailable("progress buffer unavailable and this progress row is locked by another session, retry later")
 
 
 def _late() -> Unavailable:
@@ -101,14 +106,22 @@ class DirectWriter:
                     [entries[i].heartbeat for i in live],
                     margin_s=self._margin_s,
                     timeout_s=max(deadline - loop.time(), 0.001),
+                    # a row another session holds: that heartbeat alone is refused (503), the rest written
+                    skip_locked=True,
                 )
         finally:
             self._statements.release()
-        metrics.DEGRADED_WRITES.labels(kind.name).inc(len(live))
+        locked = set(result.locked)
+        written = {
+            i
+            for i in live
+            if pending_member(entries[i].heartbeat.content_id, entries[i].heartbeat.user_id) not in locked
+        }
+        metrics.DEGRADED_WRITES.labels(kind.name).inc(len(written))
         report_batch(kind, result)
         results: list[BaseException | None] = [_late() for _ in entries]
         for i in live:
-            results[i] = None
+            results[i] = _row_locked() if i not in written else None
         return results
 
     async def aclose(self) -> None:

@@ -113,9 +113,9 @@ BOUND_S = {"heartbeat": HEARTBEAT_S, "read": READ_S, "sync": SYNC_S}
 PERSIST_BASE_S = 2 * INTERVAL_S + MARGIN_S
 # what the budget's wait may cost once, whatever its key holds: "a few batches' worth" (issue 23)
 BUDGET_CAP_ROWS = 4 * BATCH
-# a pod given SIGTERM: its drain, requests in hand (each within HEARTBEAT_S), the batch in hand (its statement, and a capped
-# budget wait: under 1 s at either size), the final flush (PROGRESS_SHUTDOWN_TIMEOUT), the relay's last pass
-# (publish timeout + 2 s)
+# a pod given SIGTERM: its drain, requests in hand (each within HEARTBEAT_S), the batch in hand (its statement,
+# and a capped budget wait: under 1 s at either size), the final flush (PROGRESS_SHUTDOWN_TIMEOUT), the relay's
+# last pass (publish timeout + 2 s)
 EXIT_S = DRAIN_S + HEARTBEAT_S + STATEMENT_TIMEOUT_S + 1.0 + SHUTDOWN_S + PUBLISH_TIMEOUT_S + 2 + MARGIN_S
 # a SIGKILL this soon after a 429 may take the refused position with it (kept in memory until the next write)
 KEPT_LOSS_S = 2 * DEFER_INTERVAL_S + DEGRADED_TIMEOUT_S

@@ -122,3 +122,34 @@ async def test_a_full_redis_sends_heartbeats_to_postgres_not_to_a_500(
     finally:
         await full.aclose()
     assert await db.fetchval("SELECT position FROM audios_meditationprogress WHERE user_id = 7") == 42
+
+
+@pytest.mark.regression
+async def test_in_degraded_mode_a_locked_row_refuses_its_own_heartbeat_only(
+    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool
+) -> None:
+    """Found by an attack: Redis full, one user's row held FOR UPDATE, and every heartbeat of that type batched
+    with it waited out lock_timeout and was refused."""
+    await seed(db, users=6, contents=1)
+    await db.execute(
+        "INSERT INTO audios_audioprogress (user_id, audio_id, position, created_at, updated_at)"
+        " VALUES (3, 1, 1, now() - interval '1 hour', now() - interval '1 hour')"
+    )
+    async with running_app(degraded_settings(settings, own_redis)) as (_, client):
+        own_redis.stop()
+        async with db.acquire() as locker, locker.transaction():
+            await locker.execute("SELECT 1 FROM audios_audioprogress WHERE user_id = 3 FOR UPDATE")
+            answers = await asyncio.gather(
+                *(
+                    client.post(
+                        "/audios/progress",
+                        json={"audio_id": 1, "position": 50 + user_id},
+                        headers=auth(make_token(settings, user_id)),
+                    )
+                    for user_id in range(1, 7)
+                )
+            )
+        assert [a.status_code for a in answers] == [201, 201, 503, 201, 201, 201]
+        assert "locked" in answers[2].json()["detail"]
+    rows = await db.fetch("SELECT user_id, position FROM audios_audioprogress ORDER BY user_id")
+    assert [(row["user_id"], row["position"]) for row in rows] == [(1, 51), (2, 52), (3, 1), (4, 54), (5, 55), (6, 56)]
