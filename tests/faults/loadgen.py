@@ -51,6 +51,8 @@ class Client:
         """One request and its answer. A kept-alive connection the server closed while it was idle (no byte of an
         answer) is replaced and the request sent again on a new one, as HTTP clients do."""
         for attempt in (1, 2):
+            if port in self.streams and self.streams[port][1].is_closing():
+                self._drop(port)  # the server closed it while it was idle: a new one, as HTTP clients do
             reused = port in self.streams
             try:
                 if not reused:
@@ -81,7 +83,8 @@ class Client:
                 if headers.get(b"connection") == b"close":
                     self._drop(port)
                 return answer
-            except (OSError, TimeoutError, IndexError, ValueError, asyncio.IncompleteReadError):
+            # RuntimeError: uvloop's write on a transport the peer closed under it
+            except (OSError, TimeoutError, IndexError, ValueError, RuntimeError, asyncio.IncompleteReadError):
                 self._drop(port)
                 return Answer(0)
         return Answer(0)
