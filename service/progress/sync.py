@@ -46,6 +46,11 @@ from service.progress.content import (
 from service.progress.reads import MAX_WAIT_S, StoredRows, as_ms, decode_values, fetch_rows
 
 SYNC_MAX_ITEMS = 500
+# No listen is older than the app: a date before this is a broken clock, not a position to order by. It also keeps
+# every stored time a positive whole number of ms (the write script's pattern) and a date Postgres and Python both
+# read back (a year 0 would fail every read of its content, a 1960 one would not be ordered in Redis).
+EARLIEST_LISTEN_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
+
 # how long a sync waits for its turn at the database, as a read waits for its batch: then SyncsWaiting
 SYNC_MAX_WAIT_S = MAX_WAIT_S
 
@@ -226,6 +231,8 @@ class OfflineSync:
         self._max_backdate_ms = int(max_backdate_s * 1000)
 
     def _check_ms(self, listened_ms: float, now_ms: int) -> str | None:
+        if listened_ms < EARLIEST_LISTEN_MS:
+            return "listened_at is before 2000-01-01T00:00:00Z"
         if listened_ms > now_ms + self._max_skew_ms:
             return f"listened_at is more than {self._max_skew_ms / 1000:g} s in the future"
         return None

@@ -361,3 +361,23 @@ async def test_while_the_shard_count_changes_a_sync_item_older_than_the_previous
         10.0,
         10.0,
     ]
+
+
+@pytest.mark.regression
+@pytest.mark.parametrize(
+    "listened_at", ["0001-01-01T00:00:00+14:00", "0001-01-01T00:00:00+00:01", "1960-01-01T00:00:00Z"]
+)
+async def test_a_listen_dated_before_the_app_existed_is_refused_and_reads_stay_whole(
+    client: httpx.AsyncClient, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher, listened_at: str
+) -> None:
+    """Found by an attack: a year-0 listened_at was stored as a BC timestamp that failed every read of its content
+    (a 500, for the other users of the read batch too); a 1960 one was not ordered in Redis (a later, older one won)."""
+    await seed(db, users=7, contents=3)
+    body = {"content_type": "audio", "content_id": 2, "position": 595, "listened_at": listened_at}
+    response = await client.post("/progress/sync", json={"items": [body]}, headers=auth(token))
+    assert response.status_code == 200
+    assert response.json()["items"] == [{"applied": False, "reason": "listened_at is before 2000-01-01T00:00:00Z"}]
+    assert await redis.keys("progress:*") == []
+    await flusher.flush_cycle()
+    assert await db.fetchval("SELECT count(*) FROM audios_audioprogress") == 0
+    assert (await client.get("/progress/audio/2", headers=auth(token))).status_code == 404
