@@ -364,7 +364,11 @@ class Flusher:
             return result
         started = time.perf_counter()
         try:
-            batch = await self._persist_with_retry(conn, kind, heartbeats)
+            # splitting on row locks stops at half the lease: the claim is settled well before another pod may
+            # take its entries over, and the keys not yet written wait in the pending set
+            batch = await self._persist_with_retry(
+                conn, kind, heartbeats, until=time.monotonic() + self._lease_ms / 2000
+            )
         except POSTGRES_FAILED as exc:
             await asyncio.shield(self._leases.release(claim))
             metrics.FLUSH_REQUEUED.inc(len(claim.entries))
@@ -442,7 +446,7 @@ class Flusher:
         )
 
     async def _persist_with_retry(
-        self, conn: asyncpg.Connection, kind: ContentKind, heartbeats: list[Heartbeat]
+        self, conn: asyncpg.Connection, kind: ContentKind, heartbeats: list[Heartbeat], *, until: float
     ) -> BatchResult:
         try:
             # a slot of the adaptive limit: its latency (or a table's lock, a timeout) says how many may run at once
@@ -454,12 +458,11 @@ class Flusher:
                     return await self._persist_once(conn, kind, heartbeats)
         except _RowLocked:
             # outside the slot: one row's lock says nothing of the database's latency
-            if len(heartbeats) == 1:
-                (heartbeat,) = heartbeats
-                return BatchResult(0, 0, [], [pending_member(heartbeat.content_id, heartbeat.user_id)])
+            if len(heartbeats) == 1 or time.monotonic() > until:
+                return BatchResult(0, 0, [], [pending_member(hb.content_id, hb.user_id) for hb in heartbeats])
             half = len(heartbeats) // 2
-            first = await self._persist_with_retry(conn, kind, heartbeats[:half])
-            return first + await self._persist_with_retry(conn, kind, heartbeats[half:])
+            first = await self._persist_with_retry(conn, kind, heartbeats[:half], until=until)
+            return first + await self._persist_with_retry(conn, kind, heartbeats[half:], until=until)
 
     async def _persist_once(
         self, conn: asyncpg.Connection, kind: ContentKind, heartbeats: list[Heartbeat]

@@ -348,3 +348,33 @@ async def test_one_cycle_drains_every_shard_of_a_type_under_the_budget(
     result = await flusher.flush_cycle()
     assert result.written == 400
     await assert_all_persisted(redis, db, last, layout)
+
+
+async def test_a_batch_split_on_row_locks_settles_within_its_lease(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, locker: asyncpg.Connection
+) -> None:
+    """Found by an attack: with many locked user rows the split went on past the batch's lease (another pod could
+    take its entries over) and held the cycle; it stops at half the lease, and the rest waits pending."""
+    await seed(db, users=40, contents=1)
+    for user_id in range(1, 41):
+        await write(redis, "lesson", 1, user_id, 30)
+    flusher = _flusher(
+        settings,
+        redis,
+        db,
+        database_lock_timeout_seconds=0.2,
+        progress_flush_lease_seconds=2,
+        progress_flush_concurrency=1,
+        progress_flush_max_rows_per_second=0,
+    )
+    async with locker.transaction():
+        await locker.execute("SELECT 1 FROM users_user WHERE id % 4 = 0 FOR UPDATE")  # 10 of the 40
+        started = time.monotonic()
+        result = await flusher.flush_cycle()
+        assert time.monotonic() - started < 2.0  # settled before its lease ran out
+        assert result.failed_batches == 0 and await redis.zcard("progress:in_flight:lesson") == 0
+        pending = await redis.smembers("progress:pending_flush:lesson")
+        assert {f"1:{u}" for u in range(4, 41, 4)} <= pending  # the locked users' keys wait
+        assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") + len(pending) == 40
+    await flusher.flush_cycle()
+    assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 40
