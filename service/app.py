@@ -1,6 +1,7 @@
 """The ASGI application: FastAPI for probes and metrics, the ingest and read fast paths in front of it."""
 
 import asyncio
+import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator, Coroutine
@@ -28,6 +29,7 @@ from service.outbox.outboxes import COMPLETIONS, EMAILS, publish_budget_s
 from service.outbox.relay import Relay, Route
 from service.postgres import create_db_pool
 from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
+from service.progress.clock import ClockCheck
 from service.progress.flusher import Flusher
 from service.progress.keys import KeyLayout, key_layout
 from service.progress.reads import ProgressReader
@@ -244,6 +246,12 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             # the last ones, before the catalog and the sink close
             resources.push_async_callback(ingest.deferred.drain, sink, catalog)
         background.start("redis-memory", run_redis_memory_sampler(redis, background.stop))
+        # heartbeats are ordered by the receive time each pod stamps: a pod whose clock is off takes none
+        clock = ClockCheck(redis, max_skew_s=settings.progress_max_clock_skew_seconds)
+        with contextlib.suppress(*REDIS_FAILED):
+            await clock.sample()  # before the first request; Redis down at start is readiness' to say
+        background.start("clock-check", clock.run(background.stop))
+        api.state.clock = ingest.clock = clock
         # what a Redis restart would lose: its first reading is the start's log line
         background.start(
             "redis-persistence",

@@ -66,6 +66,11 @@ async def ready(request: Request) -> JSONResponse:
         readiness = Readiness(status="ready", mode="degraded", checks=checks)
     else:
         readiness = Readiness(status="unavailable", mode="unavailable", checks=checks)
+    clock = getattr(request.app.state, "clock", None)
+    if clock is not None and not clock.ok and readiness.status == "ready":
+        # its heartbeats would be ordered by a wrong clock (service/progress/clock.py): out of the load balancer
+        checks["clock"] = clock.why()
+        readiness = Readiness(status="unavailable", mode=readiness.mode, checks=checks)
     if draining(request.scope) and readiness.status == "ready":
         # SIGTERM came (service/serving.py): the load balancer must take the pod out while it still answers
         checks["shutdown"] = "draining: SIGTERM received, the pod stops once the drain is over"

@@ -17,6 +17,7 @@ from service.api.ratelimit import RateLimiter
 from service.asgi import ASGIApp, Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.buffer import receive_ms
+from service.progress.clock import ClockCheck
 from service.progress.content import CONTENT_KINDS, KIND_BY_PATH, ContentKind
 from service.progress.sink import HeartbeatSink, Unavailable
 
@@ -56,6 +57,7 @@ class ProgressIngest:
         self.deferred = deferred
         self.sink: HeartbeatSink | None = None  # set by the lifespan once its clients exist
         self.catalog: ContentCatalog | None = None  # likewise; None: every id is accepted
+        self.clock: ClockCheck | None = None  # likewise: a pod whose clock is off takes no heartbeat
         self._refused_since_log = 0
         self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S
         self._requests = {
@@ -97,6 +99,8 @@ class ProgressIngest:
         sink = self.sink  # once: the lifespan may take it away while the catalog lookup below waits
         if sink is None:
             raise HttpError(503, "service starting or stopping, retry later")
+        if self.clock is not None and not self.clock.ok:  # its receive time would misorder the user's heartbeats
+            raise HttpError(503, f"{self.clock.why()}, retry later")
         content_id: int = getattr(heartbeat, kind.id_column)
         if self.catalog is not None:
             known = self.catalog.is_known(kind, content_id)
