@@ -1,11 +1,10 @@
-"""The ASGI application: FastAPI for probes and metrics, the ingest and read fast paths in front of it."""
+"""The ASGI application: the route table (service/api/routes.py) over the parts the lifespan builds."""
 
 import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
-from functools import partial
 from typing import Any
 
 import asyncpg
@@ -15,9 +14,10 @@ from service.api import health
 from service.api.catalog import CATALOG_MAX_ANSWERS, CATALOG_MAX_LOOKUPS, ContentCatalog
 from service.api.deferred import DeferredHeartbeats
 from service.api.ingest import ProgressIngest
-from service.api.openapi import build_openapi
+from service.api.openapi import openapi_document
 from service.api.ratelimit import RateLimiter
 from service.api.reads import ProgressReads
+from service.api.routes import Routes, route_table
 from service.api.sync import ProgressSync
 from service.auth import Authenticator
 from service.config import Settings, load_settings
@@ -289,7 +289,7 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
             log.info("progress-service stopping", extra={"pod": settings.pod_name})
 
 
-def create_app(settings: Settings | None = None) -> ProgressIngest:
+def create_app(settings: Settings | None = None) -> Routes:
     settings = settings or load_settings()
     settings.check_can_serve()
     api = FastAPI(
@@ -302,7 +302,7 @@ def create_app(settings: Settings | None = None) -> ProgressIngest:
     )
     api.include_router(health.router)
     api.add_middleware(RequestIdMiddleware)  # the FastAPI routes only: the heartbeat path stays lean
-    api.openapi = partial(build_openapi, api)  # type: ignore[method-assign]
+    api.openapi = openapi_document  # type: ignore[method-assign]
     limiter = None
     if settings.rate_limit_per_user_per_second > 0:
         limiter = RateLimiter(per_second=settings.rate_limit_per_user_per_second, burst=settings.rate_limit_burst)
@@ -314,31 +314,28 @@ def create_app(settings: Settings | None = None) -> ProgressIngest:
         reads_limiter = RateLimiter(per_second=settings.rate_limit_per_user_per_second, burst=settings.rate_limit_burst)
         items_limiter = RateLimiter(per_second=settings.sync_items_per_user_per_second, burst=settings.sync_items_burst)
     sync = ProgressSync(
-        api,
         authenticator=authenticator,
         max_body_bytes=settings.sync_max_body_bytes,
         body_read_timeout_s=settings.body_read_timeout_seconds,
         limiter=reads_limiter,
         items_limiter=items_limiter,
     )
-    reads = ProgressReads(sync, authenticator=authenticator, limiter=reads_limiter)
-    app = ProgressIngest(
-        api,
+    reads = ProgressReads(authenticator=authenticator, limiter=reads_limiter)
+    ingest = ProgressIngest(
         authenticator=authenticator,
         max_body_bytes=settings.max_body_bytes,
         body_read_timeout_s=settings.body_read_timeout_seconds,
         limiter=limiter,
         deferred=DeferredHeartbeats() if limiter is not None else None,
-        reads=reads,
     )
     api.state.settings = settings
-    api.state.ingest = app
+    api.state.ingest = ingest
     api.state.reads = reads
     api.state.sync = sync
-    return app
+    return Routes(api, route_table(ingest=ingest, sync=sync, api=api), reads)
 
 
-def app_from_environment() -> ProgressIngest:
+def app_from_environment() -> Routes:
     """The factory `serve` gives uvicorn: each worker process reads the environment and logs as JSON."""
     settings = load_settings()
     configure_logging(settings.log_level)

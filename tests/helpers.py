@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
 from service import embedded
-from service.api.ingest import ProgressIngest
+from service.api.routes import Routes
 from service.app import create_app
 from service.auth import make_token
 from service.config import Settings
@@ -55,7 +55,7 @@ class Servers:
 
 
 class RunningApp(NamedTuple):
-    app: ProgressIngest
+    app: Routes
     client: httpx.AsyncClient
 
 
@@ -66,7 +66,7 @@ async def running_app(settings: Settings, *, raise_app_exceptions: bool = True) 
     `raise_app_exceptions=False`: an exception escaping a request is its 500, as uvicorn would answer.
     """
     app = create_app(settings)
-    async with app.app.router.lifespan_context(app.app):
+    async with app.api.router.lifespan_context(app.api):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             yield RunningApp(app, client)

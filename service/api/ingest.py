@@ -1,9 +1,8 @@
-"""The four progress POSTs, served as plain ASGI in front of FastAPI.
+"""The four progress POSTs, served as plain ASGI (the route table, `routes.py`, sends them here).
 
 This is the hot path: ~12 requests per minute per active listener. FastAPI's per-request
 dependency and serialisation machinery costs more than the work itself, so these routes are
-answered here, with the same models, the same errors and the same OpenAPI description
-(`service/api/openapi.py`), and everything else falls through to the FastAPI app.
+answered here, with the same models and the same errors, as `openapi.yaml` describes them.
 """
 
 import logging
@@ -14,10 +13,10 @@ from service.api.catalog import ContentCatalog, LookupsSaturated
 from service.api.deferred import DeferredHeartbeats
 from service.api.http import ClientGone, HttpError, as_http_error, identify, rate_limited, read_json, send_error
 from service.api.ratelimit import RateLimiter
-from service.asgi import ASGIApp, Receive, Scope, Send
+from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.buffer import receive_ms
-from service.progress.content import CONTENT_KINDS, KIND_BY_PATH, ContentKind
+from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.sink import HeartbeatSink, Unavailable
 
 log = logging.getLogger(__name__)
@@ -31,22 +30,17 @@ _REFUSAL_LOG_INTERVAL_S = 10.0
 
 
 class ProgressIngest:
-    """ASGI middleware: POSTs to the four progress routes end here; anything else goes on to `reads`, then `app`."""
+    """The four heartbeat routes: `answer(kind, ...)` is each one's ASGI handler."""
 
     def __init__(
         self,
-        app: ASGIApp,
         *,
         authenticator: Authenticator,
         max_body_bytes: int,
         body_read_timeout_s: float = 10.0,
         limiter: RateLimiter | None = None,
         deferred: DeferredHeartbeats | None = None,
-        reads: ASGIApp | None = None,
     ) -> None:
-        self.app = app
-        # the progress reads, then the sync (service/api/reads.py, sync.py), in front of `app` for the rest
-        self._next = reads or app
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
@@ -64,11 +58,7 @@ class ProgressIngest:
             for status in (201, 400, 401, 404, 405, 408, 413, 422, 429, 500, 503)
         }
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = KIND_BY_PATH.get(scope["path"]) if scope["type"] == "http" else None
-        if kind is None:
-            await self._next(scope, receive, send)
-            return
+    async def answer(self, kind: ContentKind, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await self._handle(kind, scope, receive)
         except ClientGone:

@@ -1,4 +1,4 @@
-"""The offline sync, POST /progress/sync, served as plain ASGI in front of FastAPI like the heartbeats.
+"""The offline sync, POST /progress/sync, served as plain ASGI like the heartbeats (`routes.py`).
 
 One request carries up to SYNC_MAX_ITEMS positions heard offline (`service/progress/sync.py` settles
 them). It is charged twice: the request is one call against the reads' per-user limit before its
@@ -27,7 +27,7 @@ from service.api.http import (
     send_json,
 )
 from service.api.ratelimit import RateLimiter
-from service.asgi import ASGIApp, Receive, Scope, Send
+from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.buffer import now_ms
 from service.progress.sync import OfflineSync, SyncOutcome, SyncsWaiting, parse_request
@@ -45,11 +45,10 @@ def _outcome_json(outcome: SyncOutcome) -> bytes:
 
 
 class ProgressSync:
-    """ASGI middleware: every request to /progress/sync ends here; anything else goes to `app`."""
+    """The ASGI handler of /progress/sync, whatever the method."""
 
     def __init__(
         self,
-        app: ASGIApp,
         *,
         authenticator: Authenticator,
         max_body_bytes: int,
@@ -57,7 +56,6 @@ class ProgressSync:
         limiter: RateLimiter | None = None,
         items_limiter: RateLimiter | None = None,
     ) -> None:
-        self.app = app
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
@@ -66,9 +64,6 @@ class ProgressSync:
         self.offline: OfflineSync | None = None  # set by the lifespan once its clients exist; None without a database
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != SYNC_ROUTE:
-            await self.app(scope, receive, send)
-            return
         try:
             body = await self._handle(scope, receive)
         except ClientGone:

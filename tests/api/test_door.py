@@ -59,7 +59,9 @@ async def test_content_published_a_moment_ago_is_accepted_at_once(
 ) -> None:
     await seed(db, users=7, contents=1)
     async with running_app(door) as (app, client):
-        assert app.catalog is not None and app.catalog.is_known(LESSON, 1) is True  # in memory: no await
+        assert (
+            app.api.state.ingest.catalog is not None and app.api.state.ingest.catalog.is_known(LESSON, 1) is True
+        )  # in memory: no await
         await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (50, 'new', 600)")
         response = await client.post(
             "/engagements/progress/lesson", json={"lesson_id": 50, "position": 3}, headers=auth(token)
@@ -364,7 +366,7 @@ async def test_a_pod_started_with_postgres_unreachable_still_writes_the_refused_
     unreachable = door.database_url.replace(f":{dsn_port}/", f":{port}/")
     limited = {"database_url": unreachable, "rate_limit_burst": 1, "rate_limit_per_user_per_second": 0.01}
     async with running_app(door.model_copy(update=limited)) as (app, client):
-        assert app.catalog is not None and app.catalog.snapshot_bytes() == 0
+        assert app.api.state.ingest.catalog is not None and app.api.state.ingest.catalog.snapshot_bytes() == 0
         statuses = []
         for position in (20, 30, 40, 595):
             response = await client.post(
@@ -483,14 +485,16 @@ async def test_a_flooding_user_costs_a_bounded_number_of_redis_writes(
 async def test_a_refresh_replaces_the_snapshot(door: Settings, db: asyncpg.Pool, redis: Redis) -> None:
     await seed(db, users=1, contents=2)
     async with running_app(door) as (app, _):
-        assert app.catalog is not None
+        assert app.api.state.ingest.catalog is not None
         await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (70, 'new', 600)")
         await db.execute("DELETE FROM courses_lesson WHERE id = 2")
-        assert app.catalog.is_known(LESSON, 2) is True  # the snapshot of start-up
-        assert await app.catalog.try_refresh()
-        assert app.catalog.is_known(LESSON, 70) is True  # in memory now: no lookup
-        assert app.catalog.snapshot_bytes() == 8 * (2 + 2 * 3)  # lessons 1 and 70, two ids of three other kinds
-        missing = app.catalog.is_known(LESSON, 2)
+        assert app.api.state.ingest.catalog.is_known(LESSON, 2) is True  # the snapshot of start-up
+        assert await app.api.state.ingest.catalog.try_refresh()
+        assert app.api.state.ingest.catalog.is_known(LESSON, 70) is True  # in memory now: no lookup
+        assert app.api.state.ingest.catalog.snapshot_bytes() == 8 * (
+            2 + 2 * 3
+        )  # lessons 1 and 70, two ids of three other kinds
+        missing = app.api.state.ingest.catalog.is_known(LESSON, 2)
         assert not isinstance(missing, bool) and await missing is False
 
 

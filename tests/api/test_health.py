@@ -51,10 +51,10 @@ async def test_lifespan_opens_and_closes_the_redis_client(settings: Settings, re
 
     assert await named_clients() == 0
     async with running_app(settings) as (app, _):
-        assert app.sink is not None
-        await app.app.state.redis.ping()
+        assert app.api.state.ingest.sink is not None
+        await app.api.state.redis.ping()
         assert await named_clients() >= 1
-    assert app.sink is None
+    assert app.api.state.ingest.sink is None
     assert await named_clients() == 0
 
 

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from redis.asyncio import Redis
 
-from service.api.ingest import ProgressIngest
+from service.api.routes import Routes
 from service.app import create_app
 from service.config import ConfigError, Settings
 from service.progress.buffer import decode_value
@@ -273,9 +273,7 @@ def test_jwt_mode_without_a_usable_key_refuses_to_start(settings: Settings, upda
         create_app(settings.model_copy(update=update))
 
 
-async def test_a_client_gone_mid_body_gets_no_answer_and_writes_nothing(
-    app: ProgressIngest, redis: Redis, token: str
-) -> None:
+async def test_a_client_gone_mid_body_gets_no_answer_and_writes_nothing(app: Routes, redis: Redis, token: str) -> None:
     messages = iter(
         [{"type": "http.request", "body": b'{"audio_id": 1,', "more_body": True}, {"type": "http.disconnect"}]
     )

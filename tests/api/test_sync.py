@@ -9,7 +9,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service.api.ingest import ProgressIngest
+from service.api.routes import Routes
 from service.app import build_flusher
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, PositionWriter, decode_value, write_args
@@ -301,7 +301,7 @@ async def test_the_rate_limit_seam_refuses_before_anything_is_written(
             calls.append((user_id, int(cost)))
             return 2.4 if cost > 1 else None
 
-    app.app.state.sync.items_limiter = Limit()
+    app.api.state.sync.items_limiter = Limit()
     response = await client.post("/progress/sync", content=sync_body(3), headers=auth(token))
     assert (response.status_code, response.headers["retry-after"]) == (429, "3")  # 2.4 s, rounded up
     assert await redis.keys("*") == []
@@ -324,14 +324,14 @@ async def test_a_body_nested_past_the_decoders_stack_is_a_400_not_a_500(
 
 
 async def test_a_bug_in_a_route_is_a_json_500_counted_and_logged(
-    app: ProgressIngest, client: httpx.AsyncClient, db: asyncpg.Pool, token: str, caplog: pytest.LogCaptureFixture
+    app: Routes, client: httpx.AsyncClient, db: asyncpg.Pool, token: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     await seed(db, users=7)
 
     async def broken(*_: object, **__: object) -> None:
         raise RuntimeError("a bug")
 
-    app.app.state.sync.offline.apply = broken
+    app.api.state.sync.offline.apply = broken
     before = metric("progress_http_requests_total", route="/progress/sync", status="500")
     response = await client.post("/progress/sync", content=sync_body(1), headers=auth(token))
     assert (response.status_code, response.json()) == (500, {"detail": "internal error, retry later"})

@@ -155,7 +155,7 @@ async def test_heartbeats_through_http_land_in_every_table(
         assert ready.json()["mode"] == "normal"
         pending = await all_keys(cluster_redis, "progress:pending_flush:*")
         assert len(pending) > 1  # spread over several shards
-        result = await build_flusher(cluster_settings, app.app.state.redis, db).flush_cycle()
+        result = await build_flusher(cluster_settings, app.api.state.redis, db).flush_cycle()
     assert (result.written, result.dropped, result.expired, result.failed_batches) == (12, 0, 0, 0)
     for kind in CONTENT_KINDS:
         rows = await db.fetch(f"SELECT user_id, {kind.id_column} AS content_id, position FROM {kind.progress_table}")
