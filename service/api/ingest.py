@@ -34,13 +34,16 @@ class ProgressIngest:
 
     def __init__(
         self,
+        sink: HeartbeatSink,
         *,
         authenticator: Authenticator,
         max_body_bytes: int,
         body_read_timeout_s: float = 10.0,
         limiter: RateLimiter | None = None,
         deferred: DeferredHeartbeats | None = None,
+        catalog: ContentCatalog | None = None,
     ) -> None:
+        self.sink = sink
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
@@ -48,8 +51,7 @@ class ProgressIngest:
         # what the limit refuses, kept for a write by the pod's loop (the lifespan runs it): a burst still
         # ends with the user's last position stored
         self.deferred = deferred
-        self.sink: HeartbeatSink | None = None  # set by the lifespan once its clients exist
-        self.catalog: ContentCatalog | None = None  # likewise; None: every id is accepted
+        self.catalog = catalog  # None: the door is off, every id is accepted
         self._refused_since_log = 0
         self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S
         self._requests = {
@@ -84,9 +86,6 @@ class ProgressIngest:
         )
         if retry_after_s is not None:
             self._refuse(kind, getattr(heartbeat, kind.id_column), user_id, heartbeat.position, retry_after_s)
-        sink = self.sink  # once: the lifespan may take it away while the catalog lookup below waits
-        if sink is None:
-            raise HttpError(503, "service starting or stopping, retry later")
         content_id: int = getattr(heartbeat, kind.id_column)
         if self.catalog is not None:
             known = self.catalog.is_known(kind, content_id)
@@ -99,7 +98,7 @@ class ProgressIngest:
                 metrics.REFUSED.labels("unknown_content").inc()
                 raise HttpError(404, f"unknown {kind.id_column} {content_id}")
         try:
-            await sink.write(
+            await self.sink.write(
                 kind, content_id=content_id, user_id=user_id, position=heartbeat.position, received_ms=receive_ms()
             )
         except Unavailable as exc:

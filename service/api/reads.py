@@ -125,10 +125,12 @@ def progress_json(content_type: str, progress: Progress) -> str:
 class ProgressReads:
     """The two GET /progress routes, one ASGI handler: the route table sends it only their paths (is_read)."""
 
-    def __init__(self, *, authenticator: Authenticator, limiter: RateLimiter | None = None) -> None:
+    def __init__(
+        self, reader: ProgressReader | None, *, authenticator: Authenticator, limiter: RateLimiter | None = None
+    ) -> None:
+        self.reader = reader  # None: no database (DATABASE_URL), every read is a 503
         self.authenticator = authenticator
         self.limiter = limiter  # per user: a read is one call against it (shared with the sync)
-        self.reader: ProgressReader | None = None  # set by the lifespan once its clients exist; None without a database
         self._requests: dict[tuple[str, int], Counter] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -167,7 +169,7 @@ class ProgressReads:
 
     async def _read(self, kind: ContentKind, user_id: int, content_ids: list[int]) -> list[Progress]:
         if self.reader is None:
-            raise retry_soon("progress reads need the database (DATABASE_URL), or the service is starting")
+            raise retry_soon("progress reads need the database (DATABASE_URL)")
         try:
             return await self.reader.read(kind, user_id, content_ids)
         except ReadsWaiting as exc:  # a storm of reads, or a store that stalls: shed, not queued

@@ -49,6 +49,7 @@ class ProgressSync:
 
     def __init__(
         self,
+        offline: OfflineSync | None,
         *,
         authenticator: Authenticator,
         max_body_bytes: int,
@@ -56,12 +57,12 @@ class ProgressSync:
         limiter: RateLimiter | None = None,
         items_limiter: RateLimiter | None = None,
     ) -> None:
+        self.offline = offline  # None: no database (DATABASE_URL), every sync is a 503
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
         self.limiter = limiter  # per user: a sync is one call against it (shared with the reads)
         self.items_limiter = items_limiter  # per user: a sync costs one per item
-        self.offline: OfflineSync | None = None  # set by the lifespan once its clients exist; None without a database
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -86,9 +87,9 @@ class ProgressSync:
             items = parse_request(body)
         except ValidationError as exc:
             raise invalid_body(exc) from None
-        offline = self.offline  # once: the lifespan may take it away while the items are applied
+        offline = self.offline
         if offline is None:
-            raise retry_soon("offline sync needs the database (DATABASE_URL), or the service is starting")
+            raise retry_soon("offline sync needs the database (DATABASE_URL)")
         charge(self.items_limiter, user_id, _TOO_MANY, len(items))
         try:
             outcomes = await offline.apply(user_id, items, now_ms=now_ms())

@@ -62,7 +62,7 @@ async def test_mixed_algorithm_tokens_are_401_with_no_error_logged(
     async with running_app(rsa_only) as (app, client):
         with caplog.at_level(logging.INFO):
             for config, token in mixed:
-                app.api.state.ingest.authenticator = Authenticator(config)
+                app.api.state.handlers.ingest.authenticator = Authenticator(config)
                 response = await post(client, auth(token))
                 assert response.status_code == 401, response.text
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
