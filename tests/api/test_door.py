@@ -21,7 +21,7 @@ from service.progress.content import KIND_BY_PATH
 from service.progress.flusher import Flusher
 from service.progress.known_content import load_ids
 from service.progress.sink import HeartbeatSink
-from tests.helpers import auth, events, running_app, seed, wait_for
+from tests.helpers import MovedClock, auth, events, running_app, seed, wait_for
 
 LESSON = KIND_BY_PATH["/engagements/progress/lesson"]
 
@@ -77,11 +77,14 @@ async def test_content_created_after_a_404_is_accepted_within_a_second(
     await seed(db, users=7, contents=1)
     assert door.content_catalog_cache_seconds == Settings().content_catalog_cache_seconds > 1.2
     body = {"lesson_id": 5000, "position": 3}
-    async with running_app(door) as (_, client):
+    clock = MovedClock(time.monotonic)
+    async with running_app(door, clock=clock) as (_, client):
         early = await client.post("/engagements/progress/lesson", json=body, headers=auth(token))
         assert early.status_code == 404
         await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (5000, 'new', 600)")
-        await asyncio.sleep(1.2)
+        still = await client.post("/engagements/progress/lesson", json=body, headers=auth(token))
+        assert still.status_code == 404  # the cached answer, for now
+        clock.advance(1.2)
         late = await client.post("/engagements/progress/lesson", json=body, headers=auth(token))
         assert late.status_code == 201
     assert await redis.smembers("progress:pending_flush:lesson") == {"5000:7"}
