@@ -383,8 +383,7 @@ class Flusher:
             return result
         started = time.perf_counter()
         try:
-            # splitting on row locks stops at half the lease: the claim is settled well before another pod may
-            # take its entries over, and the keys not yet written wait in the pending set
+            # a split on row locks stops at half the lease: settled before another pod may take the claim over
             batch = await self._persist_with_retry(
                 conn, kind, heartbeats, until=time.monotonic() + self._lease_ms / 2000
             )
