@@ -17,7 +17,6 @@ from redis import Redis, RedisCluster
 from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio import RedisCluster as AsyncRedisCluster
 
-from service.app import build_key_layout
 from service.config import Settings
 from service.embedded import EmbeddedCluster
 from service.progress.buffer import now_ms
@@ -64,7 +63,7 @@ def main(args: harness.Namespace) -> None:
         primaries = s.stack.enter_context(RedisCluster.from_url(cluster.url)).get_primaries()
         masters = [Redis(host=n.host, port=n.port) for n in primaries]
         standalone = s.stack.enter_context(Redis.from_url(s.redis_url))
-        sharded = build_key_layout(Settings(redis_cluster=True))  # the layout `serve` runs with on the cluster
+        sharded = KeyLayout.from_settings(Settings(redis_cluster=True))  # the layout `serve` runs with on the cluster
         setups: dict[str, tuple[Callable[[], Any], KeyLayout, list[Redis]]] = {
             "standalone": (lambda: AsyncRedis.from_url(s.redis_url), KeyLayout(), [standalone]),
             "cluster": (lambda: AsyncRedisCluster.from_url(cluster.url), sharded, masters),

@@ -20,10 +20,10 @@ import asyncpg
 import harness
 from redis.asyncio import Redis
 
-from service.app import build_flusher
 from service.postgres import create_db_pool
 from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS
+from service.progress.flusher import Flusher
 from service.progress.keys import latest_position_key, parse_member, pending_flush_key
 from service.redis_client import connect_redis
 
@@ -98,7 +98,7 @@ async def drain(s: harness.Servers, db: asyncpg.Connection, redis: Redis, how: s
         else:  # one cycle of the service's flusher in this process, on its own connections
             config = harness.settings(s, **NO_BUDGET)
             async with await create_db_pool(config) as pool, connect_redis(config) as own:
-                result = vars(await build_flusher(config, own, pool).flush_cycle())
+                result = vars(await Flusher.from_settings(config, own, pool).flush_cycle())
         if result["written"] != keys or result["failed_batches"] or result["dropped"] or result["expired"]:
             raise RuntimeError(f"{how}: {result}, expected {keys} written")
         statements = result["batches"]  # one upsert statement per batch

@@ -18,9 +18,10 @@ import asyncpg
 import harness
 from monolith_worker import CREATE_TABLE_SQL
 
-from service.app import build_relay, completion_route
+from service.app import completion_route
 from service.config import Settings
 from service.outbox.celery_publisher import publisher_from_settings
+from service.outbox.relay import Relay
 from service.progress.content import CONTENT_KINDS
 from service.progress.store import Heartbeat, persist_batch
 
@@ -56,7 +57,7 @@ async def relay_drain(settings: Settings, pool: asyncpg.Pool, count: int) -> flo
     await pool.execute("TRUNCATE progress_completion_event")
     await pool.execute(EVENTS_SQL, count)
     with closing(publisher_from_settings(settings)) as publisher:
-        relay = build_relay(settings, pool, [completion_route(settings, publisher)])
+        relay = Relay.from_settings(settings, pool, [completion_route(settings, publisher)])
         await publisher.publish([])  # nothing: the thread pool exists before the clock starts
         started = time.perf_counter()
         result = await relay.relay_once()
@@ -71,7 +72,7 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
     await pool.execute("TRUNCATE progress_completion_event, monolith_task_execution, engagements_lessonprogress")
     total = int(rate * seconds)
     publisher, stop = publisher_from_settings(settings), asyncio.Event()
-    relay = asyncio.create_task(build_relay(settings, pool, [completion_route(settings, publisher)]).run(stop))
+    relay = asyncio.create_task(Relay.from_settings(settings, pool, [completion_route(settings, publisher)]).run(stop))
     try:
         await asyncio.sleep(1.0)  # LISTEN in place
         per_tick, next_tick = max(1, rate // 10), time.perf_counter()

@@ -6,6 +6,7 @@ JWT library (a key of the wrong kind, an `exp` no clock can reach) is a bad toke
 
 import re
 import time
+from collections.abc import Callable
 
 import jwt
 
@@ -50,7 +51,8 @@ def _expiry(claims: dict[str, object]) -> float:
 
 
 class Authenticator:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock  # a cached token's expiry is checked against it (tests move it)
         self.gateway_header = settings.auth_gateway_header.lower().encode("latin-1")
         self.use_gateway = settings.auth_mode == "gateway"
         self._key = settings.jwt_key
@@ -79,7 +81,7 @@ class Authenticator:
                 return self._verify(token)
             self._remember(token, cached)
         user_id, expires_at = cached
-        if time.time() < expires_at:
+        if self._clock() < expires_at:
             return user_id
         del self._verified[token]
         raise AuthError("token expired")

@@ -194,12 +194,13 @@ def _flush(args: argparse.Namespace) -> int:
 
 
 async def _run_flusher(parts: _Parts, *, once: bool) -> int:
-    from service.app import build_flusher, build_key_layout
+    from service.progress.flusher import Flusher
+    from service.progress.keys import KeyLayout
 
-    flusher = build_flusher(parts.settings, parts.redis, parts.pool)
+    flusher = Flusher.from_settings(parts.settings, parts.redis, parts.pool)
     if once:
         # what is pending now: heartbeats that arrive during the drain are flushed too, past the total
-        backlog = await measure_backlog(parts.redis, build_key_layout(parts.settings))
+        backlog = await measure_backlog(parts.redis, KeyLayout.from_settings(parts.settings))
         with Progress("flush --once", total=backlog.pending, unit="entries") as progress:
             result = await flusher.flush_cycle(stop=parts.stop, on_batch=progress.advance)
         print(json.dumps(asdict(result)), flush=True)
@@ -221,10 +222,11 @@ def _relay(args: argparse.Namespace) -> int:
 
 
 async def _run_relay(parts: _Parts, *, once: bool) -> int:
-    from service.app import build_relay, relay_routes
+    from service.app import relay_routes
+    from service.outbox.relay import Relay
 
     assert parts.publisher is not None
-    relay = build_relay(parts.settings, parts.pool, relay_routes(parts.settings, parts.redis, parts.publisher))
+    relay = Relay.from_settings(parts.settings, parts.pool, relay_routes(parts.settings, parts.redis, parts.publisher))
     if once:
         result = await relay.relay_once(stop=parts.stop)
         print(json.dumps(asdict(result)), flush=True)
@@ -254,7 +256,7 @@ def _trial_emails_run_once(args: argparse.Namespace) -> int:
 
 
 async def _sweep_once(parts: _Parts) -> int:
-    from service.app import batch_options
+    from service.trial_emails.batch import BatchOptions
 
     with Progress("trial-emails run-once", unit="trials") as progress:
 
@@ -265,7 +267,7 @@ async def _sweep_once(parts: _Parts) -> int:
         result = await sweep_journeys(
             pool=parts.pool,
             queue=build_email_queue(parts.settings, parts.redis, parts.publisher),
-            options=batch_options(parts.settings),
+            options=BatchOptions.from_settings(parts.settings),
             on_batch=show,
             should_stop=parts.stop.is_set,
         )
@@ -373,17 +375,10 @@ _MAX_COUNT = 1_000_000  # rows a listing may ask for
 
 
 def _openapi(args: argparse.Namespace) -> int:
-    """Print the OpenAPI document the app serves, as YAML: `progress-service openapi > openapi.yaml`."""
-    import yaml  # a dev tool; not a runtime dependency
-    from fastapi import FastAPI
+    """Print the OpenAPI document the app serves: service/api/openapi.yaml, as written."""
+    from service.api.openapi import openapi_text
 
-    from service.app import create_app
-
-    api = create_app(
-        Settings(jwt_secret=DEV_JWT_SECRET, progress_flusher_enabled=False, content_catalog_enabled=False)
-    ).app
-    assert isinstance(api, FastAPI)
-    print(yaml.safe_dump(api.openapi(), sort_keys=False, allow_unicode=True), end="")
+    print(openapi_text(), end="")
     return 0
 
 

@@ -17,12 +17,12 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
-from service.app import build_key_layout
 from service.config import Settings
 from service.outbox.outboxes import COMPLETIONS, EMAILS, outbox_counts
 from service.postgres import create_db_pool, local_timeouts_sql
 from service.progress.backlog import measure_backlog
 from service.progress.content import CONTENT_KINDS
+from service.progress.keys import KeyLayout
 from service.progress.known_content import count_ids
 from service.progress.redis_memory import memory_by_node, used_and_max
 from service.progress.redis_persistence import read_persistence, weakest
@@ -55,7 +55,7 @@ async def gather_status(settings: Settings) -> Status:
                 "in_flight": dict.fromkeys(types),
                 "in_flight_expired": dict.fromkeys(types),
                 "oldest_claim_age_seconds": dict.fromkeys(types),
-                "shards_per_type": build_key_layout(settings).shards,
+                "shards_per_type": KeyLayout.from_settings(settings).shards,
             },
             "outbox": {
                 outbox.name: {"owed": None, "parked": None, "oldest_owed_age_seconds": None}
@@ -76,7 +76,7 @@ async def _read_redis(settings: Settings, status: Status) -> None:
     redis = connect_redis(settings)
     try:
         now_ms = time.time_ns() // 1_000_000
-        backlog = await measure_backlog(redis, build_key_layout(settings), leases_at_ms=now_ms)
+        backlog = await measure_backlog(redis, KeyLayout.from_settings(settings), leases_at_ms=now_ms)
         if backlog.errors and not backlog.answered:
             raise backlog.errors[0]  # not one node answered: Redis is down, not partly
         lease_ms = settings.progress_flush_lease_seconds * 1000

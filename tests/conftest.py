@@ -15,7 +15,7 @@ import pytest
 from redis.asyncio import Redis
 
 from service import embedded
-from service.api.ingest import ProgressIngest
+from service.api.routes import Routes
 from service.auth import make_token
 from service.config import Settings
 from tests.helpers import TEST_JWT_SECRET, RunningApp, Servers, running_app
@@ -115,7 +115,7 @@ async def served(settings: Settings, redis: Redis) -> AsyncIterator[RunningApp]:
 
 
 @pytest.fixture
-def app(served: RunningApp) -> ProgressIngest:
+def app(served: RunningApp) -> Routes:
     return served.app
 
 

@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
 from service import embedded
-from service.api.ingest import ProgressIngest
+from service.api.routes import Routes
 from service.app import create_app
 from service.auth import make_token
 from service.config import Settings
@@ -56,18 +56,39 @@ class Servers:
 
 
 class RunningApp(NamedTuple):
-    app: ProgressIngest
+    app: Routes
     client: httpx.AsyncClient
 
 
+class MovedClock:
+    """A clock a test moves forward: `base` (time.monotonic, time.time) plus what `advance` added."""
+
+    def __init__(self, base: Callable[[], float]) -> None:
+        self._base = base
+        self.offset_s = 0.0
+
+    def __call__(self) -> float:
+        return self._base() + self.offset_s
+
+    def advance(self, seconds: float) -> None:
+        self.offset_s += seconds
+
+
 @asynccontextmanager
-async def running_app(settings: Settings, *, raise_app_exceptions: bool = True) -> AsyncIterator[RunningApp]:
+async def running_app(
+    settings: Settings,
+    *,
+    raise_app_exceptions: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
+) -> AsyncIterator[RunningApp]:
     """The app built from `settings`, its lifespan running, and a client that talks to it in-process.
 
     `raise_app_exceptions=False`: an exception escaping a request is its 500, as uvicorn would answer.
+    `clock`, `wall_clock`: the catalog's and the token cache's (a MovedClock, for a test that moves time).
     """
-    app = create_app(settings)
-    async with app.app.router.lifespan_context(app.app):
+    app = create_app(settings, clock=clock, wall_clock=wall_clock)
+    async with app.api.router.lifespan_context(app.api):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
             yield RunningApp(app, client)

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import asyncpg
 
 from service import metrics
+from service.config import Settings
 from service.loops import every
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.known_content import exists, load_ids
@@ -42,6 +43,19 @@ class LookupsSaturated(Exception):
 
 
 class ContentCatalog:
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, pool: asyncpg.Pool, clock: Callable[[], float] = time.monotonic
+    ) -> "ContentCatalog":
+        return cls(
+            pool,
+            lookup_timeout_s=settings.content_catalog_lookup_timeout_seconds,
+            answer_ttl_s=settings.content_catalog_cache_seconds,
+            max_answers=CATALOG_MAX_ANSWERS,
+            max_lookups=CATALOG_MAX_LOOKUPS,
+            clock=clock,
+        )
+
     def __init__(
         self,
         pool: asyncpg.Pool,

@@ -53,8 +53,7 @@ async def live() -> dict[str, str]:
 async def ready(request: Request) -> JSONResponse:
     """Ready while one path can keep a heartbeat: Redis (normal) or Postgres directly (degraded), and not draining."""
     redis_check, postgres_check = await asyncio.gather(_check_redis(request), _check_postgres(request))
-    sink = request.app.state.ingest.sink
-    if redis_check == "ok" and sink is not None and sink.redis_writes_failing:
+    if redis_check == "ok" and request.app.state.services.sink.redis_writes_failing:
         # PING answers, writes do not (a full Redis under noeviction, a node of the cluster down)
         redis_check = "answers, but heartbeat writes fail: degraded mode"
     checks = {"redis": redis_check}
@@ -66,8 +65,8 @@ async def ready(request: Request) -> JSONResponse:
         readiness = Readiness(status="ready", mode="degraded", checks=checks)
     else:
         readiness = Readiness(status="unavailable", mode="unavailable", checks=checks)
-    clock = getattr(request.app.state, "clock", None)
-    if clock is not None and not clock.ok and readiness.status == "ready":
+    clock = request.app.state.services.clock_check
+    if not clock.ok and readiness.status == "ready":
         # its heartbeats would be ordered by a wrong clock (service/progress/clock.py): out of the load balancer
         checks["clock"] = clock.why()
         readiness = Readiness(status="unavailable", mode=readiness.mode, checks=checks)
@@ -79,11 +78,11 @@ async def ready(request: Request) -> JSONResponse:
 
 
 async def _check_redis(request: Request) -> str:
-    return await _bounded_check(request, "redis", partial(ping, request.app.state.redis), REDIS_FAILED)
+    return await _bounded_check(request, "redis", partial(ping, request.app.state.services.redis), REDIS_FAILED)
 
 
 async def _check_postgres(request: Request) -> str | None:
-    pool = request.app.state.db_pool
+    pool = request.app.state.services.pool
     if pool is None:
         return None
     return await _bounded_check(request, "postgres", partial(pool.fetchval, "SELECT 1"), POSTGRES_FAILED)
@@ -99,7 +98,7 @@ async def _bounded_check(
     in flight for its store, which later probes wait on instead of starting another (the lifespan cancels
     what is left at shutdown).
     """
-    checks: dict[str, asyncio.Task[object]] = request.app.state.readiness_checks
+    checks: dict[str, asyncio.Task[object]] = request.app.state.services.readiness_checks
     task = checks.get(store)
     if task is None or task.done():
         task = checks[store] = asyncio.create_task(probe(), name=f"readiness-{store}")

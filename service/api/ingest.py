@@ -1,9 +1,8 @@
-"""The four progress POSTs, served as plain ASGI in front of FastAPI.
+"""The four progress POSTs, served as plain ASGI (the route table, `routes.py`, sends them here).
 
 This is the hot path: ~12 requests per minute per active listener. FastAPI's per-request
 dependency and serialisation machinery costs more than the work itself, so these routes are
-answered here, with the same models, the same errors and the same OpenAPI description
-(`service/api/openapi.py`), and everything else falls through to the FastAPI app.
+answered here, with the same models and the same errors, as `openapi.yaml` describes them.
 """
 
 import logging
@@ -14,11 +13,11 @@ from service.api.catalog import ContentCatalog, LookupsSaturated
 from service.api.deferred import DeferredHeartbeats
 from service.api.http import ClientGone, HttpError, as_http_error, identify, rate_limited, read_json, send_error
 from service.api.ratelimit import RateLimiter
-from service.asgi import ASGIApp, Receive, Scope, Send
+from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.buffer import receive_ms
 from service.progress.clock import ClockCheck
-from service.progress.content import CONTENT_KINDS, KIND_BY_PATH, ContentKind
+from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.sink import HeartbeatSink, Unavailable
 
 log = logging.getLogger(__name__)
@@ -32,22 +31,22 @@ _REFUSAL_LOG_INTERVAL_S = 10.0
 
 
 class ProgressIngest:
-    """ASGI middleware: POSTs to the four progress routes end here; anything else goes on to `reads`, then `app`."""
+    """The four heartbeat routes: `answer(kind, ...)` is each one's ASGI handler."""
 
     def __init__(
         self,
-        app: ASGIApp,
+        sink: HeartbeatSink,
         *,
         authenticator: Authenticator,
         max_body_bytes: int,
         body_read_timeout_s: float = 10.0,
         limiter: RateLimiter | None = None,
         deferred: DeferredHeartbeats | None = None,
-        reads: ASGIApp | None = None,
+        catalog: ContentCatalog | None = None,
+        clock_check: ClockCheck | None = None,
     ) -> None:
-        self.app = app
-        # the progress reads, then the sync (service/api/reads.py, sync.py), in front of `app` for the rest
-        self._next = reads or app
+        self.sink = sink
+        self.clock_check = clock_check  # a pod whose clock is off takes no heartbeat
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
@@ -55,9 +54,7 @@ class ProgressIngest:
         # what the limit refuses, kept for a write by the pod's loop (the lifespan runs it): a burst still
         # ends with the user's last position stored
         self.deferred = deferred
-        self.sink: HeartbeatSink | None = None  # set by the lifespan once its clients exist
-        self.catalog: ContentCatalog | None = None  # likewise; None: every id is accepted
-        self.clock: ClockCheck | None = None  # likewise: a pod whose clock is off takes no heartbeat
+        self.catalog = catalog  # None: the door is off, every id is accepted
         self._refused_since_log = 0
         self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S
         self._requests = {
@@ -66,11 +63,7 @@ class ProgressIngest:
             for status in (201, 400, 401, 404, 405, 408, 413, 422, 429, 500, 503)
         }
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = KIND_BY_PATH.get(scope["path"]) if scope["type"] == "http" else None
-        if kind is None:
-            await self._next(scope, receive, send)
-            return
+    async def answer(self, kind: ContentKind, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await self._handle(kind, scope, receive)
         except ClientGone:
@@ -96,11 +89,8 @@ class ProgressIngest:
         )
         if retry_after_s is not None:
             self._refuse(kind, getattr(heartbeat, kind.id_column), user_id, heartbeat.position, retry_after_s)
-        sink = self.sink  # once: the lifespan may take it away while the catalog lookup below waits
-        if sink is None:
-            raise HttpError(503, "service starting or stopping, retry later")
-        if self.clock is not None and not self.clock.ok:  # its receive time would misorder the user's heartbeats
-            raise HttpError(503, f"{self.clock.why()}, retry later")
+        if self.clock_check is not None and not self.clock_check.ok:  # its receive time would misorder the user's
+            raise HttpError(503, f"{self.clock_check.why()}, retry later")
         content_id: int = getattr(heartbeat, kind.id_column)
         if self.catalog is not None:
             known = self.catalog.is_known(kind, content_id)
@@ -113,7 +103,7 @@ class ProgressIngest:
                 metrics.REFUSED.labels("unknown_content").inc()
                 raise HttpError(404, f"unknown {kind.id_column} {content_id}")
         try:
-            await sink.write(
+            await self.sink.write(
                 kind, content_id=content_id, user_id=user_id, position=heartbeat.position, received_ms=receive_ms()
             )
         except Unavailable as exc:

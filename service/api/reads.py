@@ -1,9 +1,9 @@
-"""Reading progress back, served as plain ASGI in front of FastAPI like the heartbeats.
+"""Reading progress back, served as plain ASGI like the heartbeats (`routes.py` sends its prefix here).
 
 A screen that reads through this service asks as often as the app sends heartbeats, and the read
 must cost no more than the heartbeat it answers for: FastAPI's per-request machinery would cost
 more than the work, so these two routes are answered here, with the same auth and error shapes
-as `ingest.py`, and documented in the OpenAPI document by `service/api/openapi.py`.
+as `ingest.py`, as `openapi.yaml` describes them.
 """
 
 import json
@@ -17,8 +17,7 @@ from prometheus_client import Counter
 from service import metrics
 from service.api.http import HttpError, as_http_error, charge, identify, retry_soon, send_error, send_json
 from service.api.ratelimit import RateLimiter
-from service.api.sync import SYNC_ROUTE
-from service.asgi import ASGIApp, Receive, Scope, Send
+from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.content import EPOCH, KIND_BY_NAME, MAX_ID, ContentKind
 from service.progress.reads import Progress, ProgressReader, ReadsWaiting
@@ -26,7 +25,7 @@ from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
 log = logging.getLogger(__name__)
 
-PREFIX = "/progress/"
+PREFIX = "/progress/"  # the route table sends /progress/{a} and /progress/{a}/{b} here (routes.py)
 ONE_ROUTE = "/progress/{content_type}/{content_id}"
 MANY_ROUTE = "/progress/{content_type}"
 MAX_IDS = 100
@@ -39,16 +38,9 @@ def _invalid(location: str, name: str, message: str, error_type: str) -> HttpErr
     return HttpError(422, [{"loc": [location, name], "msg": message, "type": error_type}])
 
 
-def _route(path: str) -> tuple[str, list[str]] | None:
-    # the sync's path is not a content type: it goes on to the sync (service/api/sync.py), next in line
-    if not path.startswith(PREFIX) or path == SYNC_ROUTE:
-        return None
-    parts = path[len(PREFIX) :].split("/")
-    if len(parts) == 1:
-        return MANY_ROUTE, parts
-    if len(parts) == 2:
-        return ONE_ROUTE, parts
-    return None
+def is_read(path: str) -> bool:
+    """/progress/{content_type} or /progress/{content_type}/{content_id}: one of the two read routes."""
+    return path.startswith(PREFIX) and path.count("/", len(PREFIX)) <= 1
 
 
 def _content_id(text: str, location: str, name: str) -> int:
@@ -131,21 +123,19 @@ def progress_json(content_type: str, progress: Progress) -> str:
 
 
 class ProgressReads:
-    """ASGI middleware: the two GET /progress routes end here; anything else goes to `app`."""
+    """The two GET /progress routes, one ASGI handler: the route table sends it only their paths (is_read)."""
 
-    def __init__(self, app: ASGIApp, *, authenticator: Authenticator, limiter: RateLimiter | None = None) -> None:
-        self.app = app
+    def __init__(
+        self, reader: ProgressReader | None, *, authenticator: Authenticator, limiter: RateLimiter | None = None
+    ) -> None:
+        self.reader = reader  # None: no database (DATABASE_URL), every read is a 503
         self.authenticator = authenticator
         self.limiter = limiter  # per user: a read is one call against it (shared with the sync)
-        self.reader: ProgressReader | None = None  # set by the lifespan once its clients exist; None without a database
         self._requests: dict[tuple[str, int], Counter] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        found = _route(scope["path"]) if scope["type"] == "http" else None
-        if found is None:
-            await self.app(scope, receive, send)
-            return
-        route, parts = found
+        parts = scope["path"][len(PREFIX) :].split("/")
+        route = ONE_ROUTE if len(parts) == 2 else MANY_ROUTE
         try:
             body = await self._handle(route, parts, scope)
         except Exception as exc:
@@ -179,7 +169,7 @@ class ProgressReads:
 
     async def _read(self, kind: ContentKind, user_id: int, content_ids: list[int]) -> list[Progress]:
         if self.reader is None:
-            raise retry_soon("progress reads need the database (DATABASE_URL), or the service is starting")
+            raise retry_soon("progress reads need the database (DATABASE_URL)")
         try:
             return await self.reader.read(kind, user_id, content_ids)
         except ReadsWaiting as exc:  # a storm of reads, or a store that stalls: shed, not queued

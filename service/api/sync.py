@@ -1,4 +1,4 @@
-"""The offline sync, POST /progress/sync, served as plain ASGI in front of FastAPI like the heartbeats.
+"""The offline sync, POST /progress/sync, served as plain ASGI like the heartbeats (`routes.py`).
 
 One request carries up to SYNC_MAX_ITEMS positions heard offline (`service/progress/sync.py` settles
 them). It is charged twice: the request is one call against the reads' per-user limit before its
@@ -27,7 +27,7 @@ from service.api.http import (
     send_json,
 )
 from service.api.ratelimit import RateLimiter
-from service.asgi import ASGIApp, Receive, Scope, Send
+from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.buffer import now_ms
 from service.progress.sync import OfflineSync, SyncOutcome, SyncsWaiting, parse_request
@@ -45,11 +45,11 @@ def _outcome_json(outcome: SyncOutcome) -> bytes:
 
 
 class ProgressSync:
-    """ASGI middleware: every request to /progress/sync ends here; anything else goes to `app`."""
+    """The ASGI handler of /progress/sync, whatever the method."""
 
     def __init__(
         self,
-        app: ASGIApp,
+        offline: OfflineSync | None,
         *,
         authenticator: Authenticator,
         max_body_bytes: int,
@@ -57,18 +57,14 @@ class ProgressSync:
         limiter: RateLimiter | None = None,
         items_limiter: RateLimiter | None = None,
     ) -> None:
-        self.app = app
+        self.offline = offline  # None: no database (DATABASE_URL), every sync is a 503
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
         self.limiter = limiter  # per user: a sync is one call against it (shared with the reads)
         self.items_limiter = items_limiter  # per user: a sync costs one per item
-        self.offline: OfflineSync | None = None  # set by the lifespan once its clients exist; None without a database
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != SYNC_ROUTE:
-            await self.app(scope, receive, send)
-            return
         try:
             body = await self._handle(scope, receive)
         except ClientGone:
@@ -91,9 +87,9 @@ class ProgressSync:
             items = parse_request(body)
         except ValidationError as exc:
             raise invalid_body(exc) from None
-        offline = self.offline  # once: the lifespan may take it away while the items are applied
+        offline = self.offline
         if offline is None:
-            raise retry_soon("offline sync needs the database (DATABASE_URL), or the service is starting")
+            raise retry_soon("offline sync needs the database (DATABASE_URL)")
         charge(self.items_limiter, user_id, _TOO_MANY, len(items))
         try:
             outcomes = await offline.apply(user_id, items, now_ms=now_ms())

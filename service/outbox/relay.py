@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import asyncpg
 
 from service import checkpoints, metrics
+from service.config import Settings
 from service.loops import Backoff, every
 from service.outbox.messages import Publisher, PublishResult
 from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, outbox_counts, publish_window_s
@@ -59,6 +60,23 @@ class RelayResult:
 
 
 class Relay:
+    @classmethod
+    def from_settings(cls, settings: Settings, pool: asyncpg.Pool, routes: list[Route]) -> "Relay":
+        listen_dsn = settings.relay_listen_database_url or settings.database_url
+        return cls(
+            pool=pool,
+            routes=routes,
+            batch_size=settings.relay_batch_size,
+            lease_s=settings.relay_lease_seconds,
+            publish_timeout_s=settings.celery_publish_timeout_seconds,
+            poll_s=settings.relay_poll_interval_seconds,
+            max_backoff_s=settings.relay_max_backoff_seconds,
+            listen_dsn=listen_dsn if settings.relay_listen else "",
+            connect_timeout_s=settings.database_connect_timeout_seconds,
+            max_attempts=settings.outbox_max_attempts,
+            retry_backoff_s=settings.outbox_retry_backoff_seconds,
+        )
+
     def __init__(
         self,
         *,

@@ -14,6 +14,7 @@ from typing import NamedTuple
 from redis.exceptions import NoScriptError, RedisError
 
 from service import metrics
+from service.config import Settings
 from service.progress.batching import TurnBatcher
 from service.progress.keys import STANDALONE, KeyLayout, Shard, pending_member
 from service.redis_client import RedisClient, execute_by_node, get_many, node_name
@@ -184,6 +185,15 @@ def write_many_args(shard: Shard, writes: Sequence[tuple[int, int, float, float,
 
 class PositionWriter:
     """The request path's Redis writes, one pipeline per event-loop turn."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings, redis: RedisClient, layout: KeyLayout) -> "PositionWriter":
+        return cls(
+            redis,
+            layout=layout,
+            wait_replicas=settings.redis_wait_replicas,
+            wait_timeout_ms=settings.redis_wait_timeout_ms,
+        )
 
     def __init__(
         self,

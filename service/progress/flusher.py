@@ -24,6 +24,7 @@ from functools import partial
 import asyncpg
 
 from service import checkpoints, metrics
+from service.config import Settings
 from service.loops import Backoff, every
 from service.postgres import local_timeouts_sql
 from service.progress.backlog import Backlog, measure_backlog
@@ -125,6 +126,24 @@ class _Cycle:
 
 
 class Flusher:
+    @classmethod
+    def from_settings(cls, settings: Settings, redis: RedisClient, pool: asyncpg.Pool) -> "Flusher":
+        return cls(
+            redis=redis,
+            pool=pool,
+            layout=KeyLayout.from_settings(settings),
+            batch_size=settings.progress_flush_batch_size,
+            lease_s=settings.progress_flush_lease_seconds,
+            margin_s=settings.progress_completion_margin_seconds,
+            interval_s=settings.progress_flush_interval_seconds,
+            concurrency=settings.progress_flush_concurrency,
+            shutdown_timeout_s=settings.progress_shutdown_timeout_seconds,
+            max_rows_per_second=settings.progress_flush_max_rows_per_second,
+            statement_timeout_s=settings.database_statement_timeout_seconds,
+            lock_timeout_s=settings.database_lock_timeout_seconds,
+            value_ttl_s=settings.progress_position_ttl_seconds,
+        )
+
     def __init__(
         self,
         *,
@@ -364,8 +383,7 @@ class Flusher:
             return result
         started = time.perf_counter()
         try:
-            # splitting on row locks stops at half the lease: the claim is settled well before another pod may
-            # take its entries over, and the keys not yet written wait in the pending set
+            # a split on row locks stops at half the lease: settled before another pod may take the claim over
             batch = await self._persist_with_retry(
                 conn, kind, heartbeats, until=time.monotonic() + self._lease_ms / 2000
             )

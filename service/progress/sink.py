@@ -23,6 +23,7 @@ from functools import partial
 import asyncpg
 
 from service import metrics
+from service.config import Settings
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.buffer import PositionWriter
 from service.progress.content import CONTENT_KINDS, ContentKind
@@ -53,6 +54,15 @@ def _late() -> Unavailable:
 
 
 class DirectWriter:
+    @classmethod
+    def from_settings(cls, settings: Settings, pool: asyncpg.Pool) -> "DirectWriter":
+        return cls(
+            pool,
+            margin_s=settings.progress_completion_margin_seconds,
+            max_concurrency=settings.degraded_max_concurrency,
+            max_waiting=settings.degraded_max_waiting,
+        )
+
     def __init__(self, pool: asyncpg.Pool, *, margin_s: float, max_concurrency: int, max_waiting: int) -> None:
         self._pool = pool
         self._margin_s = margin_s
@@ -129,6 +139,16 @@ class DirectWriter:
 
 
 class HeartbeatSink:
+    @classmethod
+    def from_settings(cls, settings: Settings, writer: PositionWriter, pool: asyncpg.Pool | None) -> "HeartbeatSink":
+        """Redis through `writer`; without a database (`pool` None), no degraded mode."""
+        return cls(
+            writer,
+            None if pool is None else DirectWriter.from_settings(settings, pool),
+            redis_retry_s=settings.degraded_redis_retry_seconds,
+            direct_timeout_s=settings.degraded_write_timeout_seconds,
+        )
+
     def __init__(
         self,
         redis_writer: PositionWriter,

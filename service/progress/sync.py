@@ -33,6 +33,7 @@ import asyncpg
 import msgspec
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
+from service.config import Settings
 from service.progress.buffer import PositionWriter
 from service.progress.content import (
     CONTENT_KINDS,
@@ -43,7 +44,9 @@ from service.progress.content import (
     ContentKind,
     Position,
 )
+from service.progress.keys import KeyLayout
 from service.progress.reads import MAX_WAIT_S, StoredRows, as_ms, decode_values, fetch_rows
+from service.redis_client import RedisClient
 
 SYNC_MAX_ITEMS = 500
 # No listen is older than the app: a date before this is a broken clock, not a position to order by. It also keeps
@@ -213,6 +216,19 @@ class OfflineSync:
     """Applies a user's offline items; at most `max_concurrency` syncs of the process hold a connection at
     once, so syncs stalled on a locked table leave the rest of the pool to the reads, the flush and degraded
     mode. A sync that waited SYNC_MAX_WAIT_S for its turn raises SyncsWaiting."""
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, redis: RedisClient, pool: asyncpg.Pool, layout: KeyLayout
+    ) -> "OfflineSync":
+        # its own writer: a sync's pipeline is its own, not shared with the heartbeats of the turn
+        return cls(
+            PositionWriter.from_settings(settings, redis, layout),
+            pool,
+            max_skew_s=settings.sync_max_clock_skew_seconds,
+            max_backdate_s=settings.sync_max_backdate_hours * 3600,
+            max_concurrency=settings.sync_max_concurrency,
+        )
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ from typing import Literal, TypedDict
 import asyncpg
 
 from service import checkpoints, metrics
+from service.config import Settings
 from service.outbox.outboxes import EMAILS, mark_published, publish_window_s
 from service.trial_emails.journey import SOURCE
 from service.trial_emails.queue import EmailQueue, MessageRefusedError, QueuedEmail
@@ -48,6 +49,16 @@ class BatchOptions:
     block_size: int  # RESERVATION_BLOCK_SIZE: pairs reserved per statement
     lease_s: float  # RELAY_LEASE_SECONDS: how long the batch keeps its winners from the relay
     publish_timeout_s: float  # CELERY_PUBLISH_TIMEOUT_SECONDS
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "BatchOptions":
+        return cls(
+            send_email=settings.send_email,
+            batch_size=settings.journey_batch_size,
+            block_size=settings.reservation_block_size,
+            lease_s=settings.relay_lease_seconds,
+            publish_timeout_s=settings.celery_publish_timeout_seconds,
+        )
 
 
 class BatchResult(TypedDict):

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from redis.asyncio import Redis
 
-from service.api.ingest import ProgressIngest
+from service.api.routes import Routes
 from service.app import create_app
 from service.auth import _VERIFIED_GENERATION_SIZE, Authenticator, AuthError
 from service.config import ConfigError, Settings
@@ -62,7 +62,7 @@ async def test_mixed_algorithm_tokens_are_401_with_no_error_logged(
     async with running_app(rsa_only) as (app, client):
         with caplog.at_level(logging.INFO):
             for config, token in mixed:
-                app.authenticator = Authenticator(config)
+                app.api.state.handlers.ingest.authenticator = Authenticator(config)
                 response = await post(client, auth(token))
                 assert response.status_code == 401, response.text
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
@@ -145,7 +145,7 @@ async def test_gateway_header_must_be_canonical_and_single(settings: Settings, r
 
 
 async def test_in_jwt_mode_a_user_header_nobody_vouches_for_is_ignored(
-    app: ProgressIngest, client: httpx.AsyncClient, token: str, redis: Redis
+    app: Routes, client: httpx.AsyncClient, token: str, redis: Redis
 ) -> None:
     response = await post(client, [("Authorization", f"Bearer {token}"), ("X-User-Id", "5"), ("X-User-Id", "6")])
     assert response.status_code == 201

@@ -14,14 +14,14 @@ from service.api import catalog as catalog_module
 from service.api.catalog import ContentCatalog, LookupsSaturated
 from service.api.deferred import DEFER_INTERVAL_S, DeferredHeartbeats
 from service.api.ratelimit import RateLimiter
-from service.app import build_flusher
 from service.auth import make_token
 from service.config import Settings
 from service.progress.buffer import PositionWriter, decode_value, receive_ms
 from service.progress.content import KIND_BY_PATH
+from service.progress.flusher import Flusher
 from service.progress.known_content import load_ids
 from service.progress.sink import HeartbeatSink
-from tests.helpers import auth, events, running_app, seed, wait_for
+from tests.helpers import MovedClock, auth, events, running_app, seed, wait_for
 
 LESSON = KIND_BY_PATH["/engagements/progress/lesson"]
 
@@ -59,7 +59,9 @@ async def test_content_published_a_moment_ago_is_accepted_at_once(
 ) -> None:
     await seed(db, users=7, contents=1)
     async with running_app(door) as (app, client):
-        assert app.catalog is not None and app.catalog.is_known(LESSON, 1) is True  # in memory: no await
+        assert (
+            app.api.state.services.catalog is not None and app.api.state.services.catalog.is_known(LESSON, 1) is True
+        )  # in memory: no await
         await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (50, 'new', 600)")
         response = await client.post(
             "/engagements/progress/lesson", json={"lesson_id": 50, "position": 3}, headers=auth(token)
@@ -75,11 +77,14 @@ async def test_content_created_after_a_404_is_accepted_within_a_second(
     await seed(db, users=7, contents=1)
     assert door.content_catalog_cache_seconds == Settings().content_catalog_cache_seconds > 1.2
     body = {"lesson_id": 5000, "position": 3}
-    async with running_app(door) as (_, client):
+    clock = MovedClock(time.monotonic)
+    async with running_app(door, clock=clock) as (_, client):
         early = await client.post("/engagements/progress/lesson", json=body, headers=auth(token))
         assert early.status_code == 404
         await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (5000, 'new', 600)")
-        await asyncio.sleep(1.2)
+        still = await client.post("/engagements/progress/lesson", json=body, headers=auth(token))
+        assert still.status_code == 404  # the cached answer, for now
+        clock.advance(1.2)
         late = await client.post("/engagements/progress/lesson", json=body, headers=auth(token))
         assert late.status_code == 201
     assert await redis.smembers("progress:pending_flush:lesson") == {"5000:7"}
@@ -346,7 +351,7 @@ async def test_a_refused_final_position_of_content_created_after_start_is_writte
         assert answer.json()["completed_at"] is not None
     assert queries == [50]  # one lookup for both users' refusals
     assert decode_value(await redis.get("progress:latest_position:lesson:50:8")).position == 595.0
-    assert (await build_flusher(door, redis, db).flush_cycle()).completions == 2
+    assert (await Flusher.from_settings(door, redis, db).flush_cycle()).completions == 2
     assert sorted(await events(db)) == [("lesson", 50, 7), ("lesson", 50, 8)]
 
 
@@ -364,7 +369,7 @@ async def test_a_pod_started_with_postgres_unreachable_still_writes_the_refused_
     unreachable = door.database_url.replace(f":{dsn_port}/", f":{port}/")
     limited = {"database_url": unreachable, "rate_limit_burst": 1, "rate_limit_per_user_per_second": 0.01}
     async with running_app(door.model_copy(update=limited)) as (app, client):
-        assert app.catalog is not None and app.catalog.snapshot_bytes() == 0
+        assert app.api.state.services.catalog is not None and app.api.state.services.catalog.snapshot_bytes() == 0
         statuses = []
         for position in (20, 30, 40, 595):
             response = await client.post(
@@ -373,7 +378,7 @@ async def test_a_pod_started_with_postgres_unreachable_still_writes_the_refused_
             statuses.append(response.status_code)
         assert statuses == [201, 429, 429, 429]
         await wait_for(partial(value_at, redis, "progress:latest_position:lesson:1:7", 595.0), timeout_s=1.5)
-    assert (await build_flusher(door, redis, db).flush_cycle()).completions == 1
+    assert (await Flusher.from_settings(door, redis, db).flush_cycle()).completions == 1
     assert await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7") == 595.0
 
 
@@ -432,7 +437,7 @@ async def test_a_ten_minute_offline_replay_stores_its_last_position_and_complete
             return raw is not None and decode_value(raw).position == 600.0
 
         await wait_for(last_position_stored, timeout_s=1.5)
-    flusher = build_flusher(door, redis, db)
+    flusher = Flusher.from_settings(door, redis, db)
     assert (await flusher.flush_cycle()).completions == 1
     assert await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7") == 600.0
     assert await events(db) == [("lesson", 1, 7)]
@@ -454,7 +459,7 @@ async def test_a_refused_heartbeat_at_the_end_still_completes_after_a_restart(
             assert response.status_code == status
     stored = decode_value(await redis.get("progress:latest_position:lesson:1:7"))
     assert (stored.position, stored.peak) == (3.0, 595.0)
-    assert (await build_flusher(door, redis, db).flush_cycle()).completions == 1
+    assert (await Flusher.from_settings(door, redis, db).flush_cycle()).completions == 1
     assert await events(db) == [("lesson", 1, 7)]
 
 
@@ -483,14 +488,16 @@ async def test_a_flooding_user_costs_a_bounded_number_of_redis_writes(
 async def test_a_refresh_replaces_the_snapshot(door: Settings, db: asyncpg.Pool, redis: Redis) -> None:
     await seed(db, users=1, contents=2)
     async with running_app(door) as (app, _):
-        assert app.catalog is not None
+        assert app.api.state.services.catalog is not None
         await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (70, 'new', 600)")
         await db.execute("DELETE FROM courses_lesson WHERE id = 2")
-        assert app.catalog.is_known(LESSON, 2) is True  # the snapshot of start-up
-        assert await app.catalog.try_refresh()
-        assert app.catalog.is_known(LESSON, 70) is True  # in memory now: no lookup
-        assert app.catalog.snapshot_bytes() == 8 * (2 + 2 * 3)  # lessons 1 and 70, two ids of three other kinds
-        missing = app.catalog.is_known(LESSON, 2)
+        assert app.api.state.services.catalog.is_known(LESSON, 2) is True  # the snapshot of start-up
+        assert await app.api.state.services.catalog.try_refresh()
+        assert app.api.state.services.catalog.is_known(LESSON, 70) is True  # in memory now: no lookup
+        assert app.api.state.services.catalog.snapshot_bytes() == 8 * (
+            2 + 2 * 3
+        )  # lessons 1 and 70, two ids of three other kinds
+        missing = app.api.state.services.catalog.is_known(LESSON, 2)
         assert not isinstance(missing, bool) and await missing is False
 
 

@@ -41,7 +41,7 @@ from tests.helpers import TEST_JWT_SECRET, Servers
 
 pytestmark = pytest.mark.slow  # schemathesis against a live server
 
-OPENAPI_FILE = Path(__file__).resolve().parents[2] / "openapi.yaml"
+OPENAPI_FILE = Path(__file__).resolve().parents[2] / "service" / "api" / "openapi.yaml"
 USER_ID = 7
 
 CONFIG = schemathesis.Config.from_dict(

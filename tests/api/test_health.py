@@ -11,6 +11,7 @@ import pytest
 from redis.asyncio import Redis
 
 from service import embedded
+from service.api.routes import not_serving
 from service.config import Settings
 from tests.helpers import auth, running_app, wait_for
 
@@ -51,10 +52,9 @@ async def test_lifespan_opens_and_closes_the_redis_client(settings: Settings, re
 
     assert await named_clients() == 0
     async with running_app(settings) as (app, _):
-        assert app.sink is not None
-        await app.app.state.redis.ping()
+        await app.api.state.services.redis.ping()
         assert await named_clients() >= 1
-    assert app.sink is None
+    assert app.table["/audios/progress"] is not_serving  # the table stopped serving before the parts stopped
     assert await named_clients() == 0
 
 

@@ -10,11 +10,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from redis.asyncio import Redis
 
-from service.api.ingest import ProgressIngest
+from service.api.routes import Routes
 from service.app import create_app
 from service.config import ConfigError, Settings
 from service.progress.buffer import decode_value
-from tests.helpers import TEST_JWT_SECRET, auth, running_app
+from tests.helpers import TEST_JWT_SECRET, MovedClock, auth, running_app
 
 ROUTES = [
     ("/engagements/progress/lesson", "lesson_id", "lesson"),
@@ -75,7 +75,6 @@ async def test_an_older_heartbeat_never_replaces_a_newer_value(
 async def test_concurrent_requests_share_pipelines_and_all_land(
     client: httpx.AsyncClient, redis: Redis, settings: Settings
 ) -> None:
-    import asyncio
 
     from service.auth import make_token
 
@@ -207,15 +206,16 @@ async def test_bad_tokens_get_401_and_write_nothing(
     assert await all_keys(redis) == []
 
 
-@pytest.mark.slow
-async def test_a_cached_token_is_still_refused_once_expired(client: httpx.AsyncClient, redis: Redis) -> None:
+async def test_a_cached_token_is_still_refused_once_expired(settings: Settings, redis: Redis) -> None:
     short = _token({"user_id": 5, "exp": int(time.time()) + 1})
-    first = await client.post("/lives/progress", json={"live_id": 1, "position": 1}, headers=auth(short))
-    assert first.status_code == 201
-    await redis.flushdb()
-    await asyncio.sleep(2.1)
-    second = await client.post("/lives/progress", json={"live_id": 1, "position": 2}, headers=auth(short))
-    assert second.status_code == 401
+    wall_clock = MovedClock(time.time)
+    async with running_app(settings, wall_clock=wall_clock) as (_, client):
+        first = await client.post("/lives/progress", json={"live_id": 1, "position": 1}, headers=auth(short))
+        assert first.status_code == 201
+        await redis.flushdb()
+        wall_clock.advance(2.1)
+        second = await client.post("/lives/progress", json={"live_id": 1, "position": 2}, headers=auth(short))
+        assert second.status_code == 401
     assert await all_keys(redis) == []
 
 
@@ -273,9 +273,7 @@ def test_jwt_mode_without_a_usable_key_refuses_to_start(settings: Settings, upda
         create_app(settings.model_copy(update=update))
 
 
-async def test_a_client_gone_mid_body_gets_no_answer_and_writes_nothing(
-    app: ProgressIngest, redis: Redis, token: str
-) -> None:
+async def test_a_client_gone_mid_body_gets_no_answer_and_writes_nothing(app: Routes, redis: Redis, token: str) -> None:
     messages = iter(
         [{"type": "http.request", "body": b'{"audio_id": 1,', "more_body": True}, {"type": "http.disconnect"}]
     )

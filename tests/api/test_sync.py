@@ -9,8 +9,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service.api.ingest import ProgressIngest
-from service.app import build_flusher
+from service.api.routes import Routes
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, PositionWriter, decode_value, write_args
 from service.progress.flusher import Flusher
@@ -41,7 +40,7 @@ def ms(moment: datetime) -> float:
 
 @pytest.fixture
 async def flusher(settings: Settings, redis: Redis, db: asyncpg.Pool) -> Flusher:
-    return build_flusher(settings, redis, db)
+    return Flusher.from_settings(settings, redis, db)
 
 
 async def test_newer_items_are_applied_and_older_ones_are_not(
@@ -301,7 +300,7 @@ async def test_the_rate_limit_seam_refuses_before_anything_is_written(
             calls.append((user_id, int(cost)))
             return 2.4 if cost > 1 else None
 
-    app.app.state.sync.items_limiter = Limit()
+    app.api.state.handlers.sync.items_limiter = Limit()
     response = await client.post("/progress/sync", content=sync_body(3), headers=auth(token))
     assert (response.status_code, response.headers["retry-after"]) == (429, "3")  # 2.4 s, rounded up
     assert await redis.keys("*") == []
@@ -324,14 +323,14 @@ async def test_a_body_nested_past_the_decoders_stack_is_a_400_not_a_500(
 
 
 async def test_a_bug_in_a_route_is_a_json_500_counted_and_logged(
-    app: ProgressIngest, client: httpx.AsyncClient, db: asyncpg.Pool, token: str, caplog: pytest.LogCaptureFixture
+    app: Routes, client: httpx.AsyncClient, db: asyncpg.Pool, token: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     await seed(db, users=7)
 
     async def broken(*_: object, **__: object) -> None:
         raise RuntimeError("a bug")
 
-    app.app.state.sync.offline.apply = broken
+    app.api.state.handlers.sync.offline.apply = broken
     before = metric("progress_http_requests_total", route="/progress/sync", status="500")
     response = await client.post("/progress/sync", content=sync_body(1), headers=auth(token))
     assert (response.status_code, response.json()) == (500, {"detail": "internal error, retry later"})
@@ -355,7 +354,7 @@ async def test_while_the_shard_count_changes_a_sync_item_older_than_the_previous
         answers = (await client.get("/progress/audio?ids=1,2,3", headers=auth(token))).json()["data"]
     assert [(a["content_id"], a["position"]) for a in answers] == [(1, 321.0), (2, 10.0), (3, 10.0)]
     # what the flush of both layouts leaves: the newer of each (one drain, every shard in turn)
-    await build_flusher(changed.model_copy(update={"progress_flush_concurrency": 1}), redis, db).flush_cycle()
+    await Flusher.from_settings(changed.model_copy(update={"progress_flush_concurrency": 1}), redis, db).flush_cycle()
     assert await db.fetchval("SELECT array_agg(position ORDER BY audio_id) FROM audios_audioprogress") == [
         321.0,
         10.0,

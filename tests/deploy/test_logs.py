@@ -12,11 +12,12 @@ import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from service.app import build_relay, completion_route
+from service.app import completion_route
 from service.config import Settings
 from service.embedded import free_port
 from service.logs import JsonFormatter, RequestIdMiddleware
 from service.outbox.messages import Message, PublishResult
+from service.outbox.relay import Relay
 from tests.deploy.files import VENV_BIN
 from tests.helpers import Servers, auth, clean_environment, seed
 
@@ -140,7 +141,7 @@ async def test_a_parked_outbox_row_is_logged_with_its_outbox_and_row_id(
         "VALUES ('lesson', 1, 1, now()) RETURNING id"
     )
     one_attempt = settings.model_copy(update={"outbox_max_attempts": 1})  # parked at the first refusal
-    relay = build_relay(one_attempt, db, [completion_route(one_attempt, RefusingBroker())])
+    relay = Relay.from_settings(one_attempt, db, [completion_route(one_attempt, RefusingBroker())])
 
     result = await relay.relay_once()
 

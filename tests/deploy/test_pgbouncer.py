@@ -9,12 +9,14 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service.app import build_flusher, build_relay, completion_route
+from service.app import completion_route
 from service.auth import make_token
 from service.config import Settings
 from service.outbox.celery_publisher import publisher_from_settings
+from service.outbox.relay import Relay
 from service.postgres import create_db_pool, local_timeouts_sql
 from service.progress.content import CONTENT_KINDS
+from service.progress.flusher import Flusher
 from service.redis_client import connect_redis
 from tests.helpers import PgBouncer, Tls, auth, seed
 from tests.monolith.fixtures import Broker, Executions
@@ -54,7 +56,7 @@ async def test_flusher_writes_through_pgbouncer_in_transaction_mode_over_tls(
     pool = await create_db_pool(through_pgbouncer)
     flusher_redis = connect_redis(through_pgbouncer)
     try:
-        flusher = build_flusher(through_pgbouncer, flusher_redis, pool)
+        flusher = Flusher.from_settings(through_pgbouncer, flusher_redis, pool)
         for position in (100.0, 595.0):  # the second round completes every content (duration 600, margin 10)
             sent = await _send_heartbeats(client, settings, position)
             result = await flusher.flush_cycle()
@@ -158,7 +160,7 @@ async def test_the_relay_behind_pgbouncer_listens_on_its_direct_url_and_otherwis
         publisher = publisher_from_settings(relay_settings)
         stop = asyncio.Event()
         relay = asyncio.create_task(
-            build_relay(relay_settings, pool, [completion_route(relay_settings, publisher)]).run(stop)
+            Relay.from_settings(relay_settings, pool, [completion_route(relay_settings, publisher)]).run(stop)
         )
         try:
             await asyncio.sleep(0.5)  # past the relay's first pass

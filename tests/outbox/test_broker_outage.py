@@ -8,10 +8,10 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
-from service.app import batch_options, build_flusher
 from service.config import Settings
 from service.outbox.celery_publisher import publisher_from_settings
-from service.trial_emails.batch import send_trial_journey_emails_batch
+from service.progress.flusher import Flusher
+from service.trial_emails.batch import BatchOptions, send_trial_journey_emails_batch
 from service.trial_emails.queue import BrokerUnavailableError, CeleryEmailQueue
 from tests.helpers import add_trials, post_near_end, running_app, seed
 from tests.monolith.fixtures import Broker, Executions
@@ -28,7 +28,7 @@ async def test_a_broker_outage_delays_delivery_and_loses_or_repeats_nothing(
     now = datetime.now(UTC)
     await add_trials(db, 30, started_at=now - timedelta(hours=1), ends_at=now + timedelta(days=7), first_user=1001)
     trial_ids = [row["id"] for row in await db.fetch("SELECT id FROM trials_usertrial ORDER BY id")]
-    flusher = build_flusher(relay_settings, redis, db)
+    flusher = Flusher.from_settings(relay_settings, redis, db)
     publisher = publisher_from_settings(relay_settings)
     emails = CeleryEmailQueue(publisher, relay_settings)
     try:
@@ -44,7 +44,7 @@ async def test_a_broker_outage_delays_delivery_and_loses_or_repeats_nothing(
                 await flusher.flush_cycle()
                 with pytest.raises(BrokerUnavailableError):
                     await send_trial_journey_emails_batch(
-                        trial_ids[:20], pool=db, queue=emails, options=batch_options(relay_settings)
+                        trial_ids[:20], pool=db, queue=emails, options=BatchOptions.from_settings(relay_settings)
                     )
                 assert (await client.get("/health/ready")).status_code == 200  # heartbeats are still safe
                 await asyncio.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped_at)))
@@ -54,7 +54,7 @@ async def test_a_broker_outage_delays_delivery_and_loses_or_repeats_nothing(
                 broker.start()
 
             more = await send_trial_journey_emails_batch(
-                trial_ids[20:], pool=db, queue=emails, options=batch_options(relay_settings)
+                trial_ids[20:], pool=db, queue=emails, options=BatchOptions.from_settings(relay_settings)
             )
             assert more["sent"] == 10
             await executions.wait_for(10 + 30 + 20 + 10, timeout_s=60, settle_s=1.0)

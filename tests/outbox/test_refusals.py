@@ -7,9 +7,11 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
-from service.app import build_flusher, build_relay, completion_route
+from service.app import completion_route
 from service.config import Settings
 from service.outbox.celery_publisher import _broker_reply, publisher_from_settings
+from service.outbox.relay import Relay
+from service.progress.flusher import Flusher
 from tests.helpers import add_events, limited_broker_user, metric, post_near_end, running_app, seed
 from tests.monolith.fixtures import Broker, BusyBroker, Executions
 
@@ -86,7 +88,7 @@ async def test_completions_published_while_the_broker_answers_busy_are_delivered
         with BusyBroker(broker) as busy:
             busy_since = time.monotonic()
             await post_near_end(client, relay_settings, users=20, lessons=1)
-            result = await build_flusher(relay_settings, redis, db).flush_cycle()
+            result = await Flusher.from_settings(relay_settings, redis, db).flush_cycle()
             assert result.failed_batches == 0
             assert await db.fetchval("SELECT count(*) FROM progress_completion_event") == 20
             # the relay, woken by the flush, meets BUSY for the rest of the hiccup
@@ -116,7 +118,7 @@ async def test_a_refused_message_is_retried_with_a_doubling_backoff_and_parked_o
         }
     )
     publisher = publisher_from_settings(refused)
-    relay = build_relay(refused, db, [completion_route(refused, publisher)])
+    relay = Relay.from_settings(refused, db, [completion_route(refused, publisher)])
     retried_before = metric("progress_outbox_retried_total", outbox="completion")
     parked_before = metric("progress_outbox_failed_total", outbox="completion")
 

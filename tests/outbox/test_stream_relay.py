@@ -10,9 +10,10 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from service import metrics
-from service.app import build_relay, email_route
+from service.app import email_route
 from service.config import Settings
 from service.outbox.messages import Message, PublishResult
+from service.outbox.relay import Relay
 from service.trial_emails.batch import reserve_and_enqueue
 from service.trial_emails.queue import QueuedEmail, RedisStreamQueue, StreamPublisher
 from tests.helpers import enqueued, seed, stream_entries
@@ -33,7 +34,7 @@ async def test_the_relay_puts_what_the_batch_left_on_the_stream_once(
     await asyncio.sleep(0.3)  # the batch's lease on its winners runs out
 
     queue = RedisStreamQueue(redis, settings.email_queue_stream)
-    relay = build_relay(settings, db, [email_route(settings, StreamPublisher(queue))])
+    relay = Relay.from_settings(settings, db, [email_route(settings, StreamPublisher(queue))])
     first, second = await relay.relay_once(), await relay.relay_once()
 
     assert (first.published["email"], second.published["email"]) == (3, 0)
@@ -79,7 +80,7 @@ async def test_the_relay_loop_survives_an_unexpected_publisher_error(
         }
     )
     stop = asyncio.Event()
-    loop = asyncio.create_task(build_relay(fast, db, [email_route(fast, publisher)]).run(stop))
+    loop = asyncio.create_task(Relay.from_settings(fast, db, [email_route(fast, publisher)]).run(stop))
     deadline = asyncio.get_running_loop().time() + 10
     while asyncio.get_running_loop().time() < deadline and len(await enqueued(redis, queue.stream)) < 2:
         await asyncio.sleep(0.1)
@@ -114,7 +115,7 @@ async def test_a_slow_broker_leaves_the_rest_to_the_relay_before_the_lease_ends_
     )
     assert 1 <= sent < len(pairs)
     await asyncio.sleep(1.6)  # the lease on what the batch left runs out
-    relay = build_relay(settings, db, [email_route(settings, StreamPublisher(queue))])
+    relay = Relay.from_settings(settings, db, [email_route(settings, StreamPublisher(queue))])
     assert (await relay.relay_once()).published["email"] == len(pairs) - sent
     assert await enqueued(redis, queue.stream) == dict.fromkeys(pairs, 1)
     assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 0

@@ -8,12 +8,11 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
-from service.app import batch_options
 from service.config import Settings
 from service.embedded import free_port
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
 from service.outbox.outboxes import email_task_id
-from service.trial_emails.batch import send_trial_journey_emails_batch
+from service.trial_emails.batch import BatchOptions, send_trial_journey_emails_batch
 from service.trial_emails.queue import CeleryEmailQueue
 from tests.helpers import RELAY_LEASE_S as LEASE_S
 from tests.helpers import (
@@ -87,15 +86,15 @@ async def test_the_mixed_trials_reach_the_worker_once_a_rerun_sends_none_and_sen
     try:
         disabled = relay_settings.model_copy(update={"send_email": False})
         off = await send_trial_journey_emails_batch(
-            await trial_ids(db), pool=db, queue=queue, options=batch_options(disabled)
+            await trial_ids(db), pool=db, queue=queue, options=BatchOptions.from_settings(disabled)
         )
         assert off["sent"] == 0 and await db.fetchval("SELECT count(*) FROM trial_email_outbox") == 0
 
         first = await send_trial_journey_emails_batch(
-            await trial_ids(db), pool=db, queue=queue, options=batch_options(relay_settings)
+            await trial_ids(db), pool=db, queue=queue, options=BatchOptions.from_settings(relay_settings)
         )
         rerun = await send_trial_journey_emails_batch(
-            await trial_ids(db), pool=db, queue=queue, options=batch_options(relay_settings)
+            await trial_ids(db), pool=db, queue=queue, options=BatchOptions.from_settings(relay_settings)
         )
     finally:
         await asyncio.to_thread(publisher.close)
@@ -118,7 +117,10 @@ async def test_three_concurrent_runners_deliver_each_email_once(
         results = await asyncio.gather(
             *(
                 send_trial_journey_emails_batch(
-                    ids, pool=pool, queue=CeleryEmailQueue(publisher, small_blocks), options=batch_options(small_blocks)
+                    ids,
+                    pool=pool,
+                    queue=CeleryEmailQueue(publisher, small_blocks),
+                    options=BatchOptions.from_settings(small_blocks),
                 )
                 for pool, publisher in zip(pools, publishers, strict=True)
             )
@@ -208,7 +210,10 @@ async def test_an_email_the_broker_refuses_is_not_marked_published_and_the_relay
     publisher = publisher_from_settings(refused)
     try:
         result = await send_trial_journey_emails_batch(
-            await trial_ids(db), pool=db, queue=CeleryEmailQueue(publisher, refused), options=batch_options(refused)
+            await trial_ids(db),
+            pool=db,
+            queue=CeleryEmailQueue(publisher, refused),
+            options=BatchOptions.from_settings(refused),
         )
     finally:
         await asyncio.to_thread(publisher.close)

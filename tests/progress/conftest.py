@@ -8,7 +8,6 @@ import pytest
 from redis.asyncio import RedisCluster
 
 from service import embedded
-from service.app import build_key_layout
 from service.config import Settings
 from service.embedded import EmbeddedCluster
 from service.progress.buffer import WRITE_SCRIPT
@@ -32,7 +31,7 @@ def cluster_settings(settings: Settings, valkey_cluster: EmbeddedCluster) -> Set
 
 @pytest.fixture
 def cluster_layout(cluster_settings: Settings) -> KeyLayout:
-    return build_key_layout(cluster_settings)
+    return KeyLayout.from_settings(cluster_settings)
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
-from service.app import build_flusher
 from service.config import Settings
 from service.progress.budget import FlushBudget, Reservation
 from service.progress.buffer import WRITE_SCRIPT
@@ -72,7 +71,7 @@ async def write_script(redis: Redis) -> None:
 
 
 def _flusher(settings: Settings, redis: Redis, db: asyncpg.Pool, **update: object) -> Flusher:
-    return build_flusher(settings.model_copy(update=update), redis, db)
+    return Flusher.from_settings(settings.model_copy(update=update), redis, db)
 
 
 async def test_reservations_follow_one_another_at_the_budgets_pace(redis: Redis) -> None:

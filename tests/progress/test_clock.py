@@ -17,8 +17,8 @@ async def test_a_pod_whose_clock_lags_refuses_heartbeats_and_is_not_ready_until_
     """Found by an attack: a pod 30 s behind answered 201 to a listener's later heartbeats and the earlier one, from
     a pod with the right clock, stood: two acknowledged positions lost."""
     async with running_app(settings) as (app, client):
-        clock = app.clock
-        assert clock is not None and clock.ok
+        clock = app.api.state.services.clock_check
+        assert clock.ok
         clock._clock = lambda: time.time() - 30  # a host whose clock is 30 s behind
         await clock.sample()
         assert not clock.ok and metric("progress_clock_skew_seconds") == pytest.approx(-30, abs=1)

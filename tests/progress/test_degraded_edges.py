@@ -75,7 +75,7 @@ async def test_a_503_from_degraded_mode_writes_nothing_even_after_postgres_recov
             )
             assert [a.status_code for a in answers] == [503] * 6
             await transaction.rollback()  # Postgres is fast again
-        direct = app.app.state.ingest.sink._direct
+        direct = app.api.state.services.sink._direct
         assert direct is not None
 
         async def settled() -> bool:  # nothing queued in degraded mode, no statement of it left running

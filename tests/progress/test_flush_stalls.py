@@ -18,7 +18,6 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError
 
-from service.app import build_flusher
 from service.config import Settings
 from service.progress.budget import FlushBudget
 from service.progress.buffer import WRITE_SCRIPT, decode_value, now_ms
@@ -49,7 +48,7 @@ async def write_script(redis: Redis) -> None:
 
 
 def _flusher(settings: Settings, redis: Redis, db: asyncpg.Pool, **update: object) -> Flusher:
-    return build_flusher(settings.model_copy(update=update), redis, db)
+    return Flusher.from_settings(settings.model_copy(update=update), redis, db)
 
 
 def _refusals_only(flusher: Flusher) -> AdaptiveLimit:

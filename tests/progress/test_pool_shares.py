@@ -7,11 +7,12 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
-from service.app import build_flusher, create_app
+from service.app import create_app
 from service.auth import make_token
 from service.config import READ_LANES, ConfigError, Settings
 from service.progress.buffer import receive_ms
 from service.progress.content import CONTENT_KINDS, KIND_BY_NAME
+from service.progress.flusher import Flusher
 from service.progress.store import Heartbeat
 from tests.helpers import ago, auth, running_app, seed, sync_item, table_locked, wait_for, waiting_on_lock
 
@@ -47,7 +48,7 @@ async def test_60_live_syncs_behind_a_locked_table_leave_the_reads_the_flush_and
             "/engagements/progress/lesson", headers=reader, json={"lesson_id": 1, "position": 42}
         )
         assert heartbeat.status_code == 201
-        pool = app.app.state.db_pool
+        pool = app.api.state.services.pool
         syncer = auth(make_token(siege, 1))
         async with table_locked(db, "lives_live"):
             syncs = [
@@ -64,9 +65,9 @@ async def test_60_live_syncs_behind_a_locked_table_leave_the_reads_the_flush_and
                 read = await client.get("/progress/lesson/1", headers=reader)
             read_s = loop.time() - started
             async with asyncio.timeout(5):
-                flushed = await build_flusher(siege, redis, pool).flush_cycle()
+                flushed = await Flusher.from_settings(siege, redis, pool).flush_cycle()
             meditation = KIND_BY_NAME["meditation"]
-            direct = app.app.state.ingest.sink._direct  # degraded mode's writer, on the app's pool
+            direct = app.api.state.services.sink._direct  # degraded mode's writer, on the app's pool
             async with asyncio.timeout(5):
                 await direct.write(meditation, Heartbeat(1, 3, 30.0, receive_ms(), peak=30.0), deadline=loop.time() + 3)
             assert await waiting_on_lock(db, "lives_live") == SYNC_SHARE  # the syncs hold their share, no more
@@ -111,8 +112,8 @@ async def test_a_pool_connection_not_had_in_time_is_the_store_unavailable_never_
             "/engagements/progress/lesson", headers=token, json={"lesson_id": 1, "position": 42}
         )
         assert heartbeat.status_code == 201
-        pool = app.app.state.db_pool
-        flusher = build_flusher(quick, redis, pool)
+        pool = app.api.state.services.pool
+        flusher = Flusher.from_settings(quick, redis, pool)
         held = [await pool.acquire() for _ in range(pool.get_max_size())]
         waited: dict[str, float] = {}
         try:

@@ -74,11 +74,11 @@ async def test_a_connection_closed_under_a_heartbeat_write_is_retried_not_a_500(
     await seed(db, users=7, contents=1)
     async with running_app(settings, raise_app_exceptions=False) as (app, client):
         assert await heartbeat(client, token, 10) == 201
-        redis_client: Redis = app.app.state.redis
+        redis_client: Redis = app.api.state.services.redis
         assert await closed_under_its_write(redis_client, heartbeat(client, token, 20)) == 201
         # the pool's one retry took it to Redis on a new connection: not even degraded mode
         assert await stored_position(redis, 7) == 20
-        assert not app.app.state.ingest.sink.degraded
+        assert not app.api.state.services.sink.degraded
         assert await heartbeat(client, token, 30) == 201
     assert await stored_position(redis, 7) == 30
     assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 0  # all on Redis

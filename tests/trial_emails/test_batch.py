@@ -9,10 +9,9 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from service.app import batch_options
 from service.config import Settings
 from service.outbox.outboxes import EMAILS
-from service.trial_emails.batch import reserve_and_enqueue, send_trial_journey_emails_batch
+from service.trial_emails.batch import BatchOptions, reserve_and_enqueue, send_trial_journey_emails_batch
 from service.trial_emails.journey import JOURNEY
 from service.trial_emails.queue import QueuedEmail, RedisStreamQueue
 from service.trial_emails.reservations import LOAD_SENT_KEYS_SQL, LOAD_TRIALS_SQL, RESERVE_BLOCK_SQL
@@ -41,7 +40,7 @@ async def test_several_due_emails_per_trial_are_reserved_in_one_statement_and_al
     ids = await add_trials(trials_db, 3, **MIDWAY)
 
     result = await send_trial_journey_emails_batch(
-        ids, pool=pool, queue=queue, options=batch_options(settings), now=NOW
+        ids, pool=pool, queue=queue, options=BatchOptions.from_settings(settings), now=NOW
     )
 
     assert result == {"status": "ok", "user_trials": 3, "sent": 9}
@@ -71,7 +70,7 @@ async def test_200_trials_owing_6_emails_take_6_reservation_statements(
     ids = await add_trials(trials_db, 200, **ALL_DUE)
 
     result = await send_trial_journey_emails_batch(
-        ids, pool=pool, queue=queue, options=batch_options(settings), now=NOW
+        ids, pool=pool, queue=queue, options=BatchOptions.from_settings(settings), now=NOW
     )
 
     assert result == {"status": "ok", "user_trials": 200, "sent": 1200}
@@ -96,11 +95,13 @@ async def test_a_second_run_of_the_same_batch_enqueues_nothing(
 ) -> None:
     pool, statements = counted
     ids = await add_trials(trials_db, 5, **ALL_DUE)
-    first = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, options=batch_options(settings), now=NOW)
+    first = await send_trial_journey_emails_batch(
+        ids, pool=pool, queue=queue, options=BatchOptions.from_settings(settings), now=NOW
+    )
     statements.sql.clear()
 
     second = await send_trial_journey_emails_batch(
-        ids, pool=pool, queue=queue, options=batch_options(settings), now=NOW
+        ids, pool=pool, queue=queue, options=BatchOptions.from_settings(settings), now=NOW
     )
 
     assert first["sent"] == 30
@@ -121,7 +122,7 @@ async def test_a_reservation_already_written_by_another_worker_is_not_enqueued(
     )
 
     result = await send_trial_journey_emails_batch(
-        ids, pool=trials_db, queue=queue, options=batch_options(settings), now=NOW
+        ids, pool=trials_db, queue=queue, options=BatchOptions.from_settings(settings), now=NOW
     )
 
     assert result["sent"] == 5
@@ -162,7 +163,7 @@ async def test_three_concurrent_runners_enqueue_each_pair_exactly_once(
         results = await asyncio.gather(
             *(
                 send_trial_journey_emails_batch(
-                    ids, pool=pool, queue=queue, options=batch_options(small_blocks), now=NOW
+                    ids, pool=pool, queue=queue, options=BatchOptions.from_settings(small_blocks), now=NOW
                 )
                 for pool in pools
             )
@@ -188,7 +189,7 @@ async def test_send_email_false_reserves_and_enqueues_nothing(
     disabled = settings.model_copy(update={"send_email": False})
 
     result = await send_trial_journey_emails_batch(
-        ids, pool=pool, queue=queue, options=batch_options(disabled), now=NOW
+        ids, pool=pool, queue=queue, options=BatchOptions.from_settings(disabled), now=NOW
     )
 
     assert result == {"status": "disabled", "user_trials": 0, "sent": 0}
@@ -220,7 +221,7 @@ async def test_a_publish_failure_mid_block_leaves_the_rest_to_the_relay_and_stop
 
     with caplog.at_level(logging.WARNING), pytest.raises(RedisConnectionError):
         await send_trial_journey_emails_batch(
-            ids, pool=trials_db, queue=broker, options=batch_options(with_blocks(settings, 5)), now=NOW
+            ids, pool=trials_db, queue=broker, options=BatchOptions.from_settings(with_blocks(settings, 5)), now=NOW
         )
 
     # first block: 5 reserved, 3 published, 2 orphans; the second block was never reserved
@@ -237,7 +238,7 @@ async def test_a_publish_failure_mid_block_leaves_the_rest_to_the_relay_and_stop
 
     # a rerun sends the rest and not the two: their rows exist, and their messages are the relay's
     rerun = await send_trial_journey_emails_batch(
-        ids, pool=trials_db, queue=queue, options=batch_options(settings), now=NOW
+        ids, pool=trials_db, queue=queue, options=BatchOptions.from_settings(settings), now=NOW
     )
     assert rerun["sent"] == 7
     counts = await enqueued(redis, queue.stream)
@@ -279,7 +280,9 @@ async def test_a_batch_cancelled_mid_reservation_reports_what_the_statement_rese
             "VALUES (1, 'trial_journey', 'trial_welcome', now(), now())"
         )
         batch = asyncio.create_task(
-            send_trial_journey_emails_batch(ids, pool=trials_db, queue=queue, options=batch_options(settings), now=NOW)
+            send_trial_journey_emails_batch(
+                ids, pool=trials_db, queue=queue, options=BatchOptions.from_settings(settings), now=NOW
+            )
         )
         await wait_for(
             lambda: trials_db.fetchval(

@@ -10,10 +10,10 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from service.app import batch_options, periodic_sweep
+from service.app import periodic_sweep
 from service.config import Settings
 from service.embedded import free_port
-from service.trial_emails.batch import BatchResult
+from service.trial_emails.batch import BatchOptions, BatchResult
 from service.trial_emails.queue import RedisStreamQueue
 from service.trial_emails.sweep import SWEEP_LOCK_KEY, sweep_journeys
 from tests.helpers import add_trials, enqueued, metric, reserved, start_service_command, wait_for
@@ -37,7 +37,7 @@ async def test_a_sweep_pages_only_the_trials_in_their_journey_in_batches(
     result = await sweep_journeys(
         pool=trials_db,
         queue=queue,
-        options=batch_options(settings.model_copy(update={"journey_batch_size": 3})),
+        options=BatchOptions.from_settings(settings.model_copy(update={"journey_batch_size": 3})),
         now=NOW,
         on_batch=lambda done, total, batch: progress.append((done, total, batch)),
     )
