@@ -78,6 +78,24 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dev_banner(args: argparse.Namespace, settings: Settings, token: str) -> str:
+    return (
+        f"\nprogress-service dev is ready on http://{args.host}:{args.port}\n"
+        f"REDIS_URL={settings.redis_url}\nDATABASE_URL={settings.database_url}\n"
+        f"CELERY_BROKER_URL={settings.celery_broker_url}\n\n"
+        "Try it (user 1, lesson 1):\n"
+        f"  curl -i -X POST http://{args.host}:{args.port}/engagements/progress/lesson \\\n"
+        f"    -H 'Authorization: Bearer {token}' \\\n"
+        "    -H 'Content-Type: application/json' -d '{\"lesson_id\": 1, \"position\": 42.5}'\n\n"
+        'Lesson 1 lasts 600 s: send "position": 595 and it completes. After the next flush '
+        f"(every {settings.progress_flush_interval_seconds:g} s) its {settings.completion_task_name} task "
+        "waits in the broker:\n"
+        f"  python -c \"import redis; print(redis.Redis.from_url('{settings.celery_broker_url}')"
+        f".lrange('{settings.completion_task_queue}', 0, -1))\"\n\n"
+        "Ctrl-C stops the service and the embedded servers.\n"
+    )
+
+
 def _dev(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -112,27 +130,14 @@ def _dev(args: argparse.Namespace) -> int:
         configure_logging(settings.log_level)
         app = create_app(settings)
         token = make_token(settings, 1)
-        print(
-            f"\nprogress-service dev is ready on http://{args.host}:{args.port}\n"
-            f"REDIS_URL={settings.redis_url}\nDATABASE_URL={settings.database_url}\n"
-            f"CELERY_BROKER_URL={settings.celery_broker_url}\n\n"
-            "Try it (user 1, lesson 1):\n"
-            f"  curl -i -X POST http://{args.host}:{args.port}/engagements/progress/lesson \\\n"
-            f"    -H 'Authorization: Bearer {token}' \\\n"
-            "    -H 'Content-Type: application/json' -d '{\"lesson_id\": 1, \"position\": 42.5}'\n\n"
-            'Lesson 1 lasts 600 s: send "position": 595 and it completes. After the next flush '
-            f"(every {settings.progress_flush_interval_seconds:g} s) its {settings.completion_task_name} task "
-            "waits in the broker:\n"
-            f"  python -c \"import redis; print(redis.Redis.from_url('{settings.celery_broker_url}')"
-            f".lrange('{settings.completion_task_queue}', 0, -1))\"\n\n"
-            "Ctrl-C stops the service and the embedded servers.\n",
-            flush=True,
-        )
-        # uvicorn shuts down gracefully on Ctrl-C, then re-raises it; with Python's own handler that is a
-        # KeyboardInterrupt in the middle of the lifespan's shutdown, which cut the final flush short. As
-        # `serve` does for SIGTERM: the re-raise is a no-op, the lifespan finishes, our servers stop after.
-        signal.signal(signal.SIGINT, lambda *_: None)
-        uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args.host, args.port, settings))).run()
+        http = uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(args.host, args.port, settings)))
+        # Ctrl-C is uvicorn's graceful stop from the banner on, also before uvicorn installs its own handler
+        # (the lifespan then starts and stops at once, final flush included): a Ctrl-C in that gap used to
+        # be swallowed, and dev served on. With Python's own handler it would be a KeyboardInterrupt in the
+        # middle of the lifespan's shutdown, when uvicorn re-raises it after the stop; this one is a no-op then.
+        signal.signal(signal.SIGINT, http.handle_exit)
+        print(_dev_banner(args, settings, token), flush=True)
+        http.run()
     finally:
         for server in reversed(servers):
             _progress(f"stopping embedded {server.name}")

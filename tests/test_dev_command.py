@@ -134,6 +134,16 @@ def test_dev_serves_the_printed_curl_stops_clean_and_keeps_data(tmp_path: Path) 
     assert _processes_using(data_dir) == []
 
 
+@pytest.mark.regression
+def test_dev_a_ctrl_c_right_after_the_banner_stops_it_clean(tmp_path: Path) -> None:
+    """Found by CI: the banner was printed before uvicorn installed its handler, and a Ctrl-C in between
+    hit a no-op handler, so dev served on. It is now uvicorn's graceful stop from the banner on."""
+    data_dir = tmp_path / "dev-data"
+    process, _ = _start_dev(data_dir, (free_port(), free_port(), free_port()))
+    assert _stop(process) == 0
+    assert _processes_using(data_dir) == []
+
+
 def test_dev_a_completion_from_the_printed_curl_lands_in_the_broker_after_one_flush(tmp_path: Path) -> None:
     import base64
     import json
