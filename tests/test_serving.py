@@ -54,8 +54,24 @@ async def test_after_sigterm_a_keep_alive_client_is_answered_and_told_to_close(
     process = await start_service_command(
         "serve", "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers), env=env
     )
+    assert process.stderr is not None
+    stderr = process.stderr
+    lines: list[dict[str, object]] = []
+
+    async def read_logs() -> None:
+        async for line in stderr:
+            if line.startswith(b"{"):
+                lines.append(json.loads(line))
+
+    reader = asyncio.create_task(read_logs())
+
+    async def every_worker_started() -> bool:
+        # one ready worker answers readiness; a worker still starting at SIGTERM has nothing to drain, and stops
+        started = [line for line in lines if line["message"] == "Application startup complete."]
+        return len(started) == workers and await _readiness_is(base_url, 200)
+
     try:
-        await wait_for(lambda: _readiness_is(base_url, 200), timeout_s=60)
+        await wait_for(every_worker_started, timeout_s=60)
         headers = auth(make_token(Settings(jwt_secret=TEST_JWT_SECRET), 2))
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
         async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=10) as client:
@@ -83,8 +99,7 @@ async def test_after_sigterm_a_keep_alive_client_is_answered_and_told_to_close(
         if process.returncode is None:
             process.kill()
             await process.wait()
-    assert process.stderr is not None
-    lines = [json.loads(line) for line in (await process.stderr.read()).decode().splitlines() if line.startswith("{")]
+    await reader
     drained = [str(line["message"]) for line in lines if str(line["message"]).startswith("SIGTERM: draining")]
     assert len({message.rsplit("[", 1)[1] for message in drained}) == workers, "every worker drains"
     # the final flush wrote the position answered during the drain
