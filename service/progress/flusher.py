@@ -354,7 +354,14 @@ class Flusher:
             # whatever stopped it (a bug, a cancellation): the batch goes back now, not after its
             # lease, and not with a lease that only comes back to fail again with the same entry
             await asyncio.shield(self._leases.release(claim))
+            if reservation is not None:
+                await asyncio.shield(self.budget.refund(reservation, claimed))
             raise
+        # what a lock (or a refusal) kept from the database is not the fleet's: a type that one lock holds
+        # would otherwise spend a batch of the budget every cycle, and every other type would go slower
+        unwritten = claimed if batch.failed_batches else batch.locked
+        if reservation is not None and unwritten:
+            await asyncio.shield(self.budget.refund(reservation, unwritten))
         cycle.result.add(batch)
         if batch.failed_batches:
             turn.failed = True  # its siblings leave the rest of this type pending; the loop backs off

@@ -94,6 +94,23 @@ async def test_one_locked_row_holds_its_key_only(
     await assert_all_persisted(redis, db, last)
 
 
+async def test_what_a_lock_keeps_from_the_database_costs_the_fleet_no_budget(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, locker: asyncpg.Connection
+) -> None:
+    """Found by the nemesis: a content table under a migration's lock failed its type's batch every cycle, and
+    every pod spent that batch's budget on nothing, so the other types drained slower than their fair turn."""
+    last = await fill(redis, db, 50)
+    flusher = _flusher(settings, redis, db, database_lock_timeout_seconds=0.2, progress_flush_max_rows_per_second=50)
+    assert flusher.budget.batch_rows == 50  # a batch is one second of the budget
+    async with locker.transaction():
+        await locker.execute("LOCK TABLE engagements_lessonprogress IN ACCESS EXCLUSIVE MODE")
+        result = await flusher.flush_cycle()
+        assert result.failed_batches == 1 and result.written == 0
+        assert not await _ahead_s(redis, 0.3)  # the failed batch's second went back
+    await flusher.flush_cycle()
+    await assert_all_persisted(redis, db, last)
+
+
 async def test_a_user_row_held_against_the_foreign_key_holds_that_users_keys_only(
     settings: Settings, redis: Redis, db: asyncpg.Pool, locker: asyncpg.Connection
 ) -> None:
