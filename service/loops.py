@@ -41,6 +41,7 @@ async def every(
     backoff: Backoff | None = None,
     wake: asyncio.Event | None = None,
     wait_first: bool = False,
+    from_start: bool = False,
     errors: Counter | None = None,
     logger: logging.Logger = log,
 ) -> None:
@@ -51,7 +52,8 @@ async def every(
     a bug: logged with its traceback, counted in `errors`, taken as a failure, and the loop goes on,
     because for the flusher or the relay a dead loop would be a silent loss.
     `jitter` (0.1: ±10 %) spreads the pods' steps apart; `wake` (the relay's NOTIFY) cuts short the
-    wait after a successful step, not a backoff.
+    wait after a successful step, not a backoff. With `from_start`, the wait counts from the step's start
+    (the flusher: a step held by one locked type must not push every other type's next cycle back).
     """
     if wait_first and await sleep_unless_stopped(stop, interval_s):
         return
@@ -59,6 +61,7 @@ async def every(
     while not stop.is_set():
         if wake is not None:
             wake.clear()  # what woke it is the step's to handle now
+        started = asyncio.get_running_loop().time()
         try:
             succeeded = await step()
         except Exception:
@@ -67,10 +70,12 @@ async def every(
                 errors.inc()
             logger.exception("%s failed unexpectedly; retrying", name)
         failures = 0 if succeeded else failures + 1
+        took_s = asyncio.get_running_loop().time() - started if from_start else 0.0
         if failures and backoff is not None:
-            await sleep_unless_stopped(stop, backoff.delay_s(failures))
+            await sleep_unless_stopped(stop, max(0.0, backoff.delay_s(failures) - took_s))
         else:
-            await sleep_unless_stopped(stop, interval_s * random.uniform(1 - jitter, 1 + jitter), wake)
+            delay_s = interval_s * random.uniform(1 - jitter, 1 + jitter)
+            await sleep_unless_stopped(stop, max(0.0, delay_s - took_s), wake)
 
 
 async def sleep_unless_stopped(stop: asyncio.Event, timeout_s: float, wake: asyncio.Event | None = None) -> bool:

@@ -178,13 +178,16 @@ class Flusher:
     async def run(self, stop: asyncio.Event) -> None:
         """Flush every interval until `stop`; then one last cycle within the shutdown timeout."""
         # The loop is the only way out of the buffer: if it died, every pending value would expire.
-        # Jitter spreads the pods' cycles; a failed cycle is retried sooner, with exponential backoff.
+        # Jitter spreads the pods' cycles; a failed cycle is retried sooner, with exponential backoff. A cycle
+        # begins an interval after the last one began: one that a locked type held for lock_timeout (its
+        # drain waits, the others went on) delays no type's next turn.
         await every(
             self._interval_s,
             stop,
             partial(self._cycle, stop),
             name="flush cycle",
             jitter=0.1,
+            from_start=True,
             backoff=Backoff(1.0, min(_MAX_BACKOFF_S, self._interval_s)),
             errors=metrics.FLUSH_CYCLE_ERRORS,
             logger=log,

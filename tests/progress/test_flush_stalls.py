@@ -6,6 +6,7 @@ SIGTERM ends every wait, and the counts summed over concurrent drains are exact.
 """
 
 import asyncio
+import itertools
 import json
 import logging
 import signal
@@ -211,6 +212,41 @@ async def _ahead_s(redis: Redis, seconds: float) -> bool:
     ends = await redis.get(FLUSH_BUDGET_KEY)
     server_s, server_us = await redis.time()
     return ends is not None and int(ends) - (server_s * 1_000_000 + server_us) > seconds * 1_000_000
+
+
+async def test_a_type_its_lock_holds_delays_no_other_types_next_cycle(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, locker: asyncpg.Connection
+) -> None:
+    """Found by the nemesis: the loop waited an interval after each cycle ended, and a cycle lasted as long as
+    the drain that waited lock_timeout on the locked type: every other type's turn came one lock_timeout later."""
+    await fill(redis, db, 20)
+    flusher = _flusher(
+        settings,
+        redis,
+        db,
+        database_lock_timeout_seconds=1.0,
+        progress_flush_interval_seconds=1.0,
+        progress_flush_max_rows_per_second=0,
+    )
+    began: list[float] = []
+    cycle = flusher.flush_cycle
+
+    async def recorded(*args: object, **kwargs: object) -> object:
+        began.append(time.monotonic())
+        await write(redis, "lesson", 1, 1, 100 + len(began))  # the locked type has a batch every cycle
+        return await cycle(*args, **kwargs)  # type: ignore[arg-type]
+
+    flusher.flush_cycle = recorded  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    async with locker.transaction():
+        await locker.execute("LOCK TABLE engagements_lessonprogress IN ACCESS EXCLUSIVE MODE")
+        running = asyncio.create_task(flusher.run(stop))
+        await asyncio.sleep(5.5)
+        stop.set()
+    await running
+    gaps = [later - earlier for earlier, later in itertools.pairwise(began)]
+    # a cycle begins an interval (±10 %) after the last one began, not lock_timeout + an interval
+    assert len(gaps) >= 3 and max(gaps[:-1]) < 1.5, gaps
 
 
 async def test_one_types_backlog_does_not_hold_another(
