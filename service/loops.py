@@ -1,7 +1,8 @@
 """The two shapes of everything that runs on its own here, each written once.
 
 every              a step every interval until a stop event: the flusher, the relay, the trial-journey
-                   sweep, the catalog refresh, the Redis memory sample (sleep_unless_stopped: its one wait)
+                   sweep, the catalog refresh (sleep_unless_stopped: its one wait); sample_every, the same
+                   for the samplers (Redis memory and persistence, the clock check)
 run_until_stopped  a long-running command (flush, relay, trial-emails run-once) until SIGTERM or Ctrl-C
 """
 
@@ -76,6 +77,30 @@ async def every(
         else:
             delay_s = interval_s * random.uniform(1 - jitter, 1 + jitter)
             await sleep_unless_stopped(stop, max(0.0, delay_s - took_s), wake)
+
+
+async def sample_every(
+    interval_s: float,
+    stop: asyncio.Event,
+    sample: Callable[[], Awaitable[object]],
+    *,
+    name: str,
+    unavailable: tuple[type[BaseException], ...],
+    logger: logging.Logger = log,
+) -> None:
+    """`every` for a sampler off the request path (a gauge, a check): a store that does not answer (`unavailable`)
+    is a debug line and the sample waits for the next interval; readiness and the write metrics report the outage,
+    and what the sample set keeps its last value."""
+
+    async def step() -> bool:
+        try:
+            await sample()
+        except unavailable as exc:
+            logger.debug("%s skipped: %s", name, exc)
+            return False
+        return True
+
+    await every(interval_s, stop, step, name=name, logger=logger)
 
 
 async def sleep_unless_stopped(stop: asyncio.Event, timeout_s: float, wake: asyncio.Event | None = None) -> bool:

@@ -6,8 +6,8 @@ redis-py for is in service/redis_internals.py.
 """
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any, TypeAlias
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeAlias, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
@@ -22,6 +22,7 @@ from service.redis_internals import GUARDED, guard_cluster_connections, node_pip
 from service.stores import REDIS_UNAVAILABLE
 
 RedisClient: TypeAlias = Redis | RedisCluster
+T = TypeVar("T")
 
 
 def connect_redis(settings: Settings) -> RedisClient:
@@ -121,6 +122,18 @@ async def get_many(redis: RedisClient, keys: Sequence[str]) -> list[bytes | str 
         if isinstance(result, Exception):
             raise result
     return results  # type: ignore[return-value]
+
+
+async def on_each_master(redis: RedisClient, command: Callable[[dict[str, Any]], Awaitable[T]]) -> dict[str, T]:
+    """`command(target)` on the server, or on every master of a cluster one at a time, by node name ("" on a
+    server). `target` goes into the command's keywords; one node each time, because redis-py answers a command
+    sent to several nodes with a dict by node, but to one node with its reply alone."""
+    if isinstance(redis, RedisCluster):
+        await redis.initialize()  # the client learns the masters at its first command; this may be it
+        masters = redis.get_primaries()
+        replies = await asyncio.gather(*(command({"target_nodes": node}) for node in masters))
+        return {node.name: reply for node, reply in zip(masters, replies, strict=True)}
+    return {"": await command({})}
 
 
 async def ping(redis: RedisClient) -> None:

@@ -25,7 +25,7 @@ from service.progress.content import CONTENT_KINDS
 from service.progress.keys import KeyLayout
 from service.progress.known_content import count_ids
 from service.progress.redis_memory import memory_by_node, used_and_max
-from service.progress.redis_persistence import read_persistence, weakest
+from service.progress.redis_persistence import age_text, read_persistence, weakest
 from service.redis_client import connect_redis
 from service.stores import POSTGRES_BUSY, POSTGRES_FAILED, REDIS_FAILED
 
@@ -229,13 +229,7 @@ def _n(count: int | None) -> str:
 
 
 def _age(age_s: float | None) -> str:
-    if age_s is None:
-        return "-"
-    if age_s < 120:
-        return f"{age_s:.0f} s"
-    if age_s < 7200:
-        return f"{age_s / 60:.0f} min"
-    return f"{age_s / 3600:.1f} h"
+    return "-" if age_s is None else age_text(age_s)
 
 
 def _memory(used: int | None, maximum: int | None) -> str:

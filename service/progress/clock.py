@@ -16,7 +16,7 @@ from collections.abc import Callable
 from redis.asyncio import RedisCluster
 
 from service import metrics
-from service.loops import every
+from service.loops import sample_every
 from service.redis_client import RedisClient
 from service.stores import REDIS_FAILED
 
@@ -57,12 +57,4 @@ class ClockCheck:
         return f"this pod's clock is {self.skew_s:+.1f} s from Redis's (more than {self.max_skew_s:g} s)"
 
     async def run(self, stop: asyncio.Event, interval_s: float = SAMPLE_INTERVAL_S) -> None:
-        async def step() -> bool:
-            try:
-                await self.sample()
-            except REDIS_FAILED as exc:
-                log.debug("clock not sampled: %s", exc)
-                return False
-            return True
-
-        await every(interval_s, stop, step, name="clock check", logger=log)
+        await sample_every(interval_s, stop, self.sample, name="clock check", unavailable=REDIS_FAILED, logger=log)

@@ -4,12 +4,11 @@ well before that (deploy/prometheus/alerts.yml, 80 %)."""
 
 import asyncio
 import logging
-
-from redis.asyncio import RedisCluster
+from functools import partial
 
 from service import metrics
-from service.loops import every
-from service.redis_client import RedisClient
+from service.loops import sample_every
+from service.redis_client import RedisClient, on_each_master
 from service.stores import REDIS_FAILED
 
 log = logging.getLogger(__name__)
@@ -29,12 +28,7 @@ def _fill(info: dict[str, object]) -> float:
 
 async def memory_by_node(redis: RedisClient) -> dict[str, dict[str, object]]:
     """INFO memory of the server, or of every master of a cluster, by node name ("" on a server)."""
-    if isinstance(redis, RedisCluster):
-        by_node: dict[str, dict[str, object]] = await redis.info("memory", target_nodes=RedisCluster.PRIMARIES)
-        if "used_memory" in by_node:  # one master: redis-py answers with its reply alone
-            return {redis.get_primaries()[0].name: by_node}  # type: ignore[dict-item]
-        return by_node
-    return {"": await redis.info("memory")}
+    return await on_each_master(redis, lambda target: redis.info("memory", **target))
 
 
 async def sample_redis_memory(redis: RedisClient) -> None:
@@ -48,14 +42,11 @@ async def run_redis_memory_sampler(
     redis: RedisClient, stop: asyncio.Event, interval_s: float = SAMPLE_INTERVAL_S
 ) -> None:
     """Off the request path: one INFO per interval until `stop`."""
-
-    async def sample() -> bool:
-        try:
-            await sample_redis_memory(redis)
-        except REDIS_FAILED as exc:
-            # Redis down is reported by readiness and the write metrics; the gauge keeps its last value
-            log.debug("Redis memory not sampled: %s", exc)
-            return False
-        return True
-
-    await every(interval_s, stop, sample, name="Redis memory sample", logger=log)
+    await sample_every(
+        interval_s,
+        stop,
+        partial(sample_redis_memory, redis),
+        name="Redis memory sample",
+        unavailable=REDIS_FAILED,
+        logger=log,
+    )

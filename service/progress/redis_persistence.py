@@ -13,15 +13,14 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any, Literal
 
-from redis.asyncio import RedisCluster
-from redis.asyncio.cluster import ClusterNode
 from redis.exceptions import ResponseError
 
 from service import metrics
-from service.loops import every
-from service.redis_client import RedisClient
+from service.loops import sample_every
+from service.redis_client import RedisClient, on_each_master
 from service.stores import REDIS_FAILED
 
 log = logging.getLogger(__name__)
@@ -55,7 +54,7 @@ class Persistence:
                 "about the last second of heartbeats if appendfsync is everysec (AOF on; its policy is unreadable)",
             )
         if self.mode == "rdb":
-            since = "" if self.last_save_age_s is None else f" ({_age(self.last_save_age_s)} ago"
+            since = "" if self.last_save_age_s is None else f" ({age_text(self.last_save_age_s)} ago"
             since += "" if self.changes_since_save is None else f", {self.changes_since_save:,} changes since)"
             schedule = f"; schedule: save {self.save}" if self.save else ""
             return f"every heartbeat written since the last RDB save{since}{schedule}"
@@ -72,21 +71,14 @@ class Persistence:
 
 async def read_persistence(redis: RedisClient) -> dict[str, Persistence]:
     """Each master's persistence by node name ("" on a standalone server)."""
-    if isinstance(redis, RedisCluster):
-        await redis.initialize()  # the client learns the masters at its first command; this may be it
-        primaries = redis.get_primaries()
-        found = await asyncio.gather(*(_read_node(redis, node) for node in primaries))
-        return {node.name: persistence for node, persistence in zip(primaries, found, strict=True)}
-    return {"": await _read_node(redis, None)}
+    return await on_each_master(redis, partial(_read_node, redis))
 
 
 def weakest(by_node: dict[str, Persistence]) -> tuple[str, Persistence]:
     return min(by_node.items(), key=lambda item: _STRENGTH[item[1].mode])
 
 
-async def _read_node(redis: RedisClient, node: ClusterNode | None) -> Persistence:
-    # one node each time: on a cluster, redis-py answers a single target with its reply alone
-    target: dict[str, Any] = {} if node is None else {"target_nodes": node}
+async def _read_node(redis: RedisClient, target: dict[str, Any]) -> Persistence:
     try:
         info: dict[str, Any] = await redis.info("persistence", **target)
     except ResponseError:
@@ -128,7 +120,8 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _age(seconds: float) -> str:
+def age_text(seconds: float) -> str:
+    """An age as an operator reads it: seconds, minutes, then hours."""
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:
@@ -148,13 +141,8 @@ async def run_redis_persistence_sampler(
     every change, a warning when a restart would lose more than the last second."""
     told: list[tuple[object, ...]] = []  # what the last line said: mode, fsync policy, schedule, source
 
-    async def sample() -> bool:
-        try:
-            node, persistence = weakest(await read_persistence(redis))
-        except REDIS_FAILED as exc:
-            # Redis down is reported by readiness and the write metrics; the gauge keeps its last value
-            log.debug("Redis persistence not read: %s", exc)
-            return False
+    async def sample() -> None:
+        node, persistence = weakest(await read_persistence(redis))
         publish(persistence)
         said = (persistence.mode, persistence.appendfsync, persistence.save, persistence.source)
         if said not in told:
@@ -169,6 +157,5 @@ async def run_redis_persistence_sampler(
                 persistence.restart_loses(flush_interval_s),
             )
             told[:] = [said]
-        return True
 
-    await every(interval_s, stop, sample, name="Redis persistence sample", logger=log)
+    await sample_every(interval_s, stop, sample, name="Redis persistence sample", unavailable=REDIS_FAILED, logger=log)
