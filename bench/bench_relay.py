@@ -18,7 +18,7 @@ import asyncpg
 import harness
 from monolith_worker import CREATE_TABLE_SQL
 
-from service.app import completion_route
+from service.compose import completion_route
 from service.config import Settings
 from service.outbox.celery_publisher import publisher_from_settings
 from service.outbox.relay import Relay

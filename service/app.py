@@ -23,13 +23,12 @@ from service.api.reads import ProgressReads
 from service.api.routes import Handlers, Routes
 from service.api.sync import ProgressSync
 from service.auth import Authenticator
+from service.compose import periodic_sweep, relay_routes, start_publisher
 from service.config import Settings, load_settings
 from service.lifecycle import Lifecycle
 from service.logs import RequestIdMiddleware, configure_logging
-from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
-from service.outbox.messages import Publisher
-from service.outbox.outboxes import COMPLETIONS, EMAILS, publish_budget_s
-from service.outbox.relay import Relay, Route
+from service.outbox.outboxes import publish_budget_s
+from service.outbox.relay import Relay
 from service.postgres import create_db_pool
 from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
 from service.progress.clock import ClockCheck
@@ -42,9 +41,7 @@ from service.progress.sink import HeartbeatSink
 from service.progress.sync import OfflineSync
 from service.redis_client import RedisClient, connect_redis
 from service.stores import REDIS_FAILED
-from service.trial_emails.batch import BatchOptions
-from service.trial_emails.queue import EmailQueue, build_email_queue, email_relay_publisher
-from service.trial_emails.sweep import run_periodic_sweep
+from service.trial_emails.queue import build_email_queue
 
 log = logging.getLogger(__name__)
 
@@ -76,37 +73,6 @@ class BackgroundTasks:
             log.warning("background task %s did not stop in %.0fs; cancelling it", task.get_name(), timeout_s)
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-# What the lifespan and the commands (service.cli) compose from the builders beside each class.
-
-
-def completion_route(settings: Settings, publisher: Publisher) -> Route:
-    return Route(COMPLETIONS, publisher, settings.completion_task_name, settings.completion_task_queue)
-
-
-def email_route(settings: Settings, publisher: Publisher) -> Route:
-    """`publisher` sends the email outbox where EMAIL_PUBLISHER says: Celery, or the trial-email stream."""
-    return Route(EMAILS, publisher, settings.email_task_name, settings.email_task_queue)
-
-
-def relay_routes(settings: Settings, redis: RedisClient, publisher: Publisher) -> list[Route]:
-    return [
-        completion_route(settings, publisher),
-        email_route(settings, email_relay_publisher(settings, redis, publisher)),
-    ]
-
-
-def periodic_sweep(
-    settings: Settings, pool: asyncpg.Pool, queue: EmailQueue, stop: asyncio.Event
-) -> Coroutine[Any, Any, None]:
-    return run_periodic_sweep(
-        pool=pool,
-        queue=queue,
-        options=BatchOptions.from_settings(settings),
-        interval_s=settings.trial_journey_interval_seconds,
-        stop=stop,
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,11 +113,7 @@ def start_publishing(
     """The flush, the trial-journey sweep and the outbox relay, as the settings ask."""
     if settings.progress_flusher_enabled:
         background.start("progress-flusher", Flusher.from_settings(settings, redis, pool).run(background.stop))
-    publisher: CeleryPublisher | None = None
-    if settings.celery_broker_url:
-        publisher = publisher_from_settings(settings)
-        # off the loop: closing waits for a publish in flight
-        lifecycle.started_part("celery publisher", asyncio.to_thread, publisher.close)
+    publisher = start_publisher(settings, lifecycle) if settings.celery_broker_url else None
     if settings.trial_journey_interval_seconds > 0:
         queue = build_email_queue(settings, redis, publisher)
         background.start("trial-journey-sweep", periodic_sweep(settings, pool, queue, background.stop))

@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from contextlib import AsyncExitStack
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -16,12 +15,14 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
+from service.compose import start_publisher
 from service.config import ConfigError, Settings, load_settings
 from service.console import Progress
 from service.embedded import EmbeddedServerError
+from service.lifecycle import Lifecycle
 from service.logs import configure_logging
 from service.loops import run_until_stopped
-from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
+from service.outbox.celery_publisher import CeleryPublisher
 from service.outbox.outboxes import Outbox
 from service.outbox.relay import counts_text
 from service.postgres import create_db_pool
@@ -170,17 +171,16 @@ def _run_command(name: str, check: Callable[[Settings], bool], body: Callable[[_
     with_publisher = check(settings)
 
     async def main(stop: asyncio.Event) -> int:
-        async with AsyncExitStack() as stores:
-            publisher = None
-            if with_publisher:
-                publisher = publisher_from_settings(settings)
-                # off the loop: closing waits for a publish in flight
-                stores.push_async_callback(asyncio.to_thread, publisher.close)
+        lifecycle = Lifecycle()
+        try:
+            publisher = start_publisher(settings, lifecycle) if with_publisher else None
             pool = await create_db_pool(settings)
-            stores.push_async_callback(pool.close)
+            lifecycle.started_part("postgres", pool.close)
             redis = connect_redis(settings)
-            stores.push_async_callback(redis.aclose)
+            lifecycle.started_part("redis", redis.aclose)
             return await body(_Parts(settings, redis, pool, publisher, stop))
+        finally:
+            await lifecycle.aclose()
 
     try:
         return run_until_stopped(main)
@@ -227,7 +227,7 @@ def _relay(args: argparse.Namespace) -> int:
 
 
 async def _run_relay(parts: _Parts, *, once: bool) -> int:
-    from service.app import relay_routes
+    from service.compose import relay_routes
     from service.outbox.relay import Relay
 
     assert parts.publisher is not None

@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from service.app import completion_route
+from service.compose import completion_route
 from service.config import Settings
 from service.embedded import free_port
 from service.logs import JsonFormatter, RequestIdMiddleware

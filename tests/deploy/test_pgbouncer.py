@@ -9,7 +9,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service.app import completion_route
+from service.compose import completion_route
 from service.auth import make_token
 from service.config import Settings
 from service.outbox.celery_publisher import publisher_from_settings

@@ -7,7 +7,7 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
-from service.app import completion_route
+from service.compose import completion_route
 from service.config import Settings
 from service.outbox.celery_publisher import _broker_reply, publisher_from_settings
 from service.outbox.relay import Relay

@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from service import metrics
-from service.app import email_route
+from service.compose import email_route
 from service.config import Settings
 from service.outbox.messages import Message, PublishResult
 from service.outbox.relay import Relay

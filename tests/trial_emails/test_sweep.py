@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from service.app import periodic_sweep
+from service.compose import periodic_sweep
 from service.config import Settings
 from service.embedded import free_port
 from service.trial_emails.batch import BatchOptions, BatchResult

@@ -1,0 +1,55 @@
+"""What the lifespan (service/app.py) and the commands (service/cli.py) both compose from the builders beside each
+class: the outbox routes, the trial-journey sweep, the Celery publisher. No HTTP here: the `relay` command loads none.
+"""
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import asyncpg
+
+from service.config import Settings
+from service.lifecycle import Lifecycle
+from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
+from service.outbox.messages import Publisher
+from service.outbox.outboxes import COMPLETIONS, EMAILS
+from service.outbox.relay import Route
+from service.redis_client import RedisClient
+from service.trial_emails.batch import BatchOptions
+from service.trial_emails.queue import EmailQueue, email_relay_publisher
+from service.trial_emails.sweep import run_periodic_sweep
+
+
+def start_publisher(settings: Settings, lifecycle: Lifecycle) -> CeleryPublisher:
+    """Celery's client for the monolith's broker; it stops off the loop (closing waits for a publish in flight)."""
+    publisher = publisher_from_settings(settings)
+    lifecycle.started_part("celery publisher", asyncio.to_thread, publisher.close)
+    return publisher
+
+
+def completion_route(settings: Settings, publisher: Publisher) -> Route:
+    return Route(COMPLETIONS, publisher, settings.completion_task_name, settings.completion_task_queue)
+
+
+def email_route(settings: Settings, publisher: Publisher) -> Route:
+    """`publisher` sends the email outbox where EMAIL_PUBLISHER says: Celery, or the trial-email stream."""
+    return Route(EMAILS, publisher, settings.email_task_name, settings.email_task_queue)
+
+
+def relay_routes(settings: Settings, redis: RedisClient, publisher: Publisher) -> list[Route]:
+    return [
+        completion_route(settings, publisher),
+        email_route(settings, email_relay_publisher(settings, redis, publisher)),
+    ]
+
+
+def periodic_sweep(
+    settings: Settings, pool: asyncpg.Pool, queue: EmailQueue, stop: asyncio.Event
+) -> Coroutine[Any, Any, None]:
+    return run_periodic_sweep(
+        pool=pool,
+        queue=queue,
+        options=BatchOptions.from_settings(settings),
+        interval_s=settings.trial_journey_interval_seconds,
+        stop=stop,
+    )
