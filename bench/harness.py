@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import asyncpg
-import jwt
 
 from service import embedded
+from service.auth import make_token
 from service.config import Settings
 from service.progress.backlog import measure_backlog
 from service.progress.buffer import WRITE_SCRIPT, now_ms, write_args
@@ -337,9 +337,9 @@ async def buffered(redis: Any, layout: KeyLayout = STANDALONE) -> int:
 
 def tokens(work: Path, users: int) -> Path:
     """A file of one HS256 token per user 1..users, a line each (what bench/requests.lua reads)."""
-    expires = int(time.time()) + 7 * 24 * 3600
+    signer = Settings(jwt_secret=JWT_SECRET)
     path = work / "tokens.txt"
-    lines = (jwt.encode({"user_id": u, "exp": expires}, JWT_SECRET, algorithm="HS256") for u in range(1, users + 1))
+    lines = (make_token(signer, u, ttl_s=7 * 24 * 3600) for u in range(1, users + 1))
     path.write_text("".join(f"{line}\n" for line in lines))
     return path
 

@@ -32,6 +32,7 @@ from service.auth import make_token
 from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, receive_ms, write_args
 from service.progress.content import CONTENT_KINDS, ContentKind
+from service.progress.flusher import Flusher
 from service.progress.keys import STANDALONE, KeyLayout
 from service.redis_client import RedisClient
 
@@ -220,6 +221,11 @@ async def start_service_command(*args: str, env: dict[str, str], die_at: str = "
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
+
+
+def flusher_with(settings: Settings, redis: RedisClient, db: asyncpg.Pool, **update: object) -> Flusher:
+    """A flusher of the test settings with `update` applied (the settings' own names)."""
+    return Flusher.from_settings(settings.model_copy(update=update), redis, db)
 
 
 def flusher_env(servers: Servers, **extra: str) -> dict[str, str]:

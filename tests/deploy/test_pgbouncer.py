@@ -9,8 +9,8 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service.compose import completion_route
 from service.auth import make_token
+from service.compose import completion_route
 from service.config import Settings
 from service.outbox.celery_publisher import publisher_from_settings
 from service.outbox.relay import Relay

@@ -16,7 +16,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-import jwt
+from service.auth import make_token
+from service.config import Settings
 
 DURATION_S = 1000  # every seeded lesson; completion from 990 s with the default margin
 PATH = b"/engagements/progress/lesson"
@@ -98,10 +99,8 @@ class Client:
 async def run(args: argparse.Namespace) -> dict[str, object]:
     keys = [(lesson, user) for user in range(1, args.users + 1) for lesson in range(1, args.lessons + 1)]
     crossing = set(random.Random(7).sample(keys, min(args.crossing, len(keys))))
-    tokens = {
-        user: jwt.encode({"user_id": user, "exp": int(time.time()) + 3600}, args.secret, algorithm="HS256")
-        for user in range(1, args.users + 1)
-    }
+    signer = Settings(jwt_secret=args.secret)
+    tokens = {user: make_token(signer, user, ttl_s=3600) for user in range(1, args.users + 1)}
     ports = [int(p) for p in args.ports.split(",")]
     last_acked: dict[tuple[int, int], int] = {}
     counts = {"sent": 0, "acknowledged": 0, "refused_503": 0, "no_answer": 0, "other": 0}

@@ -30,9 +30,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
-import jwt
 import uvloop
 
+from service.auth import make_token
+from service.config import Settings
 from service.progress.content import CONTENT_KINDS
 from tests.faults.loadgen import DURATION_S, Answer, Client
 
@@ -115,11 +116,8 @@ class Users:
         self.ports = ports
         self.seed = seed
         self.ledger = Ledger()
-        expires = int(time.time()) + 3600
-        self.tokens = {
-            user: jwt.encode({"user_id": user, "exp": expires}, secret, algorithm="HS256")
-            for user in range(1, load.users + 1)
-        }
+        signer = Settings(jwt_secret=secret)
+        self.tokens = {user: make_token(signer, user, ttl_s=3600) for user in range(1, load.users + 1)}
         self.started = time.monotonic()
         self._out_until = [0.0] * len(ports)
 

@@ -19,9 +19,8 @@ from redis.asyncio import Redis
 from service.config import Settings
 from service.progress.budget import FlushBudget, Reservation
 from service.progress.buffer import WRITE_SCRIPT
-from service.progress.flusher import Flusher
 from service.progress.keys import FLUSH_BUDGET_KEY
-from tests.helpers import Servers, assert_all_persisted, backlog, fill, flusher_env, metric, write
+from tests.helpers import Servers, assert_all_persisted, backlog, fill, flusher_env, flusher_with, metric, write
 
 
 class WriteLog:
@@ -70,10 +69,6 @@ async def write_script(redis: Redis) -> None:
     await redis.script_load(WRITE_SCRIPT)  # fill() sends it by its digest
 
 
-def _flusher(settings: Settings, redis: Redis, db: asyncpg.Pool, **update: object) -> Flusher:
-    return Flusher.from_settings(settings.model_copy(update=update), redis, db)
-
-
 async def test_reservations_follow_one_another_at_the_budgets_pace(redis: Redis) -> None:
     budget = FlushBudget(redis, rows_per_second=1000)
     waits = [await _reserve_without_sleeping(redis, budget, 100) for _ in range(5)]
@@ -104,7 +99,7 @@ async def test_a_backlog_drains_at_the_budget_never_in_a_burst(
     settings: Settings, redis: Redis, db: asyncpg.Pool, write_log: WriteLog
 ) -> None:
     last = await fill(redis, db, 60_000)
-    flusher = _flusher(settings, redis, db, progress_flush_max_rows_per_second=10_000)
+    flusher = flusher_with(settings, redis, db, progress_flush_max_rows_per_second=10_000)
     waited = metric("progress_flush_budget_wait_seconds_total")
     started = time.monotonic()
     result = await flusher.flush_cycle()
@@ -156,7 +151,7 @@ async def test_a_migrations_lock_sends_the_batches_back_within_lock_timeout_and_
 ) -> None:
     last = await fill(redis, db, 2000)
     # no budget here: every drain claims at once, so the batches are all in flight at the same moment
-    flusher = _flusher(
+    flusher = flusher_with(
         settings,
         redis,
         db,
@@ -208,7 +203,7 @@ async def _when(redis: Redis, condition: Callable[[int, int], bool], timeout_s: 
 async def test_slow_statements_bring_the_concurrency_limit_down_and_it_recovers(
     settings: Settings, redis: Redis, db: asyncpg.Pool
 ) -> None:
-    flusher = _flusher(
+    flusher = flusher_with(
         settings,
         redis,
         db,

@@ -32,6 +32,7 @@ from tests.helpers import (
     backlog,
     fill,
     flusher_env,
+    flusher_with,
     lesson_rows,
     metric,
     seed,
@@ -46,10 +47,6 @@ pytestmark = pytest.mark.regression
 @pytest.fixture(autouse=True)
 async def write_script(redis: Redis) -> None:
     await redis.script_load(WRITE_SCRIPT)
-
-
-def _flusher(settings: Settings, redis: Redis, db: asyncpg.Pool, **update: object) -> Flusher:
-    return Flusher.from_settings(settings.model_copy(update=update), redis, db)
 
 
 def _refusals_only(flusher: Flusher) -> AdaptiveLimit:
@@ -75,7 +72,7 @@ async def test_one_locked_row_holds_its_key_only(
         "INSERT INTO engagements_lessonprogress (user_id, lesson_id, position, created_at, updated_at)"
         " VALUES (1, 1, 1, now() - interval '1 hour', now() - interval '1 hour')"
     )
-    flusher = _flusher(settings, redis, db, database_lock_timeout_seconds=0.5, progress_flush_max_rows_per_second=0)
+    flusher = flusher_with(settings, redis, db, database_lock_timeout_seconds=0.5, progress_flush_max_rows_per_second=0)
     flusher.limit = _refusals_only(flusher)
     locked_before = metric("progress_flush_locked_total", content_type="lesson")
     async with locker.transaction():
@@ -101,7 +98,9 @@ async def test_what_a_lock_keeps_from_the_database_costs_the_fleet_no_budget(
     """Found by the nemesis: a content table under a migration's lock failed its type's batch every cycle, and
     every pod spent that batch's budget on nothing, so the other types drained slower than their fair turn."""
     last = await fill(redis, db, 50)
-    flusher = _flusher(settings, redis, db, database_lock_timeout_seconds=0.2, progress_flush_max_rows_per_second=50)
+    flusher = flusher_with(
+        settings, redis, db, database_lock_timeout_seconds=0.2, progress_flush_max_rows_per_second=50
+    )
     assert flusher.budget.batch_rows == 50  # a batch is one second of the budget
     async with locker.transaction():
         await locker.execute("LOCK TABLE engagements_lessonprogress IN ACCESS EXCLUSIVE MODE")
@@ -120,7 +119,7 @@ async def test_a_user_row_held_against_the_foreign_key_holds_that_users_keys_onl
     await seed(db, users=40, contents=1)
     for user_id in range(1, 41):
         await write(redis, "lesson", 1, user_id, 30)
-    flusher = _flusher(settings, redis, db, database_lock_timeout_seconds=0.2, progress_flush_max_rows_per_second=0)
+    flusher = flusher_with(settings, redis, db, database_lock_timeout_seconds=0.2, progress_flush_max_rows_per_second=0)
     flusher.limit = _refusals_only(flusher)
     async with locker.transaction():
         await locker.execute("SELECT 1 FROM users_user WHERE id = 17 FOR UPDATE")
@@ -153,7 +152,7 @@ async def test_a_full_redis_does_not_stop_the_budgeted_flush(
     settings: Settings, redis: Redis, db: asyncpg.Pool, caplog: pytest.LogCaptureFixture
 ) -> None:
     last = await fill(redis, db, 2000)
-    flusher = _flusher(settings, redis, db, progress_flush_max_rows_per_second=20_000)
+    flusher = flusher_with(settings, redis, db, progress_flush_max_rows_per_second=20_000)
     fallback_before = metric("progress_flush_budget_fallback_total")
     async with full(redis):
         with caplog.at_level(logging.WARNING, logger="service.progress.budget"):
@@ -171,7 +170,7 @@ async def test_a_budget_key_in_the_future_costs_seconds_not_hours(
     last = await fill(redis, db, 1000)
     seconds, micros = await redis.time()
     await redis.set(FLUSH_BUDGET_KEY, str((seconds + 3600) * 1_000_000 + micros), px=3_600_000)
-    flusher = _flusher(settings, redis, db, progress_flush_max_rows_per_second=2000)
+    flusher = flusher_with(settings, redis, db, progress_flush_max_rows_per_second=2000)
     started = time.monotonic()
     result = await asyncio.wait_for(flusher.flush_cycle(), 30)
     assert result.written == 1000
@@ -220,7 +219,7 @@ async def test_a_type_its_lock_holds_delays_no_other_types_next_cycle(
     """Found by the nemesis: the loop waited an interval after each cycle ended, and a cycle lasted as long as
     the drain that waited lock_timeout on the locked type: every other type's turn came one lock_timeout later."""
     await fill(redis, db, 20)
-    flusher = _flusher(
+    flusher = flusher_with(
         settings,
         redis,
         db,
@@ -254,7 +253,7 @@ async def test_one_types_backlog_does_not_hold_another(
 ) -> None:
     await fill(redis, db, 6000)  # 3 s of lessons at the budget
     await write(redis, "live", 1, 1, 595)  # a completion, behind them
-    flusher = _flusher(settings, redis, db, progress_flush_max_rows_per_second=2000)
+    flusher = flusher_with(settings, redis, db, progress_flush_max_rows_per_second=2000)
     cycle = asyncio.create_task(flusher.flush_cycle())
     try:
         # asked on a connection of its own: the flush's drains hold the pool's
@@ -310,7 +309,7 @@ async def test_a_shutdown_during_a_paced_backlog_runs_the_final_flush_in_time(
     settings: Settings, redis: Redis, db: asyncpg.Pool, caplog: pytest.LogCaptureFixture
 ) -> None:
     await fill(redis, db, 4000)  # 8 s at the budget
-    flusher = _flusher(
+    flusher = flusher_with(
         settings, redis, db, progress_flush_max_rows_per_second=500, progress_shutdown_timeout_seconds=1.5
     )
     stop = asyncio.Event()
@@ -336,7 +335,7 @@ async def test_expired_leases_are_counted_whatever_the_drains(
     last = await fill(redis, db, 500)
     (shard,) = STANDALONE.shards_of("lesson")
     await Leases(redis).claim_batch(shard, count=500, now_ms=now_ms() - 60_000, lease_ms=1000)  # long expired
-    flusher = _flusher(settings, redis, db, progress_flush_concurrency=4, progress_flush_max_rows_per_second=0)
+    flusher = flusher_with(settings, redis, db, progress_flush_concurrency=4, progress_flush_max_rows_per_second=0)
     requeued_before = metric("progress_flush_requeued_total")
     # the pool's four connections open already: the drains start together, as in a pod that has run a while
     held = [await db.acquire() for _ in range(4)]
@@ -389,7 +388,7 @@ async def test_one_cycle_drains_every_shard_of_a_type_under_the_budget(
     claim the other shards while it waits for the budget."""
     layout = KeyLayout(shards=4)
     last = await fill(redis, db, 400, layout)
-    flusher = _flusher(
+    flusher = flusher_with(
         settings,
         redis,
         db,
@@ -410,7 +409,7 @@ async def test_a_batch_split_on_row_locks_settles_within_its_lease(
     await seed(db, users=40, contents=1)
     for user_id in range(1, 41):
         await write(redis, "lesson", 1, user_id, 30)
-    flusher = _flusher(
+    flusher = flusher_with(
         settings,
         redis,
         db,
