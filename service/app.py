@@ -242,7 +242,9 @@ async def lifespan(api: FastAPI) -> AsyncIterator[None]:
     api.state.lifecycle = lifecycle = Lifecycle()
     routes: Routes = api.state.routes
     try:
-        api.state.services = services = await start_services(settings, lifecycle, api.state.clock)
+        services = await start_services(settings, lifecycle, api.state.clock)
+        probed: health.ProbedParts = services  # what the probes read: held to the Protocol by the type checker
+        api.state.services = probed
         api.state.handlers = handlers = api.state.door.handlers(services)
         routes.serve(handlers)
         # Everything alive now lives as long as the process: moved out of the collector's sight,

@@ -3,20 +3,43 @@
 import asyncio
 from collections.abc import Callable, Coroutine
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
+import asyncpg
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from service import metrics
 from service.asgi import draining
-from service.redis_client import ping
+from service.progress.clock import ClockCheck
+from service.progress.sink import HeartbeatSink
+from service.redis_client import RedisClient, ping
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
 router = APIRouter(tags=["operations"])
 
 _READY_TIMEOUT_S = 1.0
+
+
+class ProbedParts(Protocol):
+    """What the probes read of the pod's parts: the lifespan's `Services` (service/app.py), in `app.state.services`."""
+
+    @property
+    def redis(self) -> RedisClient: ...
+    @property
+    def pool(self) -> asyncpg.Pool | None: ...
+    @property
+    def sink(self) -> HeartbeatSink: ...
+    @property
+    def clock_check(self) -> ClockCheck: ...
+    @property
+    def readiness_checks(self) -> dict[str, "asyncio.Task[object]"]: ...
+
+
+def _parts(request: Request) -> ProbedParts:
+    parts: ProbedParts = request.app.state.services
+    return parts
 
 
 class Readiness(BaseModel):
@@ -53,7 +76,7 @@ async def live() -> dict[str, str]:
 async def ready(request: Request) -> JSONResponse:
     """Ready while one path can keep a heartbeat: Redis (normal) or Postgres directly (degraded), and not draining."""
     redis_check, postgres_check = await asyncio.gather(_check_redis(request), _check_postgres(request))
-    if redis_check == "ok" and request.app.state.services.sink.redis_writes_failing:
+    if redis_check == "ok" and _parts(request).sink.redis_writes_failing:
         # PING answers, writes do not (a full Redis under noeviction, a node of the cluster down)
         redis_check = "answers, but heartbeat writes fail: degraded mode"
     checks = {"redis": redis_check}
@@ -65,7 +88,7 @@ async def ready(request: Request) -> JSONResponse:
         readiness = Readiness(status="ready", mode="degraded", checks=checks)
     else:
         readiness = Readiness(status="unavailable", mode="unavailable", checks=checks)
-    clock = request.app.state.services.clock_check
+    clock = _parts(request).clock_check
     if not clock.ok and readiness.status == "ready":
         # its heartbeats would be ordered by a wrong clock (service/progress/clock.py): out of the load balancer
         checks["clock"] = clock.why()
@@ -78,11 +101,11 @@ async def ready(request: Request) -> JSONResponse:
 
 
 async def _check_redis(request: Request) -> str:
-    return await _bounded_check(request, "redis", partial(ping, request.app.state.services.redis), REDIS_FAILED)
+    return await _bounded_check(request, "redis", partial(ping, _parts(request).redis), REDIS_FAILED)
 
 
 async def _check_postgres(request: Request) -> str | None:
-    pool = request.app.state.services.pool
+    pool = _parts(request).pool
     if pool is None:
         return None
     return await _bounded_check(request, "postgres", partial(pool.fetchval, "SELECT 1"), POSTGRES_FAILED)
@@ -98,7 +121,7 @@ async def _bounded_check(
     in flight for its store, which later probes wait on instead of starting another (the lifespan cancels
     what is left at shutdown).
     """
-    checks: dict[str, asyncio.Task[object]] = request.app.state.services.readiness_checks
+    checks = _parts(request).readiness_checks
     task = checks.get(store)
     if task is None or task.done():
         task = checks[store] = asyncio.create_task(probe(), name=f"readiness-{store}")
