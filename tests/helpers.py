@@ -33,7 +33,7 @@ from service.config import Settings
 from service.progress.buffer import WRITE_SCRIPT, receive_ms, write_args
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.flusher import Flusher
-from service.progress.keys import STANDALONE, KeyLayout
+from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, KeyLayout
 from service.redis_client import RedisClient
 
 TEST_JWT_SECRET = "test-secret-0123456789abcdef-0123456789"
@@ -226,6 +226,21 @@ async def start_service_command(*args: str, env: dict[str, str], die_at: str = "
 def flusher_with(settings: Settings, redis: RedisClient, db: asyncpg.Pool, **update: object) -> Flusher:
     """A flusher of the test settings with `update` applied (the settings' own names)."""
     return Flusher.from_settings(settings.model_copy(update=update), redis, db)
+
+
+async def push_budget_key(redis: RedisClient, ahead_s: float) -> None:
+    """The budget's key set `ahead_s` past the Redis server's time, in service/progress/budget.py's format (the
+    server's µs when the reservations end): a Redis clock stepped back, or a failover to a lagging replica."""
+    seconds, micros = await redis.time()
+    ends_us = seconds * 1_000_000 + micros + int(ahead_s * 1_000_000)
+    await redis.set(FLUSH_BUDGET_KEY, str(ends_us), px=int(ahead_s * 1000) + 1000)
+
+
+async def budget_ahead_s(redis: RedisClient) -> float:
+    """How far past the Redis server's time the budget's reservations end (0: none pending)."""
+    ends = await redis.get(FLUSH_BUDGET_KEY)
+    seconds, micros = await redis.time()
+    return 0.0 if ends is None else max(0.0, (int(ends) - (seconds * 1_000_000 + micros)) / 1_000_000)
 
 
 def flusher_env(servers: Servers, **extra: str) -> dict[str, str]:

@@ -51,7 +51,7 @@ from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, parse_member, pe
 from tests.faults.loadgen import DURATION_S
 from tests.faults.nemesis_load import KIND, Key, Load
 from tests.faults.suite import SECRET, Cluster, backlog_left, wait_drained
-from tests.helpers import RowsWatch
+from tests.helpers import RowsWatch, push_budget_key
 from tests.monolith.fixtures import Broker, BusyBroker
 
 # --- the pods' settings: every brake engaged, every wait short enough to be seen ---------------------------
@@ -373,9 +373,7 @@ class Nemesis:
     async def budget_push(self, rng: random.Random, seconds: float) -> Fault:
         redis = Redis.from_url(self.cluster.redis.url)
         try:
-            now_s, now_us = await redis.time()
-            pushed_us = now_s * 1_000_000 + now_us + 3_600_000_000  # the format of service/progress/budget.py
-            await redis.set(FLUSH_BUDGET_KEY, str(pushed_us), px=3_601_000)
+            await push_budget_key(redis, 3600)
         finally:
             await redis.aclose()
         at = time.time()

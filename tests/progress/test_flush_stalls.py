@@ -30,11 +30,13 @@ from tests.helpers import (
     Servers,
     assert_all_persisted,
     backlog,
+    budget_ahead_s,
     fill,
     flusher_env,
     flusher_with,
     lesson_rows,
     metric,
+    push_budget_key,
     seed,
     start_service_command,
     wait_for,
@@ -168,8 +170,7 @@ async def test_a_budget_key_in_the_future_costs_seconds_not_hours(
 ) -> None:
     """A Redis clock stepped back, or a failover to a replica whose clock lags, leaves the key ahead."""
     last = await fill(redis, db, 1000)
-    seconds, micros = await redis.time()
-    await redis.set(FLUSH_BUDGET_KEY, str((seconds + 3600) * 1_000_000 + micros), px=3_600_000)
+    await push_budget_key(redis, 3600)
     flusher = flusher_with(settings, redis, db, progress_flush_max_rows_per_second=2000)
     started = time.monotonic()
     result = await asyncio.wait_for(flusher.flush_cycle(), 30)
@@ -208,9 +209,7 @@ async def test_a_budget_wait_ends_on_stop_and_gives_its_rows_back(redis: Redis) 
 
 async def _ahead_s(redis: Redis, seconds: float) -> bool:
     """Whether the budget's reservations end more than `seconds` after the server's time."""
-    ends = await redis.get(FLUSH_BUDGET_KEY)
-    server_s, server_us = await redis.time()
-    return ends is not None and int(ends) - (server_s * 1_000_000 + server_us) > seconds * 1_000_000
+    return await budget_ahead_s(redis) > seconds
 
 
 async def test_a_type_its_lock_holds_delays_no_other_types_next_cycle(
@@ -362,8 +361,7 @@ async def test_flush_once_stops_on_sigterm_whatever_the_budget_key_says(
     servers: Servers, redis: Redis, db: asyncpg.Pool
 ) -> None:
     await fill(redis, db, 2000)  # 20 s at the budget below
-    seconds, micros = await redis.time()
-    await redis.set(FLUSH_BUDGET_KEY, str((seconds + 3600) * 1_000_000 + micros), px=3_600_000)
+    await push_budget_key(redis, 3600)
     env = flusher_env(servers, PROGRESS_FLUSH_MAX_ROWS_PER_SECOND="100", PROGRESS_FLUSH_LEASE_SECONDS="30")
     process = await start_service_command("flush", "--once", env=env)
     try:
