@@ -121,6 +121,24 @@ async def wait_for(condition: Callable[[], Awaitable[object]], timeout_s: float 
         await asyncio.sleep(0.02)
 
 
+def wait_ready(
+    base_url: str, process: "subprocess.Popen[bytes] | None" = None, timeout_s: float = 30, log: Path | None = None
+) -> None:
+    """Until `base_url`'s /health/ready answers 200; fails at once if `process` exits, and names its log's tail."""
+    tail = "" if log is None else f"; its log ends:\n{log.read_text()[-3000:] if log.exists() else '(none)'}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the service exited with {process.returncode} before it was ready{tail}")
+        try:
+            if httpx.get(f"{base_url}/health/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{base_url} was not ready within {timeout_s:.0f} s{tail}")
+
+
 @asynccontextmanager
 async def table_locked(db: asyncpg.Pool, table: str) -> AsyncIterator[None]:
     """`table` under ACCESS EXCLUSIVE (a migration's lock) from a connection of `db`, until the block ends."""

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import asyncpg
-import httpx
 import pytest
 import schemathesis
 from redis import Redis
@@ -37,7 +36,7 @@ from service.config import Settings
 from service.embedded import free_port
 from service.progress.content import CONTENT_KINDS, KIND_BY_PATH
 from service.progress.keys import latest_position_key, pending_flush_key, pending_member
-from tests.helpers import TEST_JWT_SECRET, Servers
+from tests.helpers import TEST_JWT_SECRET, Servers, wait_ready
 
 pytestmark = pytest.mark.slow  # schemathesis against a live server
 
@@ -65,20 +64,6 @@ class LiveService:
     base_url: str
     headers: dict[str, str]
     redis: "Redis[str]"
-
-
-def _wait_ready(process: "subprocess.Popen[bytes]", base_url: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"the service exited with {process.returncode} before it was ready")
-        try:
-            if httpx.get(f"{base_url}/health/ready", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"the service was not ready within {timeout_s:.0f}s")
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +113,7 @@ def live_service(servers: Servers, migrated: str, fuzz_content: None) -> Iterato
     base_url = f"http://127.0.0.1:{port}"
     redis: Redis[str] = Redis.from_url(servers.redis_url, decode_responses=True)
     try:
-        _wait_ready(process, base_url)
+        wait_ready(base_url, process)
         token = make_token(Settings(jwt_secret=TEST_JWT_SECRET), USER_ID)
         yield LiveService(base_url, {"Authorization": f"Bearer {token}"}, redis)
     finally:

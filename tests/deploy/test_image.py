@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import asyncpg
@@ -23,7 +22,7 @@ from service.auth import make_token
 from service.config import Settings
 from service.embedded import free_port
 from tests.deploy.files import VENV_BIN, image
-from tests.helpers import TEST_JWT_SECRET, Servers, auth, clean_environment, seed
+from tests.helpers import TEST_JWT_SECRET, Servers, auth, clean_environment, seed, wait_ready
 
 pytestmark = pytest.mark.slow  # runs the image's command as a process
 
@@ -63,20 +62,6 @@ def _json_lines(log_path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
 
 
-async def _wait_ready(process: subprocess.Popen[bytes], base_url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + 30
-    async with httpx.AsyncClient(base_url=base_url, timeout=2) as client:
-        while time.monotonic() < deadline:
-            assert process.poll() is None, f"serve exited with {process.returncode}:\n{_tail(log_path)}"
-            try:
-                if (await client.get("/health/ready")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"serve never became ready:\n{_tail(log_path)}")
-
-
 def _health_check(env: dict[str, str]) -> int:
     return subprocess.run(image().healthcheck, env=env, capture_output=True, timeout=10, check=False).returncode
 
@@ -94,7 +79,7 @@ async def test_image_cmd_takes_a_heartbeat_and_flushes_it_on_sigterm(
     process = _start([executable, *command[1:]], env, log_path)
     try:
         base_url = f"http://127.0.0.1:{port}"
-        await _wait_ready(process, base_url, log_path)
+        await asyncio.to_thread(wait_ready, base_url, process, 30, log_path)
         assert _health_check(env) == 0
 
         token = make_token(Settings(jwt_secret=env["JWT_SECRET"]), 3)

@@ -36,7 +36,7 @@ from redis.asyncio import Redis
 from service import embedded
 from tests import debian
 from tests.faults.loadgen import DURATION_S, position
-from tests.helpers import clean_environment, seed
+from tests.helpers import clean_environment, seed, wait_ready
 
 SECRET = "fault-suite-secret-0123456789abcdef0123"
 SCENARIOS = ("steady", "sigkill", "redis_outage", "postgres_outage")
@@ -237,15 +237,7 @@ class Cluster:
         )
 
     def wait_ready(self, i: int, timeout_s: float = 30) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.ports[i]}/health/ready", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"service {i} not ready; see {self.base}/service-{i}.log")
+        wait_ready(f"http://127.0.0.1:{self.ports[i]}", self.services[i], timeout_s, self.base / f"service-{i}.log")
 
     def kill_service(self, i: int) -> None:
         process = self.services[i]
