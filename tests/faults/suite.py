@@ -34,6 +34,8 @@ import httpx
 from redis.asyncio import Redis
 
 from service import embedded
+from service.progress.backlog import measure_backlog
+from service.progress.keys import STANDALONE
 from tests import debian
 from tests.faults.loadgen import DURATION_S, position
 from tests.helpers import clean_environment, seed, wait_ready
@@ -329,10 +331,8 @@ async def backlog_left(redis_url: str) -> int:
     """Members pending or in flight, over every content type and shard."""
     redis = Redis.from_url(redis_url)
     try:
-        backlog = 0
-        for key in await redis.keys("progress:pending_flush:*") + await redis.keys("progress:in_flight:*"):
-            backlog += await (redis.scard(key) if b"pending" in key else redis.zcard(key))
-        return backlog
+        backlog = await measure_backlog(redis, STANDALONE)  # the service's own count (the pods' default layout)
+        return sum(sizes.pending + sizes.in_flight for sizes in backlog.by_type.values())
     finally:
         await redis.aclose()
 
