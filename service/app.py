@@ -231,6 +231,7 @@ class Door:
             body_read_timeout_s=settings.body_read_timeout_seconds,
             limiter=self.reads_limiter,
             items_limiter=self.items_limiter,
+            clock_check=services.clock_check,
         )
         return Handlers(ingest, reads, sync)
 

@@ -11,7 +11,16 @@ import time
 from service import metrics
 from service.api.catalog import ContentCatalog, LookupsSaturated
 from service.api.deferred import DeferredHeartbeats
-from service.api.http import ClientGone, HttpError, as_http_error, identify, rate_limited, read_json, send_error
+from service.api.http import (
+    ClientGone,
+    HttpError,
+    as_http_error,
+    identify,
+    rate_limited,
+    read_json,
+    refuse_if_clock_off,
+    send_error,
+)
 from service.api.ratelimit import RateLimiter
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
@@ -87,10 +96,10 @@ class ProgressIngest:
         heartbeat = await read_json(
             receive, kind.body, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s
         )
+        # before the 429 too: a refused heartbeat is kept with its receive time, and written later
+        refuse_if_clock_off(self.clock_check)
         if retry_after_s is not None:
             self._refuse(kind, getattr(heartbeat, kind.id_column), user_id, heartbeat.position, retry_after_s)
-        if self.clock_check is not None and not self.clock_check.ok:  # its receive time would misorder the user's
-            raise HttpError(503, f"{self.clock_check.why()}, retry later")
         content_id: int = getattr(heartbeat, kind.id_column)
         if self.catalog is not None:
             known = self.catalog.is_known(kind, content_id)

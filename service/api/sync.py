@@ -22,6 +22,7 @@ from service.api.http import (
     invalid_body,
     json_body,
     read_body,
+    refuse_if_clock_off,
     retry_soon,
     send_error,
     send_json,
@@ -30,6 +31,7 @@ from service.api.ratelimit import RateLimiter
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.buffer import now_ms
+from service.progress.clock import ClockCheck
 from service.progress.sync import OfflineSync, SyncOutcome, SyncsWaiting, parse_request
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
@@ -56,6 +58,7 @@ class ProgressSync:
         body_read_timeout_s: float = 10.0,
         limiter: RateLimiter | None = None,
         items_limiter: RateLimiter | None = None,
+        clock_check: ClockCheck | None = None,
     ) -> None:
         self.offline = offline  # None: no database (DATABASE_URL), every sync is a 503
         self.authenticator = authenticator
@@ -63,6 +66,7 @@ class ProgressSync:
         self.body_read_timeout_s = body_read_timeout_s
         self.limiter = limiter  # per user: a sync is one call against it (shared with the reads)
         self.items_limiter = items_limiter  # per user: a sync costs one per item
+        self.clock_check = clock_check  # a pod whose clock is off takes no sync
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -90,6 +94,8 @@ class ProgressSync:
         offline = self.offline
         if offline is None:
             raise retry_soon("offline sync needs the database (DATABASE_URL)")
+        # its `now` bounds listened_at, and its items' receive times order them against the heartbeats
+        refuse_if_clock_off(self.clock_check)
         charge(self.items_limiter, user_id, _TOO_MANY, len(items))
         try:
             outcomes = await offline.apply(user_id, items, now_ms=now_ms())
