@@ -1,10 +1,10 @@
 """The relay: every committed outbox row reaches the broker, once unless a crash forces a republish.
 
 Order per batch: claim (a lease, committed), publish, mark published. A relay killed between the
-publish and the mark republishes that batch with the same task ids once the lease runs out; at
-any other point nothing is sent twice. Several relays (one per pod) take disjoint batches. The
-next batch is claimed while the broker takes the current one, so the outbox's SQL costs little
-next to the publishing.
+publish and the mark, or a database that refuses the mark for the whole lease, republishes that
+batch with the same task ids once the lease runs out; at any other point nothing is sent twice.
+Several relays (one per pod) take disjoint batches. The next batch is claimed while the broker
+takes the current one, so the outbox's SQL costs little next to the publishing.
 
 It wakes on NOTIFY from the writers, so a completion reaches the broker within about a second of
 its flush, and polls every RELAY_POLL_INTERVAL_SECONDS in case a notification was missed (LISTEN
@@ -19,8 +19,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -35,6 +36,11 @@ log = logging.getLogger(__name__)
 
 # how stale the owed/parked/oldest gauges may be while no row moves (the lag alert waits minutes)
 COUNTS_INTERVAL_S = 5.0
+# a published batch's mark that failed is tried again after these pauses (doubling), while its lease lasts
+_SETTLE_FIRST_PAUSE_S = 0.2
+_SETTLE_MAX_PAUSE_S = 2.0
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +140,7 @@ class Relay:
 
     async def _drain(self, route: Route, result: RelayResult, stop: asyncio.Event | None) -> None:
         """Claim, publish, mark, batch after batch; the next claim runs while the broker takes a batch."""
+        leased_at = time.monotonic()  # the batch's lease runs from about now
         rows = await self._claim(route.outbox)
         claimed_at: float | None = None  # set for a batch claimed while the broker took the one before
         while rows:
@@ -141,6 +148,7 @@ class Relay:
                 # that took long: too little of this batch's lease is left to publish and mark it
                 # before another relay may claim it again; give it back and claim afresh
                 await self._pool.execute(route.outbox.release_sql, [row["id"] for row in rows])
+                leased_at = time.monotonic()
                 rows, claimed_at = await self._claim(route.outbox), None
                 continue
             publishing = asyncio.ensure_future(
@@ -161,13 +169,14 @@ class Relay:
                     # the broker has this batch: it is marked below before the claim's error goes up,
                     # or it would all go out again once its lease ran out
                     next_rows, claim_error = [], exc
-            await self._record(route.outbox, rows, sent, result)
+            await self._record(route.outbox, rows, sent, result, lease_ends=leased_at + self._lease_s)
             if claim_error is not None:
                 raise claim_error
             if sent.unavailable is not None:
                 await self._release(route.outbox, rows, sent, next_rows)
                 return
             rows, claimed_at = next_rows, claim_started
+            leased_at = claim_started
 
     async def _claim(self, outbox: Outbox) -> list[asyncpg.Record]:
         rows: list[asyncpg.Record] = await self._pool.fetch(outbox.claim_sql, self._batch_size, self._lease_s)
@@ -176,13 +185,13 @@ class Relay:
         return rows
 
     async def _record(
-        self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult, result: RelayResult
+        self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult, result: RelayResult, *, lease_ends: float
     ) -> None:
         if sent.sent:
             checkpoints.reached("relay.after_publish")
         # One statement for the batch's marks, one for its refusals. Shielded: once the broker has the
         # messages, a cancelled relay must still record it, or they would all go out again.
-        parked = await asyncio.shield(self._settle(outbox, sent.sent, sent.refused))
+        parked = await asyncio.shield(self._settle(outbox, sent.sent, sent.refused, lease_ends))
         first_time = {row["id"] for row in rows if row["publish_attempts"] == 1 or row["refused_before"]}
         republished = sum(1 for row_id in sent.sent if row_id not in first_time)
         name = outbox.name
@@ -231,16 +240,46 @@ class Relay:
         if unsent:
             await self._pool.execute(outbox.release_sql, unsent)
 
-    async def _settle(self, outbox: Outbox, sent: list[int], refused: dict[int, str]) -> set[int]:
-        """Mark what the broker took; lease the refused rows for their backoff, or park them. Returns the parked."""
+    async def _settle(self, outbox: Outbox, sent: list[int], refused: dict[int, str], lease_ends: float) -> set[int]:
+        """Mark what the broker took; lease the refused rows for their backoff, or park them. Returns the parked.
+
+        Each statement is tried again while the batch's lease lasts: the broker has these messages, and a mark
+        lost to a lock, a statement timeout or a blip of the database would send them all again once the lease
+        ran out, with every process up. Past the lease another relay may have them: the error goes up.
+        """
         if sent:
-            await self._pool.execute(outbox.mark_sql, sent)
+            await self._while_leased(outbox, "mark", len(sent), lease_ends, self._pool.execute, outbox.mark_sql, sent)
         if not refused:
             return set()
-        rows = await self._pool.fetch(
-            outbox.refuse_sql, list(refused), list(refused.values()), self._max_attempts, self._retry_backoff_s
+        args = (list(refused), list(refused.values()), self._max_attempts, self._retry_backoff_s)
+        rows = await self._while_leased(
+            outbox, "refusals", len(refused), lease_ends, self._pool.fetch, outbox.refuse_sql, *args
         )
         return {row["id"] for row in rows if row["parked"]}
+
+    async def _while_leased(
+        self, outbox: Outbox, what: str, count: int, lease_ends: float, run: Callable[..., Awaitable[T]], *args: Any
+    ) -> T:
+        pause_s = _SETTLE_FIRST_PAUSE_S
+        while True:
+            try:
+                return await run(*args)
+            except POSTGRES_FAILED as exc:
+                if time.monotonic() + pause_s >= lease_ends:
+                    raise
+                log.warning(
+                    "%s outbox: the %s of %d rows the broker has answered failed (%s: %s); again in %.1f s, "
+                    "while their lease lasts",
+                    outbox.name,
+                    what,
+                    count,
+                    type(exc).__name__,
+                    exc,
+                    pause_s,
+                    extra={"outbox": outbox.name, "count": count},
+                )
+                await asyncio.sleep(pause_s)
+                pause_s = min(2 * pause_s, _SETTLE_MAX_PAUSE_S)
 
     async def _report_counts(self, outbox: Outbox, *, changed: bool) -> None:
         # two indexed counts after a pass that moved rows; otherwise (idle, or the broker down while the

@@ -2,11 +2,18 @@
 
 import asyncio
 import signal
+from collections.abc import Sequence
 
 import asyncpg
 import pytest
 
+from service.compose import completion_route
+from service.config import Settings
 from service.embedded import free_port
+from service.outbox.celery_publisher import publisher_from_settings
+from service.outbox.messages import Message, Publisher, PublishResult
+from service.outbox.relay import Relay
+from service.postgres import create_db_pool
 from tests.helpers import RELAY_LEASE_S as LEASE_S
 from tests.helpers import Servers, add_events, limited_broker_user, relay_env, relay_once, start_service_command
 from tests.monolith.fixtures import Broker, Executions
@@ -110,3 +117,52 @@ async def test_the_long_running_relay_publishes_then_stops_on_sigterm_with_exit_
         _, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
     assert process.returncode == 0, stderr.decode()[-2000:]
     assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
+
+
+class _LockedAfterPublish:
+    """The broker takes the batch; then, before the relay marks it, a migration locks the outbox for `hold_s`."""
+
+    def __init__(self, publisher: Publisher, locker: asyncpg.Connection, hold_s: float) -> None:
+        self._publisher, self._locker, self._hold_s = publisher, locker, hold_s
+        self.released = asyncio.Event()
+
+    async def publish(self, messages: Sequence[Message]) -> PublishResult:
+        sent = await self._publisher.publish(messages)
+        locked = self._locker.transaction()
+        await locked.start()
+        await self._locker.execute("LOCK TABLE progress_completion_event IN ACCESS EXCLUSIVE MODE")
+
+        async def release() -> None:
+            await asyncio.sleep(self._hold_s)
+            await locked.rollback()
+            self.released.set()
+
+        self._release = asyncio.ensure_future(release())
+        return sent
+
+
+@pytest.mark.regression
+async def test_a_mark_the_database_refuses_for_a_moment_sends_nothing_twice(
+    relay_settings: Settings, db: asyncpg.Pool, migrated: str
+) -> None:
+    """Found by an attack: with every process up, a lock held on the outbox between the publish and the mark failed
+    the mark in lock_timeout, and the whole batch the broker had went out again once its lease ran out."""
+    await add_events(db, 5)
+    settings = relay_settings.model_copy(update={"database_lock_timeout_seconds": 0.3})
+    pool = await create_db_pool(settings)
+    locker = await asyncpg.connect(migrated)
+    publisher = publisher_from_settings(settings)
+    try:
+        locking = _LockedAfterPublish(publisher, locker, hold_s=1.0)
+        relay = Relay.from_settings(settings, pool, [completion_route(settings, locking)])
+        result = await relay.relay_once()
+        assert locking.released.is_set()  # the mark waited out the lock, within the batch's lease (LEASE_S)
+        assert result.published == {"completion": 5}
+        assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
+        assert await db.fetchval("SELECT array_agg(DISTINCT publish_attempts) FROM progress_completion_event") == [1]
+        await asyncio.sleep(LEASE_S)  # past the batch's lease: nothing is owed, nothing goes out again
+        assert (await relay.relay_once()).published == {"completion": 0}
+    finally:
+        await asyncio.to_thread(publisher.close)
+        await locker.close()
+        await pool.close()
