@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
-from service.compose import start_publisher
+from service.compose import relay_routes, start_publisher
 from service.config import ConfigError, Settings, load_settings
 from service.console import Progress
 from service.embedded import EmbeddedServerError
@@ -227,7 +227,6 @@ def _relay(args: argparse.Namespace) -> int:
 
 
 async def _run_relay(parts: _Parts, *, once: bool) -> int:
-    from service.compose import relay_routes
     from service.outbox.relay import Relay
 
     assert parts.publisher is not None

@@ -53,8 +53,9 @@ async def every(
     a bug: logged with its traceback, counted in `errors`, taken as a failure, and the loop goes on,
     because for the flusher or the relay a dead loop would be a silent loss.
     `jitter` (0.1: ±10 %) spreads the pods' steps apart; `wake` (the relay's NOTIFY) cuts short the
-    wait after a successful step, not a backoff. With `from_start`, the wait counts from the step's start
-    (the flusher: a step held by one locked type must not push every other type's next cycle back).
+    wait after a successful step, not a backoff. With `from_start`, the wait (interval or backoff) counts from
+    the step's start, and at least a tenth of it follows the step (the flusher: a cycle that one locked type
+    held for lock_timeout must not push every other type's next cycle back).
     """
     if wait_first and await sleep_unless_stopped(stop, interval_s):
         return
@@ -73,10 +74,15 @@ async def every(
         failures = 0 if succeeded else failures + 1
         took_s = asyncio.get_running_loop().time() - started if from_start else 0.0
         if failures and backoff is not None:
-            await sleep_unless_stopped(stop, max(0.0, backoff.delay_s(failures) - took_s))
+            await sleep_unless_stopped(stop, _left_of(backoff.delay_s(failures), took_s))
         else:
             delay_s = interval_s * random.uniform(1 - jitter, 1 + jitter)
-            await sleep_unless_stopped(stop, max(0.0, delay_s - took_s), wake)
+            await sleep_unless_stopped(stop, _left_of(delay_s, took_s), wake)
+
+
+def _left_of(delay_s: float, took_s: float) -> float:
+    # a step that took longer than its wait is followed after a tenth of the wait: never back to back
+    return max(delay_s / 10, delay_s - took_s)
 
 
 async def sample_every(

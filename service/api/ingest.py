@@ -91,13 +91,14 @@ class ProgressIngest:
         if scope["method"] != "POST":
             raise HttpError(405, "method not allowed: use POST", _ALLOW_POST)
         user_id, declared_length = identify(self.authenticator, scope["headers"])
+        # before the limit: a refused heartbeat is kept with its receive time and written later, and a 503 costs
+        # the user none of the limit
+        refuse_if_clock_off(self.clock_check)
         # counted now, answered once the body is read: a refused heartbeat's position is kept for later
         retry_after_s = self.limiter.allow(user_id) if self.limiter is not None else None
         heartbeat = await read_json(
             receive, kind.body, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s
         )
-        # before the 429 too: a refused heartbeat is kept with its receive time, and written later
-        refuse_if_clock_off(self.clock_check)
         if retry_after_s is not None:
             self._refuse(kind, getattr(heartbeat, kind.id_column), user_id, heartbeat.position, retry_after_s)
         content_id: int = getattr(heartbeat, kind.id_column)

@@ -85,6 +85,8 @@ class ProgressSync:
         if scope["method"] != "POST":
             raise HttpError(405, "method not allowed: use POST", [(b"allow", b"POST")])
         user_id, declared_length = identify(self.authenticator, scope["headers"])
+        # its `now` bounds listened_at, and its items' receive times order them against the heartbeats
+        refuse_if_clock_off(self.clock_check)
         charge(self.limiter, user_id, _TOO_MANY)
         body = await read_body(receive, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s)
         try:
@@ -94,8 +96,6 @@ class ProgressSync:
         offline = self.offline
         if offline is None:
             raise retry_soon("offline sync needs the database (DATABASE_URL)")
-        # its `now` bounds listened_at, and its items' receive times order them against the heartbeats
-        refuse_if_clock_off(self.clock_check)
         charge(self.items_limiter, user_id, _TOO_MANY, len(items))
         try:
             outcomes = await offline.apply(user_id, items, now_ms=now_ms())

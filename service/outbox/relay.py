@@ -30,7 +30,7 @@ from service.config import Settings
 from service.loops import Backoff, every
 from service.outbox.messages import Publisher, PublishResult
 from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, outbox_counts, publish_window_s
-from service.stores import POSTGRES_FAILED
+from service.stores import POSTGRES_FAILED, POSTGRES_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class Relay:
             connect_timeout_s=settings.database_connect_timeout_seconds,
             max_attempts=settings.outbox_max_attempts,
             retry_backoff_s=settings.outbox_retry_backoff_seconds,
+            statement_timeout_s=settings.database_statement_timeout_seconds,
         )
 
     def __init__(
@@ -97,6 +98,7 @@ class Relay:
         connect_timeout_s: float,
         max_attempts: int,
         retry_backoff_s: float,
+        statement_timeout_s: float = 0.0,
     ) -> None:
         """`listen_dsn`: where to LISTEN for the writers' NOTIFY; empty, poll only.
 
@@ -109,6 +111,7 @@ class Relay:
         self._routes = list(routes)
         self._batch_size = batch_size
         self._lease_s = lease_s
+        self._statement_s = statement_timeout_s  # how long a statement may take (0: unbounded, no retry near the end)
         # a batch claimed ahead is published only while enough of its lease is left to publish and mark it
         self._fresh_for_s = publish_window_s(lease_s, publish_timeout_s)
         self._poll_s = poll_s
@@ -264,8 +267,12 @@ class Relay:
         while True:
             try:
                 return await run(*args)
-            except POSTGRES_FAILED as exc:
-                if time.monotonic() + pause_s >= lease_ends:
+            except (
+                POSTGRES_UNAVAILABLE
+            ) as exc:  # "not now" (a lock, a timeout) or no answer; a bug or a schema drift goes up
+                # the next try ends before the lease does, or not at all: past it, another relay may publish them
+                next_ends = time.monotonic() + pause_s + (self._statement_s or self._lease_s)
+                if next_ends >= lease_ends or self._pool.is_closing():
                     raise
                 log.warning(
                     "%s outbox: the %s of %d rows the broker has answered failed (%s: %s); again in %.1f s, "

@@ -148,7 +148,15 @@ async def test_a_mark_the_database_refuses_for_a_moment_sends_nothing_twice(
     """Found by an attack: with every process up, a lock held on the outbox between the publish and the mark failed
     the mark in lock_timeout, and the whole batch the broker had went out again once its lease ran out."""
     await add_events(db, 5)
-    settings = relay_settings.model_copy(update={"database_lock_timeout_seconds": 0.3})
+    # a lease long enough to wait out the lock: a retry starts only while it can end within the lease
+    lease_s = 6.0
+    settings = relay_settings.model_copy(
+        update={
+            "database_lock_timeout_seconds": 0.3,
+            "database_statement_timeout_seconds": 1.0,
+            "relay_lease_seconds": lease_s,
+        }
+    )
     pool = await create_db_pool(settings)
     locker = await asyncpg.connect(migrated)
     publisher = publisher_from_settings(settings)
@@ -156,11 +164,11 @@ async def test_a_mark_the_database_refuses_for_a_moment_sends_nothing_twice(
         locking = _LockedAfterPublish(publisher, locker, hold_s=1.0)
         relay = Relay.from_settings(settings, pool, [completion_route(settings, locking)])
         result = await relay.relay_once()
-        assert locking.released.is_set()  # the mark waited out the lock, within the batch's lease (LEASE_S)
+        assert locking.released.is_set()  # the mark waited out the lock, within the batch's lease
         assert result.published == {"completion": 5}
         assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
         assert await db.fetchval("SELECT array_agg(DISTINCT publish_attempts) FROM progress_completion_event") == [1]
-        await asyncio.sleep(LEASE_S)  # past the batch's lease: nothing is owed, nothing goes out again
+        await asyncio.sleep(lease_s)  # past the batch's lease: nothing is owed, nothing goes out again
         assert (await relay.relay_once()).published == {"completion": 0}
     finally:
         await asyncio.to_thread(publisher.close)
