@@ -107,7 +107,10 @@ async def test_a_backlog_drains_at_the_budget_never_in_a_burst(
     assert result.written == 60_000
     await assert_all_persisted(redis, db, last)
     peak = await write_log.peak_per_second()
-    assert peak < 1.2 * 10_000, peak
+    # a second's worth of reservations, plus what was reserved before the window and lands in it late: at most one
+    # batch per drain, each in flight (CI, on 2 busy cores: 12,000, every drain's batch late at once)
+    in_flight = settings.progress_flush_concurrency * flusher.budget.batch_rows
+    assert peak <= 10_000 + in_flight, (peak, in_flight)
     assert sum(rows for _, rows in await write_log.entries()) == 60_000
     assert elapsed > 60_000 / 10_000 * 0.9  # paced: unbudgeted, this takes about a second
     assert metric("progress_flush_budget_wait_seconds_total") - waited > 4
