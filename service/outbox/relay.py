@@ -267,9 +267,8 @@ class Relay:
         while True:
             try:
                 return await run(*args)
-            except (
-                POSTGRES_UNAVAILABLE
-            ) as exc:  # "not now" (a lock, a timeout) or no answer; a bug or a schema drift goes up
+            # "not now" (a lock, a timeout) or no answer; a bug or a schema drift goes up at once
+            except POSTGRES_UNAVAILABLE as exc:
                 # the next try ends before the lease does, or not at all: past it, another relay may publish them
                 next_ends = time.monotonic() + pause_s + (self._statement_s or self._lease_s)
                 if next_ends >= lease_ends or self._pool.is_closing():
