@@ -2,8 +2,11 @@
 
 Whatever a client sends, the answer is a user id or an AuthError (401): a token that breaks the
 JWT library (a key of the wrong kind, an `exp` no clock can reach) is a bad token, not a 500.
+During a rotation a token of a previous key is accepted and counted (AUTH_PREVIOUS_KEY); a token of
+any other key is refused.
 """
 
+import contextlib
 import re
 import time
 from collections.abc import Callable
@@ -11,6 +14,7 @@ from collections.abc import Callable
 import jwt
 
 from service.config import Settings
+from service.metrics import AUTH_PREVIOUS_KEY
 
 _MAX_USER_ID = 2**63 - 1
 # "1_0", " 11 ", "+9" and non-ASCII digits are what int() accepts and no issuer writes: only canonical ASCII digits
@@ -55,13 +59,14 @@ class Authenticator:
         self._clock = clock  # a cached token's expiry is checked against it (tests move it)
         self.gateway_header = settings.auth_gateway_header.lower().encode("latin-1")
         self.use_gateway = settings.auth_mode == "gateway"
-        self._key = settings.jwt_key
+        self._current_key, *self._previous_keys = settings.jwt_keys
         self._algorithms = settings.jwt_algorithm_list
         self._claim = settings.jwt_user_id_claim
         self._audience = settings.jwt_audience or None
         self._issuer = settings.jwt_issuer or None
-        self._verified: dict[bytes, tuple[int, float]] = {}
-        self._verified_old: dict[bytes, tuple[int, float]] = {}
+        # token -> (user id, expiry, verified by a previous key)
+        self._verified: dict[bytes, tuple[int, float, bool]] = {}
+        self._verified_old: dict[bytes, tuple[int, float, bool]] = {}
 
     def user_id(self, authorization: bytes | None, gateway_value: bytes | None) -> int:
         if self.use_gateway:
@@ -80,8 +85,10 @@ class Authenticator:
             if cached is None:
                 return self._verify(token)
             self._remember(token, cached)
-        user_id, expires_at = cached
+        user_id, expires_at, previous_key = cached
         if self._clock() < expires_at:
+            if previous_key:  # counted on every request, not once per token: a cached token is still in use
+                AUTH_PREVIOUS_KEY.inc()
             return user_id
         del self._verified[token]
         raise AuthError("token expired")
@@ -89,24 +96,39 @@ class Authenticator:
     def cached_tokens(self) -> int:
         return len(self._verified) + len(self._verified_old)
 
-    def _remember(self, token: bytes, entry: tuple[int, float]) -> None:
+    def _remember(self, token: bytes, entry: tuple[int, float, bool]) -> None:
         if len(self._verified) >= _VERIFIED_GENERATION_SIZE:
             self._verified_old = self._verified
             self._verified = {}
         self._verified[token] = entry
 
+    def _decode(self, token: bytes, key: str) -> dict[str, object]:
+        claims: dict[str, object] = jwt.decode(
+            token,
+            key,
+            algorithms=self._algorithms,
+            audience=self._audience,
+            issuer=self._issuer,
+            # an `aud` is checked when JWT_AUDIENCE names one; without it, the monolith's tokens
+            # may carry any (PyJWT would refuse every token that has one)
+            options={"require": ["exp"], "verify_aud": self._audience is not None},
+        )
+        return claims
+
+    def _claims(self, token: bytes) -> tuple[dict[str, object], bool]:
+        """The token's claims, and whether a previous key verified them. A token of the current key costs one
+        verification: only a signature the current key refuses is tried with each previous key."""
+        try:
+            return self._decode(token, self._current_key), False
+        except jwt.InvalidSignatureError:
+            for key in self._previous_keys:
+                with contextlib.suppress(jwt.InvalidSignatureError):
+                    return self._decode(token, key), True
+            raise
+
     def _verify(self, token: bytes) -> int:
         try:
-            claims = jwt.decode(
-                token,
-                self._key,
-                algorithms=self._algorithms,
-                audience=self._audience,
-                issuer=self._issuer,
-                # an `aud` is checked when JWT_AUDIENCE names one; without it, the monolith's tokens
-                # may carry any (PyJWT would refuse every token that has one)
-                options={"require": ["exp"], "verify_aud": self._audience is not None},
-            )
+            claims, previous_key = self._claims(token)
         except jwt.ExpiredSignatureError:
             raise AuthError("token expired") from None
         except jwt.PyJWTError as exc:
@@ -118,7 +140,9 @@ class Authenticator:
         if self._claim not in claims:
             raise AuthError(f"token has no '{self._claim}' claim")
         user_id = parse_user_id(claims[self._claim], f"token claim '{self._claim}'")
-        self._remember(token, (user_id, _expiry(claims)))
+        self._remember(token, (user_id, _expiry(claims), previous_key))
+        if previous_key:
+            AUTH_PREVIOUS_KEY.inc()
         return user_id
 
 

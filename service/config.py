@@ -1,5 +1,6 @@
 """All configuration, read once from the environment and validated at start-up."""
 
+import re
 import socket
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -12,6 +13,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 # GET /progress reads each content type in lanes of its own (lesson, audio, meditation, live:
 # service/progress/content.py), PROGRESS_READ_BATCHES_IN_FLIGHT connections each
 READ_LANES = 4
+
+# JWT_PUBLIC_KEY may hold several keys during a rotation: concatenated PEM blocks, the current one first
+_PEM_BLOCK = re.compile(r"-----BEGIN [A-Z ]+-----.+?-----END [A-Z ]+-----", re.DOTALL)
 
 
 class ConfigError(Exception):
@@ -59,6 +63,8 @@ class Settings(BaseSettings):
     auth_mode: Literal["jwt", "gateway"] = "jwt"
     auth_gateway_header: str = "X-User-Id"
     jwt_secret: str = ""
+    # during a rotation, the secrets tokens were signed with before JWT_SECRET (comma-separated), still accepted
+    jwt_previous_secrets: str = ""
     jwt_public_key: str = ""
     jwt_algorithms: str = "HS256"
     jwt_user_id_claim: str = "user_id"
@@ -192,8 +198,16 @@ class Settings(BaseSettings):
         return [name.strip() for name in self.jwt_algorithms.split(",") if name.strip()]
 
     @property
-    def jwt_key(self) -> str:
-        return self.jwt_public_key or self.jwt_secret
+    def jwt_previous_secret_list(self) -> list[str]:
+        return [secret.strip() for secret in self.jwt_previous_secrets.split(",") if secret.strip()]
+
+    @property
+    def jwt_keys(self) -> list[str]:
+        """What verifies a token, the current key first: each PEM block of JWT_PUBLIC_KEY, or JWT_SECRET and then
+        JWT_PREVIOUS_SECRETS."""
+        if self.jwt_public_key:
+            return _PEM_BLOCK.findall(self.jwt_public_key) or [self.jwt_public_key]
+        return [self.jwt_secret, *self.jwt_previous_secret_list]
 
     def check_can_serve(self) -> None:
         """Refuse a configuration that would start but answer every heartbeat wrongly."""
@@ -210,7 +224,7 @@ class Settings(BaseSettings):
                 "for an API-only pod without a database set CONTENT_CATALOG_ENABLED=false"
             )
         if self.auth_mode == "jwt":
-            if not self.jwt_key:
+            if not (self.jwt_public_key or self.jwt_secret):
                 raise ConfigError(
                     "AUTH_MODE=jwt needs a key: set JWT_SECRET (HS256, shared with the monolith) "
                     "or JWT_PUBLIC_KEY with JWT_ALGORITHMS=RS256/ES256; "
@@ -224,6 +238,15 @@ class Settings(BaseSettings):
             self._check_algorithms_fit_key()
             if self.jwt_secret and not self.jwt_public_key and len(self.jwt_secret) < 32:
                 raise ConfigError("JWT_SECRET is too short to be a real secret (at least 32 characters)")
+            if self.jwt_previous_secret_list and self.jwt_public_key:
+                raise ConfigError(
+                    "JWT_PREVIOUS_SECRETS are HS256 secrets: with JWT_PUBLIC_KEY, put the previous public keys "
+                    "in JWT_PUBLIC_KEY after the current one (concatenated PEM blocks)"
+                )
+            if any(len(secret) < 32 for secret in self.jwt_previous_secret_list):
+                raise ConfigError(
+                    "JWT_PREVIOUS_SECRETS holds a secret too short to be a real one (each at least 32 characters)"
+                )
         if self.database_url and (self.relay_enabled or self.trial_journey_interval_seconds > 0):
             self.check_celery_broker()
         if self.database_url:
@@ -249,15 +272,16 @@ class Settings(BaseSettings):
             )
 
     def _check_algorithms_fit_key(self) -> None:
-        # One key verifies every token: an algorithm of another key kind can only fail (PyJWT's
+        # Every key verifies every token: an algorithm of another key kind can only fail (PyJWT's
         # InvalidKeyError) or, worse, let HS256 use the public key as a shared secret.
-        key_kind = _public_key_kind(self.jwt_public_key) if self.jwt_public_key else "HMAC secret"
-        for algorithm in self.jwt_algorithm_list:
-            if _ALGORITHM_KEY_KIND.get(algorithm) != key_kind:
-                raise ConfigError(
-                    f"JWT_ALGORITHMS={self.jwt_algorithms}: {algorithm} cannot be verified with the configured "
-                    f"key ({key_kind}); list only algorithms of that key kind"
-                )
+        key_kinds = [_public_key_kind(pem) for pem in self.jwt_keys] if self.jwt_public_key else ["HMAC secret"]
+        for key_kind in key_kinds:
+            for algorithm in self.jwt_algorithm_list:
+                if _ALGORITHM_KEY_KIND.get(algorithm) != key_kind:
+                    raise ConfigError(
+                        f"JWT_ALGORITHMS={self.jwt_algorithms}: {algorithm} cannot be verified with the configured "
+                        f"key ({key_kind}); list only algorithms of that key kind"
+                    )
 
 
 _ALGORITHM_KEY_KIND = {

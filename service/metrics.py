@@ -47,6 +47,11 @@ REFUSED = Counter(
     "Heartbeats refused at the door before any write: unknown_content (404), rate_limited (429), body_timeout (408).",
     ["reason"],
 )
+AUTH_PREVIOUS_KEY = Counter(
+    "progress_auth_previous_key_total",
+    "Requests whose token a previous key verified (JWT_PREVIOUS_SECRETS, or a later PEM block of JWT_PUBLIC_KEY), "
+    "cached tokens included: 0 for a day says the previous key can go.",
+)
 DEFERRED_SHED = Counter(
     "progress_deferred_shed_total",
     "Heartbeats refused by the rate limit whose position was not kept for the deferred write (past the "

@@ -235,6 +235,9 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
               "body_timeout (408); shed: rate-limited positions not kept, past the deferral's bounds.", "reqps",
               (f"sum by (reason) (rate(progress_refused_total[{RATE}]))", "{{reason}}"),
               (f"sum(rate(progress_deferred_shed_total[{RATE}]))", "shed")),
+        graph("Tokens of a previous key", "Requests whose token a previous key verified (JWT_PREVIOUS_SECRETS, "
+              "a later PEM block of JWT_PUBLIC_KEY): at 0 for a day, the previous key can go.", "reqps",
+              (f"sum(rate(progress_auth_previous_key_total[{RATE}]))", "previous key")),
         graph("Catalog size", "Content ids in the catalog snapshot (8 bytes each in memory).", "short",
               ("max by (content_type) (progress_catalog_known_ids)", "{{content_type}}")),
         stat("Catalog snapshot age", "Since the catalog snapshot was last loaded.", "s",
