@@ -313,11 +313,16 @@ def check_transport(broker_url: str) -> None:
         raise ConfigError(f"CELERY_BROKER_URL uses {scheme}://, whose transport cannot load ({exc}): {hint}") from None
 
 
+# what this process has warned of already: `serve` loads the settings twice (its own, then the app's)
+_warned_removed: set[str] = set()
+
+
 def load_settings() -> Settings:
     """The settings of the environment, and one warning per removed variable it still sets."""
     set_names = {name.upper() for name in os.environ}
     for name, replacement in REMOVED_SETTINGS.items():
-        if name in set_names:
+        if name in set_names and name not in _warned_removed:
+            _warned_removed.add(name)
             log.warning("%s is no longer read (ignored): %s replaces it", name, replacement)
     try:
         return Settings()

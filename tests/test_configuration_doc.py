@@ -46,6 +46,7 @@ async def test_a_deployment_that_still_sets_a_removed_setting_starts_with_one_wa
     monkeypatch.setenv(removed, "2")
     with caplog.at_level(logging.WARNING, logger="service.config"):
         loaded = load_settings()
+        load_settings()  # as `serve` does: its own, then the app's
     warnings = [r.getMessage() for r in caplog.records if r.name == "service.config"]
     assert len(warnings) == 1 and removed in warnings[0] and REMOVED_SETTINGS[removed] in warnings[0]
     async with running_app(loaded) as (_, client):
