@@ -73,8 +73,9 @@ class ContentCatalog:
         self._max_lookups = max_lookups
         self._clock = clock
         self._known: dict[str, array[int]] = {}  # per content type, ascending; replaced whole by refresh()
-        # recent answers for ids not in the snapshot: (known, valid until); the oldest inserted go first
-        self._answers: dict[tuple[str, int], tuple[bool, float]] = {}
+        # recent answers for ids not in the snapshot: (known, valid until), known None when the lookup failed (the
+        # id accepted unverified); the oldest inserted go first
+        self._answers: dict[tuple[str, int], tuple[bool | None, float]] = {}
         self._lookups: dict[tuple[str, int], asyncio.Task[bool | None]] = {}
         self._failure_logged_until = 0.0  # one line per _DB_RETRY_S: an outage fails every unknown id's lookup
         self._unverified = {kind.name: metrics.CATALOG_UNVERIFIED.labels(kind.name) for kind in CONTENT_KINDS}
@@ -88,7 +89,7 @@ class ContentCatalog:
                 return True
         answer = self._answers.get((kind.name, content_id))
         if answer is not None and answer[1] > self._clock():
-            return answer[0]
+            return self._accept_unverified(kind) if answer[0] is None else answer[0]
         return self._look_up(kind, content_id)
 
     async def _look_up(self, kind: ContentKind, content_id: int) -> bool:
@@ -103,10 +104,7 @@ class ContentCatalog:
             task.add_done_callback(lambda _: self._lookups.pop(key, None))
         # shielded: a waiter whose client hung up must not cancel the query the others share
         known = await asyncio.shield(task)
-        if known is None:
-            self._unverified[kind.name].inc()
-            return True
-        return known
+        return self._accept_unverified(kind) if known is None else known
 
     async def _query(self, kind: ContentKind, content_id: int) -> bool | None:
         """The answer, cached; None when Postgres could not answer (that id is then accepted for _DB_RETRY_S)."""
@@ -115,7 +113,7 @@ class ContentCatalog:
             async with asyncio.timeout(self._lookup_timeout_s):
                 known = await exists(self._pool, kind, content_id, timeout_s=self._lookup_timeout_s)
         except POSTGRES_FAILED as exc:
-            self._remember(key, True, _DB_RETRY_S)
+            self._remember(key, None, _DB_RETRY_S)
             if self._clock() >= self._failure_logged_until:
                 self._failure_logged_until = self._clock() + _DB_RETRY_S
                 log.warning(
@@ -130,11 +128,15 @@ class ContentCatalog:
         self._remember(key, known, self._answer_ttl_s if known else min(self._answer_ttl_s, UNKNOWN_ANSWER_TTL_S))
         return known
 
-    def _remember(self, key: tuple[str, int], known: bool, ttl_s: float) -> None:
+    def _remember(self, key: tuple[str, int], known: bool | None, ttl_s: float) -> None:
         self._answers.pop(key, None)  # re-inserted at the end: the newest answer goes last
         while len(self._answers) >= self._max_answers:
             del self._answers[next(iter(self._answers))]
         self._answers[key] = (known, self._clock() + ttl_s)
+
+    def _accept_unverified(self, kind: ContentKind) -> bool:
+        self._unverified[kind.name].inc()
+        return True
 
     async def refresh(self) -> None:
         """Replace the snapshot of every content type; on a database error the previous one stays."""
