@@ -39,8 +39,7 @@ JWT_SECRET = "bench-secret-0123456789-abcdefghijklmnopqrstuvwxyz"
 # what `serve` runs with in a benchmark unless a scenario says otherwise: the request path alone, door off
 SERVICE_ENV = {"LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1", "JWT_SECRET": JWT_SECRET,
                "PROGRESS_FLUSHER_ENABLED": "false", "TRIAL_JOURNEY_INTERVAL_SECONDS": "0", "RELAY_ENABLED": "false",
-               "EMAIL_PUBLISHER": "redis-stream", "CONTENT_CATALOG_ENABLED": "false",
-               "RATE_LIMIT_PER_USER_PER_SECOND": "0"}  # fmt: skip
+               "EMAIL_PUBLISHER": "redis-stream", "CONTENT_CATALOG_ENABLED": "false"}  # fmt: skip
 T = TypeVar("T")
 median = statistics.median
 

@@ -15,10 +15,8 @@ from fastapi import FastAPI
 
 from service.api import health
 from service.api.catalog import ContentCatalog
-from service.api.deferred import DeferredHeartbeats
 from service.api.ingest import ProgressIngest
 from service.api.openapi import openapi_document
-from service.api.ratelimit import RateLimiter
 from service.api.reads import ProgressReads
 from service.api.routes import Handlers, Routes
 from service.api.sync import ProgressSync
@@ -78,7 +76,7 @@ class BackgroundTasks:
 @dataclass(frozen=True, slots=True)
 class Services:
     """The pod's parts, built whole by `start_services` before the first request. None: not configured
-    (`pool`, `reader`, `offline` without DATABASE_URL; `catalog` with the door off; `deferred` without a limit)."""
+    (`pool`, `reader`, `offline` without DATABASE_URL; `catalog` with the door off)."""
 
     settings: Settings
     redis: RedisClient
@@ -88,7 +86,6 @@ class Services:
     background: BackgroundTasks
     sink: HeartbeatSink
     catalog: ContentCatalog | None
-    deferred: DeferredHeartbeats | None
     reader: ProgressReader | None
     offline: OfflineSync | None
     # heartbeats are ordered by the receive time each pod stamps: a pod whose clock is off takes none
@@ -152,7 +149,7 @@ def start_samplers(settings: Settings, redis: RedisClient, background: Backgroun
 
 async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock = time.monotonic) -> Services:
     """Every part, started in the order that keeps the guarantees at shutdown (stopped in reverse): the
-    heartbeat writes (reader, deferred, catalog, sink) stop before the loops' last flush, the last flush
+    heartbeat writes (reader, catalog, sink) stop before the loops' last flush, the last flush
     before the relay's final pass, and those before the publisher, the pool and Redis close."""
     redis = await start_redis(settings, lifecycle)
     checks = dict[str, "asyncio.Task[object]"]()
@@ -169,11 +166,6 @@ async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock 
     sink = HeartbeatSink.from_settings(settings, PositionWriter.from_settings(settings, redis, layout), pool)
     lifecycle.started_part("heartbeat sink", sink.aclose)
     catalog = await start_door(settings, pool, background, lifecycle, clock)
-    deferred = None
-    if settings.rate_limit_per_user_per_second > 0:  # the limit's refused positions, written about twice a second
-        deferred = DeferredHeartbeats()
-        background.start("deferred-heartbeats", deferred.run(sink, background.stop, catalog=catalog))
-        lifecycle.started_part("deferred heartbeats", deferred.drain, sink, catalog)  # before the catalog, the sink
     start_samplers(settings, redis, background)
     clock_check = ClockCheck(redis, max_skew_s=settings.progress_max_clock_skew_seconds)
     with contextlib.suppress(*REDIS_FAILED):
@@ -184,7 +176,7 @@ async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock 
         reader = ProgressReader.from_settings(settings, redis, pool, layout)
         lifecycle.started_part("progress reader", reader.aclose)
         offline = OfflineSync.from_settings(settings, redis, pool, layout)
-    return Services(settings, redis, pool, checks, background, sink, catalog, deferred, reader, offline, clock_check)
+    return Services(settings, redis, pool, checks, background, sink, catalog, reader, offline, clock_check)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,24 +184,10 @@ class Door:
     """What the handlers know from the settings alone, built by create_app: a bad setting fails there."""
 
     authenticator: Authenticator
-    limiter: RateLimiter | None  # the heartbeats'
-    # the reads and the sync have a bucket of their own, at the same rate: a screen that reads through
-    # this service (the monolith, with the user's token) never takes the user's heartbeats away
-    reads_limiter: RateLimiter | None
-    items_limiter: RateLimiter | None
 
     @classmethod
     def from_settings(cls, settings: Settings, wall_clock: Clock) -> "Door":
-        authenticator = Authenticator(settings, clock=wall_clock)
-        if settings.rate_limit_per_user_per_second <= 0:
-            return cls(authenticator, None, None, None)
-        rate, burst = settings.rate_limit_per_user_per_second, settings.rate_limit_burst
-        return cls(
-            authenticator,
-            RateLimiter(per_second=rate, burst=burst),
-            RateLimiter(per_second=rate, burst=burst),
-            RateLimiter(per_second=settings.sync_items_per_user_per_second, burst=settings.sync_items_burst),
-        )
+        return cls(Authenticator(settings, clock=wall_clock))
 
     def handlers(self, services: Services) -> Handlers:
         settings = services.settings
@@ -218,19 +196,14 @@ class Door:
             authenticator=self.authenticator,
             max_body_bytes=settings.max_body_bytes,
             body_read_timeout_s=settings.body_read_timeout_seconds,
-            limiter=self.limiter,
-            deferred=services.deferred,
             catalog=services.catalog,
-            clock_check=services.clock_check,
         )
-        reads = ProgressReads(services.reader, authenticator=self.authenticator, limiter=self.reads_limiter)
+        reads = ProgressReads(services.reader, authenticator=self.authenticator)
         sync = ProgressSync(
             services.offline,
             authenticator=self.authenticator,
             max_body_bytes=settings.sync_max_body_bytes,
             body_read_timeout_s=settings.body_read_timeout_seconds,
-            limiter=self.reads_limiter,
-            items_limiter=self.items_limiter,
             clock_check=services.clock_check,
         )
         return Handlers(ingest, reads, sync)

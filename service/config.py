@@ -1,6 +1,8 @@
 """All configuration, read once from the environment and validated at start-up."""
 
 import re
+import logging
+import os
 import socket
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -9,6 +11,17 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger(__name__)
+
+# Environment variables the service no longer reads -> what replaced each. A deployment that still sets
+# one starts as before, with one warning line for it at start-up (load_settings).
+REMOVED_SETTINGS: dict[str, str] = {
+    "RATE_LIMIT_PER_USER_PER_SECOND": "a per-user or per-IP limit at the API gateway (docs/deploy.md)",
+    "RATE_LIMIT_BURST": "a per-user or per-IP limit at the API gateway (docs/deploy.md)",
+    "SYNC_ITEMS_PER_USER_PER_SECOND": "a per-user or per-IP limit at the API gateway (docs/deploy.md)",
+    "SYNC_ITEMS_BURST": "a per-user or per-IP limit at the API gateway (docs/deploy.md)",
+}
 
 # GET /progress reads each content type in lanes of its own (lesson, audio, meditation, live:
 # service/progress/content.py), PROGRESS_READ_BATCHES_IN_FLIGHT connections each
@@ -81,13 +94,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(4096, ge=256, le=1_048_576)
     # a body not fully received by then gets 408 and the connection is closed (a client sending a byte a second)
     body_read_timeout_seconds: float = Field(10.0, gt=0)
-    # the door (service/api/catalog.py, ratelimit.py): unknown content gets 404, a flood gets 429
+    # the door (service/api/catalog.py): unknown content gets 404
     content_catalog_enabled: bool = True
     content_catalog_refresh_seconds: float = Field(60.0, gt=0)
     content_catalog_lookup_timeout_seconds: float = Field(1.0, gt=0)
     content_catalog_cache_seconds: float = Field(10.0, gt=0)
-    rate_limit_per_user_per_second: float = Field(2.0, ge=0)  # 0: no limit
-    rate_limit_burst: int = Field(60, ge=1)
     progress_position_ttl_seconds: int = Field(3600, ge=60)
     # a pod whose clock is further than this from Redis's takes no heartbeats (service/progress/clock.py); 0: no check
     progress_max_clock_skew_seconds: float = Field(1.0, ge=0)
@@ -110,10 +121,6 @@ class Settings(BaseSettings):
     # how far before its receipt a sync item may date a completion (older: dated at that edge; the position
     # itself is ordered at its own listened_at, however old)
     sync_max_backdate_hours: float = Field(6.0, gt=0)
-    # a sync's items count against their own per-user cap (the request itself is one call against the
-    # heartbeats' limit); the burst holds at least one full request of 500 items
-    sync_items_per_user_per_second: float = Field(1.0, gt=0)
-    sync_items_burst: int = Field(2000, ge=500)
     # syncs reading Postgres at once per process (one connection each); one that waits 1 s for its turn gets 503
     sync_max_concurrency: int = Field(2, ge=1)
 
@@ -330,7 +337,17 @@ def check_transport(broker_url: str) -> None:
         raise ConfigError(f"CELERY_BROKER_URL uses {scheme}://, whose transport cannot load ({exc}): {hint}") from None
 
 
+# what this process has warned of already: `serve` loads the settings twice (its own, then the app's)
+_warned_removed: set[str] = set()
+
+
 def load_settings() -> Settings:
+    """The settings of the environment, and one warning per removed variable it still sets."""
+    set_names = {name.upper() for name in os.environ}
+    for name, replacement in REMOVED_SETTINGS.items():
+        if name in set_names and name not in _warned_removed:
+            _warned_removed.add(name)
+            log.warning("%s is no longer read (ignored): %s replaces it", name, replacement)
     try:
         return Settings()
     except ValidationError as exc:

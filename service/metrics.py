@@ -41,10 +41,10 @@ DEGRADED_WRITES = Counter(
     "progress_degraded_writes_total", "Heartbeats written straight to Postgres (degraded mode).", ["content_type"]
 )
 
-# the door: unknown content, rate limit, slow bodies (service/api/catalog.py, ratelimit.py, ingest.py)
+# the door: unknown content, slow bodies (service/api/catalog.py, ingest.py)
 REFUSED = Counter(
     "progress_refused_total",
-    "Heartbeats refused at the door before any write: unknown_content (404), rate_limited (429), body_timeout (408).",
+    "Heartbeats refused at the door before any write: unknown_content (404), body_timeout (408).",
     ["reason"],
 )
 AUTH_PREVIOUS_KEY = Counter(
@@ -52,14 +52,9 @@ AUTH_PREVIOUS_KEY = Counter(
     "Requests whose token a previous key verified (JWT_PREVIOUS_SECRETS, or a later PEM block of JWT_PUBLIC_KEY), "
     "cached tokens included: 0 for a day says the previous key can go.",
 )
-DEFERRED_SHED = Counter(
-    "progress_deferred_shed_total",
-    "Heartbeats refused by the rate limit whose position was not kept for the deferred write (past the "
-    "bounds of service/api/deferred.py, or for content that does not exist).",
-)
 CATALOG_UNVERIFIED = Counter(
     "progress_catalog_unverified_total",
-    "Heartbeats for an id not in the catalog snapshot, accepted unchecked because Postgres could not be asked.",
+    "Heartbeats for an id not in the catalog snapshot, accepted unchecked because its lookup failed or timed out.",
     ["content_type"],
 )
 CATALOG_KNOWN_IDS = Gauge(

@@ -75,9 +75,8 @@ def settings(servers: Servers, migrated: str) -> Settings:
         # the tests of the outbox (tests/outbox) bring a broker and a worker; the others do without
         relay_enabled=False,
         email_publisher="redis-stream",
-        # the door's own tests (tests/api/test_door.py) turn these on; elsewhere ids need not exist
+        # the door's own tests (tests/api/test_door.py) turn it on; elsewhere ids need not exist
         content_catalog_enabled=False,
-        rate_limit_per_user_per_second=0,
     )
 
 

@@ -12,7 +12,6 @@ async def test_the_parts_stop_in_the_order_that_keeps_the_guarantees(settings: S
             "celery_broker_url": settings.redis_url,
             "progress_flusher_enabled": True,
             "content_catalog_enabled": True,
-            "rate_limit_per_user_per_second": 10.0,
         }
     )
     async with running_app(everything) as (app, client):
@@ -22,9 +21,8 @@ async def test_the_parts_stop_in_the_order_that_keeps_the_guarantees(settings: S
         assert lifecycle.stopped == []
     assert lifecycle.stopped == list(reversed(lifecycle.started))
     order = lifecycle.stopped.index
-    # the heartbeat writes stop (the last deferred ones written) before the loops' last flush
-    assert order("progress reader") < order("deferred heartbeats") < order("content catalog")
-    assert order("deferred heartbeats") < order("heartbeat sink") < order("background loops")
+    # the heartbeat writes stop before the loops' last flush
+    assert order("progress reader") < order("content catalog") < order("heartbeat sink") < order("background loops")
     # the last flush before the relay's final pass, which sends its completions
     assert order("background loops") < order("relay final pass") < order("celery publisher")
     # and all of it before the pool and Redis close

@@ -96,7 +96,7 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
         graph("Heartbeats/s by route and status", "Requests answered on the progress routes.", "reqps",
               (f"sum by (route, status) (rate(progress_http_requests_total[{RATE}]))", "{{route}} {{status}}")),
         graph("4xx by reason", "Client errors by status (401 token, 404 unknown content, 408 slow body, 413, "
-              "422 bad body, 429 rate limit) and the door's refusals by reason.", "reqps",
+              "422 bad body) and the door's refusals by reason.", "reqps",
               (f'sum by (status) (rate(progress_http_requests_total{{status=~"4.."}}[{RATE}])) or vector(0)',
                "{{status}}"),
               (f"sum by (reason) (rate(progress_refused_total[{RATE}])) or vector(0)", "refused: {{reason}}")),
@@ -231,10 +231,8 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
     ]),
     ("Door", [
         graph("Refusals by reason", "Heartbeats refused before any write: unknown_content (404), "
-              "rate_limited (429; the last position per content is still written about every 0.5 s), "
-              "body_timeout (408); shed: rate-limited positions not kept, past the deferral's bounds.", "reqps",
-              (f"sum by (reason) (rate(progress_refused_total[{RATE}]))", "{{reason}}"),
-              (f"sum(rate(progress_deferred_shed_total[{RATE}]))", "shed")),
+              "body_timeout (408).", "reqps",
+              (f"sum by (reason) (rate(progress_refused_total[{RATE}]))", "{{reason}}")),
         graph("Tokens of a previous key", "Requests whose token a previous key verified (JWT_PREVIOUS_SECRETS, "
               "a later PEM block of JWT_PUBLIC_KEY): at 0 for a day, the previous key can go.", "reqps",
               (f"sum(rate(progress_auth_previous_key_total[{RATE}]))", "previous key")),
@@ -242,8 +240,8 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
               ("max by (content_type) (progress_catalog_known_ids)", "{{content_type}}")),
         stat("Catalog snapshot age", "Since the catalog snapshot was last loaded.", "s",
              ("time() - max(progress_catalog_last_refresh_timestamp_seconds)", "age")),
-        graph("Accepted unverified", "Heartbeats for ids not in the snapshot accepted unchecked because Postgres "
-              "could not be asked.", "reqps",
+        graph("Accepted unverified", "Heartbeats for ids not in the snapshot accepted unchecked because their "
+              "lookup failed or timed out.", "reqps",
               (f"sum by (content_type) (rate(progress_catalog_unverified_total[{RATE}]))", "{{content_type}}")),
     ]),
 ]

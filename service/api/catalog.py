@@ -2,11 +2,11 @@
 
 The guarantee: a known id costs no round trip (a bisect in a sorted in-memory array); an unknown
 id costs at most one query per id and cache period, shared by every concurrent request naming it;
-and an id that cannot be checked because Postgres is unreachable is accepted (and counted), so an
-outage never costs a real heartbeat. Content published since the last snapshot is found by the
-lookup at once, and within about a second when it was asked about before it existed: an "unknown"
-answer is kept at most UNKNOWN_ANSWER_TTL_S, a known one for the configured cache period. The deferred
-write of refused heartbeats (deferred.py) asks about the ids memory does not know the same way.
+and an id whose lookup fails or times out (Postgres unreachable, its content table locked) is accepted
+(and counted), so an outage never costs a real heartbeat. A failed lookup answers for its own id only:
+every other id, of any type, still gets its own lookup. Content published since the last snapshot is
+found by the lookup at once, and within about a second when it was asked about before it existed: an
+"unknown" answer is kept at most UNKNOWN_ANSWER_TTL_S, a known one for the configured cache period.
 """
 
 import asyncio
@@ -27,8 +27,8 @@ from service.stores import POSTGRES_FAILED
 
 log = logging.getLogger(__name__)
 
-# after a failed lookup, unseen ids are accepted without asking for this long: an outage must not
-# cost each heartbeat a connection attempt
+# after a failed lookup, its id is accepted without asking for this long: an outage must not cost each of
+# its heartbeats a connection attempt (other ids are still asked: CATALOG_MAX_LOOKUPS bounds them)
 _DB_RETRY_S = 1.0
 # answers for ids outside the snapshot (~100 bytes each), and distinct ids looked up at once
 CATALOG_MAX_ANSWERS = 100_000
@@ -73,19 +73,15 @@ class ContentCatalog:
         self._max_lookups = max_lookups
         self._clock = clock
         self._known: dict[str, array[int]] = {}  # per content type, ascending; replaced whole by refresh()
-        # recent answers for ids not in the snapshot: (known, valid until); the oldest inserted go first
-        self._answers: dict[tuple[str, int], tuple[bool, float]] = {}
+        # recent answers for ids not in the snapshot: (known, valid until), known None when the lookup failed (the
+        # id accepted unverified); the oldest inserted go first
+        self._answers: dict[tuple[str, int], tuple[bool | None, float]] = {}
         self._lookups: dict[tuple[str, int], asyncio.Task[bool | None]] = {}
-        self._db_down_until = 0.0
+        self._failure_logged_until = 0.0  # one line per _DB_RETRY_S: an outage fails every unknown id's lookup
         self._unverified = {kind.name: metrics.CATALOG_UNVERIFIED.labels(kind.name) for kind in CONTENT_KINDS}
 
     def is_known(self, kind: ContentKind, content_id: int) -> bool | Awaitable[bool]:
         """A bool when memory knows the answer (the hot path: no await), else an awaitable lookup."""
-        known = self.known_in_memory(kind, content_id)
-        return self._look_up(kind, content_id) if known is None else known
-
-    def known_in_memory(self, kind: ContentKind, content_id: int) -> bool | None:
-        """The snapshot's or a cached answer; None when only a lookup can tell."""
         ids = self._known.get(kind.name)
         if ids is not None:
             i = bisect_left(ids, content_id)
@@ -93,15 +89,13 @@ class ContentCatalog:
                 return True
         answer = self._answers.get((kind.name, content_id))
         if answer is not None and answer[1] > self._clock():
-            return answer[0]
-        return None
+            return self._accept_unverified(kind) if answer[0] is None else answer[0]
+        return self._look_up(kind, content_id)
 
     async def _look_up(self, kind: ContentKind, content_id: int) -> bool:
         key = (kind.name, content_id)
         task = self._lookups.get(key)
         if task is None:
-            if self._clock() < self._db_down_until:
-                return self._accept_unverified(kind)
             if len(self._lookups) >= self._max_lookups:
                 raise LookupsSaturated(f"{len(self._lookups)} content lookups in flight")
             task = asyncio.create_task(self._query(kind, content_id), name=f"catalog-lookup-{kind.name}")
@@ -113,27 +107,31 @@ class ContentCatalog:
         return self._accept_unverified(kind) if known is None else known
 
     async def _query(self, kind: ContentKind, content_id: int) -> bool | None:
-        """The answer, cached; None when Postgres could not be asked."""
+        """The answer, cached; None when Postgres could not answer (that id is then accepted for _DB_RETRY_S)."""
+        key = (kind.name, content_id)
         try:
             async with asyncio.timeout(self._lookup_timeout_s):
                 known = await exists(self._pool, kind, content_id, timeout_s=self._lookup_timeout_s)
         except POSTGRES_FAILED as exc:
-            self._db_down_until = self._clock() + _DB_RETRY_S
-            log.warning(
-                "content lookup failed (%s: %s): unseen ids accepted unverified",
-                type(exc).__name__,
-                exc,
-                extra={"content_type": kind.name},
-            )
+            self._remember(key, None, _DB_RETRY_S)
+            if self._clock() >= self._failure_logged_until:
+                self._failure_logged_until = self._clock() + _DB_RETRY_S
+                log.warning(
+                    "content lookup failed (%s: %s): %s %d accepted unverified",
+                    type(exc).__name__,
+                    exc,
+                    kind.name,
+                    content_id,
+                    extra={"content_type": kind.name},
+                )
             return None
-        self._remember((kind.name, content_id), known)
+        self._remember(key, known, self._answer_ttl_s if known else min(self._answer_ttl_s, UNKNOWN_ANSWER_TTL_S))
         return known
 
-    def _remember(self, key: tuple[str, int], known: bool) -> None:
+    def _remember(self, key: tuple[str, int], known: bool | None, ttl_s: float) -> None:
         self._answers.pop(key, None)  # re-inserted at the end: the newest answer goes last
         while len(self._answers) >= self._max_answers:
             del self._answers[next(iter(self._answers))]
-        ttl_s = self._answer_ttl_s if known else min(self._answer_ttl_s, UNKNOWN_ANSWER_TTL_S)
         self._answers[key] = (known, self._clock() + ttl_s)
 
     def _accept_unverified(self, kind: ContentKind) -> bool:

@@ -15,7 +15,6 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from service import metrics
-from service.api.ratelimit import RateLimiter, retry_after_header
 from service.asgi import Receive, Send
 from service.auth import Authenticator, AuthError
 from service.progress.clock import ClockCheck
@@ -96,18 +95,6 @@ def identify(authenticator: Authenticator, headers: Headers) -> tuple[int, int]:
         return authenticator.user_id(identity, None), declared_length
     except AuthError as exc:
         raise HttpError(401, str(exc)) from None
-
-
-def charge(limiter: RateLimiter | None, user_id: int, detail: str, cost: float = 1.0) -> None:
-    """`cost` against the user's limit; HttpError 429 with Retry-After past it (no limiter: no limit)."""
-    if limiter is not None and (retry_after_s := limiter.allow(user_id, cost)) is not None:
-        raise rate_limited(detail, retry_after_s)
-
-
-def rate_limited(detail: str, retry_after_s: float) -> HttpError:
-    """The 429 of a user over its limit, counted, with Retry-After in whole seconds."""
-    metrics.REFUSED.labels("rate_limited").inc()
-    return HttpError(429, detail, [(b"retry-after", retry_after_header(retry_after_s))])
 
 
 def retry_soon(detail: str) -> HttpError:

@@ -10,22 +10,9 @@ import time
 
 from service import metrics
 from service.api.catalog import ContentCatalog, LookupsSaturated
-from service.api.deferred import DeferredHeartbeats
-from service.api.http import (
-    ClientGone,
-    HttpError,
-    as_http_error,
-    identify,
-    rate_limited,
-    read_json,
-    refuse_if_clock_off,
-    send_error,
-)
-from service.api.ratelimit import RateLimiter
+from service.api.http import ClientGone, HttpError, as_http_error, identify, read_json, send_error
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
-from service.progress.buffer import receive_ms
-from service.progress.clock import ClockCheck
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.sink import HeartbeatSink, Unavailable
 
@@ -40,7 +27,12 @@ _REFUSAL_LOG_INTERVAL_S = 10.0
 
 
 class ProgressIngest:
-    """The four heartbeat routes: `answer(kind, ...)` is each one's ASGI handler."""
+    """The four heartbeat routes: `answer(kind, ...)` is each one's ASGI handler.
+
+    No per-user limit: every heartbeat of real content overwrites its own key, so a flood grows nothing,
+    and a limit here could refuse a burst's last position, the one that completes the content. Request
+    rates are the API gateway's to limit (docs/deploy.md).
+    """
 
     def __init__(
         self,
@@ -49,27 +41,19 @@ class ProgressIngest:
         authenticator: Authenticator,
         max_body_bytes: int,
         body_read_timeout_s: float = 10.0,
-        limiter: RateLimiter | None = None,
-        deferred: DeferredHeartbeats | None = None,
         catalog: ContentCatalog | None = None,
-        clock_check: ClockCheck | None = None,
     ) -> None:
         self.sink = sink
-        self.clock_check = clock_check  # a pod whose clock is off takes no heartbeat
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
-        self.limiter = limiter
-        # what the limit refuses, kept for a write by the pod's loop (the lifespan runs it): a burst still
-        # ends with the user's last position stored
-        self.deferred = deferred
         self.catalog = catalog  # None: the door is off, every id is accepted
         self._refused_since_log = 0
         self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S
         self._requests = {
             (kind.path, status): metrics.HTTP_REQUESTS.labels(kind.path, str(status))
             for kind in CONTENT_KINDS
-            for status in (201, 400, 401, 404, 405, 408, 413, 422, 429, 500, 503)
+            for status in (201, 400, 401, 404, 405, 408, 413, 422, 500, 503)
         }
 
     async def answer(self, kind: ContentKind, scope: Scope, receive: Receive, send: Send) -> None:
@@ -91,16 +75,9 @@ class ProgressIngest:
         if scope["method"] != "POST":
             raise HttpError(405, "method not allowed: use POST", _ALLOW_POST)
         user_id, declared_length = identify(self.authenticator, scope["headers"])
-        # before the limit: a refused heartbeat is kept with its receive time and written later, and a 503 costs
-        # the user none of the limit
-        refuse_if_clock_off(self.clock_check)
-        # counted now, answered once the body is read: a refused heartbeat's position is kept for later
-        retry_after_s = self.limiter.allow(user_id) if self.limiter is not None else None
         heartbeat = await read_json(
             receive, kind.body, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s
         )
-        if retry_after_s is not None:
-            self._refuse(kind, getattr(heartbeat, kind.id_column), user_id, heartbeat.position, retry_after_s)
         content_id: int = getattr(heartbeat, kind.id_column)
         if self.catalog is not None:
             known = self.catalog.is_known(kind, content_id)
@@ -113,26 +90,10 @@ class ProgressIngest:
                 metrics.REFUSED.labels("unknown_content").inc()
                 raise HttpError(404, f"unknown {kind.id_column} {content_id}")
         try:
-            await self.sink.write(
-                kind, content_id=content_id, user_id=user_id, position=heartbeat.position, received_ms=receive_ms()
-            )
+            await self.sink.write(kind, content_id=content_id, user_id=user_id, position=heartbeat.position)
         except Unavailable as exc:
             self._log_refusal(kind, exc)
             raise HttpError(503, str(exc)) from None
-
-    def _refuse(self, kind: ContentKind, content_id: int, user_id: int, position: float, retry_after_s: float) -> None:
-        """429: nothing written now, nothing promised; the position is kept for the deferred write.
-
-        What memory knows of the content goes with it: a refused request costs no lookup here, and the
-        deferred write looks up an id memory does not know at its own pace, within its own bound.
-        """
-        if self.deferred is not None:
-            catalog = self.catalog
-            known = True if catalog is None else catalog.known_in_memory(kind, content_id)
-            self.deferred.keep(
-                kind, content_id=content_id, user_id=user_id, position=position, received_ms=receive_ms(), known=known
-            )
-        raise rate_limited("too many heartbeats from this user, retry later", retry_after_s)
 
     def _log_refusal(self, kind: ContentKind, exc: Unavailable) -> None:
         self._refused_since_log += 1

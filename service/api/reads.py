@@ -15,8 +15,7 @@ from urllib.parse import parse_qsl
 from prometheus_client import Counter
 
 from service import metrics
-from service.api.http import HttpError, as_http_error, charge, identify, retry_soon, send_error, send_json
-from service.api.ratelimit import RateLimiter
+from service.api.http import HttpError, as_http_error, identify, retry_soon, send_error, send_json
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.content import EPOCH, KIND_BY_NAME, MAX_ID, ContentKind
@@ -125,12 +124,9 @@ def progress_json(content_type: str, progress: Progress) -> str:
 class ProgressReads:
     """The two GET /progress routes, one ASGI handler: the route table sends it only their paths (is_read)."""
 
-    def __init__(
-        self, reader: ProgressReader | None, *, authenticator: Authenticator, limiter: RateLimiter | None = None
-    ) -> None:
+    def __init__(self, reader: ProgressReader | None, *, authenticator: Authenticator) -> None:
         self.reader = reader  # None: no database (DATABASE_URL), every read is a 503
         self.authenticator = authenticator
-        self.limiter = limiter  # per user: a read is one call against it (shared with the sync)
         self._requests: dict[tuple[str, int], Counter] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -156,7 +152,6 @@ class ProgressReads:
         if scope["method"] != "GET":
             raise HttpError(405, "method not allowed: use GET", [(b"allow", b"GET")])
         user_id, _ = identify(self.authenticator, scope["headers"])
-        charge(self.limiter, user_id, "too many requests from this user, retry later")
         kind = _kind(parts[0])
         if route == ONE_ROUTE:
             content_id = _content_id(parts[1], "path", "content_id")

@@ -1,10 +1,8 @@
 """The offline sync, POST /progress/sync, served as plain ASGI like the heartbeats (`routes.py`).
 
 One request carries up to SYNC_MAX_ITEMS positions heard offline (`service/progress/sync.py` settles
-them). It is charged twice: the request is one call against the reads' per-user limit before its
-body is read, as for a heartbeat, so a flood of bodies, valid or not, costs its sender the limit,
-not this process its parsing; once parsed, its items count against their own per-user limit,
-before anything is written.
+them). Request rates are the API gateway's to limit, as for the heartbeats (docs/deploy.md); what a
+sync costs the database is bounded here by SYNC_MAX_CONCURRENCY.
 """
 
 import functools
@@ -17,7 +15,6 @@ from service.api.http import (
     ClientGone,
     HttpError,
     as_http_error,
-    charge,
     identify,
     invalid_body,
     json_body,
@@ -27,7 +24,6 @@ from service.api.http import (
     send_error,
     send_json,
 )
-from service.api.ratelimit import RateLimiter
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.buffer import now_ms
@@ -38,7 +34,6 @@ from service.stores import POSTGRES_FAILED, REDIS_FAILED
 log = logging.getLogger(__name__)
 
 SYNC_ROUTE = "/progress/sync"
-_TOO_MANY = "too many requests from this user, retry later"
 
 
 @functools.lru_cache(maxsize=64)  # a handful of distinct outcomes: each item's answer is encoded once per process
@@ -56,16 +51,12 @@ class ProgressSync:
         authenticator: Authenticator,
         max_body_bytes: int,
         body_read_timeout_s: float = 10.0,
-        limiter: RateLimiter | None = None,
-        items_limiter: RateLimiter | None = None,
         clock_check: ClockCheck | None = None,
     ) -> None:
         self.offline = offline  # None: no database (DATABASE_URL), every sync is a 503
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
-        self.limiter = limiter  # per user: a sync is one call against it (shared with the reads)
-        self.items_limiter = items_limiter  # per user: a sync costs one per item
         self.clock_check = clock_check  # a pod whose clock is off takes no sync
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -87,7 +78,6 @@ class ProgressSync:
         user_id, declared_length = identify(self.authenticator, scope["headers"])
         # its `now` bounds listened_at, and its items' receive times order them against the heartbeats
         refuse_if_clock_off(self.clock_check)
-        charge(self.limiter, user_id, _TOO_MANY)
         body = await read_body(receive, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s)
         try:
             items = parse_request(body)
@@ -96,7 +86,6 @@ class ProgressSync:
         offline = self.offline
         if offline is None:
             raise retry_soon("offline sync needs the database (DATABASE_URL)")
-        charge(self.items_limiter, user_id, _TOO_MANY, len(items))
         try:
             outcomes = await offline.apply(user_id, items, now_ms=now_ms())
         except SyncsWaiting as exc:  # the syncs' connections are held (a table locked, a slow database): shed

@@ -25,7 +25,7 @@ import asyncpg
 from service import metrics
 from service.config import Settings
 from service.progress.batching import TurnBatcher, close_all
-from service.progress.buffer import PositionWriter
+from service.progress.buffer import PositionWriter, receive_ms
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import pending_member
 from service.progress.store import Heartbeat, persist_batch, report_batch
@@ -167,8 +167,9 @@ class HeartbeatSink:
         self.degraded = False
 
     async def write(
-        self, kind: ContentKind, *, content_id: int, user_id: int, position: float, received_ms: float
+        self, kind: ContentKind, *, content_id: int, user_id: int, position: float, received_ms: float | None = None
     ) -> None:
+        received_ms = receive_ms() if received_ms is None else received_ms  # until the stores stamp it
         node = self._redis_writer.node_of(kind.name, content_id, user_id)
         if time.monotonic() >= self._redis_down_until.get(node, 0.0):
             try:

@@ -21,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ CONFIG = schemathesis.Config.from_dict(
             "database": "none",  # no example database: CI and a laptop run the same cases
         },
         # invalid data may also be refused for its size (a sync of 501 bulky items is over SYNC_MAX_BODY_BYTES)
-        "checks": {"negative_data_rejection": {"expected-statuses": ["400", "401", "404", "405", "413", "422", "429"]}},
+        "checks": {"negative_data_rejection": {"expected-statuses": ["400", "401", "404", "405", "413", "422"]}},
     }
 )
 schema = schemathesis.openapi.from_path(OPENAPI_FILE, config=CONFIG)
@@ -127,8 +126,6 @@ def live_service(servers: Servers, migrated: str, fuzz_content: None) -> Iterato
 
 
 RedisState = tuple[int, dict[str, set[str]]]
-# the pod writes a rate-limited heartbeat's position about every 0.5 s (service/api/deferred.py)
-DEFERRED_WRITE_S = 1.2
 
 
 def _redis_state(redis: "Redis[str]") -> RedisState:
@@ -161,20 +158,6 @@ def test_every_answer_is_documented_and_only_a_201_writes(case: schemathesis.Cas
     after = _redis_state(live_service.redis)
     if case.path == "/progress/sync" and case.method.upper() == "POST" and response.status_code == 200:
         _check_sync_writes(case, live_service.redis, before, after)
-        return
-    if kind is not None and response.status_code == 429:
-        # not acknowledged, yet the pod still writes the last refused position of the content within about a
-        # second (the rate limit sheds only intermediate heartbeats): wait for it, so that it is not taken for
-        # the next case's write, and check that it is its own content's and nothing else
-        assert isinstance(case.body, dict)
-        member = pending_member(int(case.body[kind.id_column]), USER_ID)
-        time.sleep(DEFERRED_WRITE_S)
-        after = _redis_state(live_service.redis)
-        assert after[1][kind.name] <= before[1][kind.name] | {member}
-        assert {name: members for name, members in after[1].items() if name != kind.name} == {
-            name: members for name, members in before[1].items() if name != kind.name
-        }
-        assert after[0] - before[0] in (0, 1, 2)
         return
     if kind is None or response.status_code != 201:
         assert after == before, f"a {response.status_code} answer to {case.method} {case.path} wrote to Redis"

@@ -285,29 +285,6 @@ async def test_a_sync_needs_a_token_post_and_a_body_within_the_limit(
     assert (await client.post("/progress/sync", content=sync_body(500), headers=auth(token))).status_code == 200
 
 
-async def test_the_rate_limit_seam_refuses_before_anything_is_written(
-    app,
-    client: httpx.AsyncClient,
-    redis: Redis,
-    db: asyncpg.Pool,
-    token: str,  # type: ignore[no-untyped-def]
-) -> None:
-    await seed(db, users=7)
-    calls: list[tuple[int, int]] = []
-
-    class Limit:  # the items' limiter: one call per sync, costing its number of items
-        def allow(self, user_id: int, cost: float = 1.0) -> float | None:
-            calls.append((user_id, int(cost)))
-            return 2.4 if cost > 1 else None
-
-    app.api.state.handlers.sync.items_limiter = Limit()
-    response = await client.post("/progress/sync", content=sync_body(3), headers=auth(token))
-    assert (response.status_code, response.headers["retry-after"]) == (429, "3")  # 2.4 s, rounded up
-    assert await redis.keys("*") == []
-    assert (await client.post("/progress/sync", content=sync_body(1), headers=auth(token))).status_code == 200
-    assert calls == [(7, 3), (7, 1)]
-
-
 @pytest.mark.regression
 @pytest.mark.parametrize("depth", [1000, 5000, 40000])
 async def test_a_body_nested_past_the_decoders_stack_is_a_400_not_a_500(

@@ -16,8 +16,8 @@ The faults (DESIGN §12, issue 23), each undone when it ends, the pods' settings
   broker_busy (the broker runs a Lua loop and answers BUSY, as tests/outbox/test_refusals.py does);
 - pods lane: sigterm and sigkill of one pod, restarted at once.
 
-The checks, all on the whole ledger: every acknowledged final position is in Postgres (the last 201, the last
-refused 429 of a burst, the newest applied sync item); no row ever moved back; every completion has one event, and
+The checks, all on the whole ledger: every acknowledged final position is in Postgres (the last 201, the newest
+applied sync item); no row ever moved back; every completion has one event, and
 every event is published; each request answered within its bound, with a status its route documents; no client
 error from a pod that was not being killed; a read shows the latest position acknowledged before it; each promised
 position reached Postgres within its bound (below); a pod given SIGTERM exits in time, with no wait cancelled.
@@ -44,7 +44,6 @@ from pathlib import Path
 import asyncpg
 from redis.asyncio import Redis
 
-from service.api.deferred import DEFER_INTERVAL_S
 from service.progress.backlog import measure_backlog
 from service.progress.content import CONTENT_KINDS
 from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, parse_member, pending_flush_key
@@ -82,10 +81,6 @@ def service_env(budget: int) -> dict[str, str]:
         "DATABASE_LOCK_TIMEOUT_SECONDS": str(LOCK_TIMEOUT_S),
         "DEGRADED_WRITE_TIMEOUT_SECONDS": str(DEGRADED_TIMEOUT_S),
         "DEGRADED_REDIS_RETRY_SECONDS": "0.5",
-        # bursts of 40 refuse their last ~20; steady users (1-2 requests/s over two pods) are never refused
-        "RATE_LIMIT_PER_USER_PER_SECOND": "2",
-        "RATE_LIMIT_BURST": "20",
-        "SYNC_ITEMS_PER_USER_PER_SECOND": "20",  # a storm user sends 40 items every few seconds
         # a pod restarted while a content table is locked has no snapshot: it has one again within seconds
         "CONTENT_CATALOG_REFRESH_SECONDS": "5",
         "TRIAL_JOURNEY_INTERVAL_SECONDS": "0",
@@ -118,8 +113,6 @@ BUDGET_CAP_ROWS = 4 * BATCH
 # and a capped budget wait: under 1 s at either size), the final flush (PROGRESS_SHUTDOWN_TIMEOUT), the relay's
 # last pass (publish timeout + 2 s)
 EXIT_S = DRAIN_S + HEARTBEAT_S + STATEMENT_TIMEOUT_S + 1.0 + SHUTDOWN_S + PUBLISH_TIMEOUT_S + 2 + MARGIN_S
-# a SIGKILL this soon after a 429 may take the refused position with it (kept in memory until the next write)
-KEPT_LOSS_S = 2 * DEFER_INTERVAL_S + DEGRADED_TIMEOUT_S
 COMPLETES = DURATION_S - COMPLETION_MARGIN_S
 SLACK_S = 0.002  # Postgres keeps µs, the ledger's floats and the ISO times round below a ms
 
@@ -476,24 +469,17 @@ class Op:
     earliest: float  # the soonest the pods can have received it (sent; an item: its listened_at)
     latest: float  # the latest (answered; never answered: inf; an item: its listened_at)
     answered: float
-    promise: str  # what the answer promised: "201", "429" (kept for a deferred write), "sync" (applied), or ""
+    promise: str  # what the answer promised: "201", "sync" (applied), or ""
     request: int  # its request's index in the ledger
 
 
-def ops_by_key(requests: list[dict], faults: list[Fault]) -> tuple[dict[Key, list[Op]], int]:
-    """Every key's positions, in the order the pods received them; and how many 429s a SIGKILL may have taken."""
-    kills = [f for f in faults if f.kind == "sigkill"]
+def ops_by_key(requests: list[dict]) -> dict[Key, list[Op]]:
+    """Every key's positions, in the order the pods received them."""
     by_key: dict[Key, list[Op]] = defaultdict(list)
-    lost_to_kills = 0
     for i, r in enumerate(requests):
         if r["op"] == "heartbeat":
             key = tuple(r["key"])
-            promise = {201: "201", 429: "429"}.get(r["status"], "")
-            if promise == "429" and any(
-                f.pod == r["pod"] and r["t1"] - SLACK_S <= f.start <= r["t1"] + KEPT_LOSS_S for f in kills
-            ):
-                # service/api/deferred.py: a refused position is held in memory until its write, a SIGKILL loses it
-                promise, lost_to_kills = "", lost_to_kills + 1
+            promise = "201" if r["status"] == 201 else ""
             latest = r["t1"] if r["status"] else float("inf")
             by_key[key].append(Op(key, r["position"], r["t0"], latest, r["t1"], promise, i))
         elif r["op"] == "sync":
@@ -503,7 +489,7 @@ def ops_by_key(requests: list[dict], faults: list[Fault]) -> tuple[dict[Key, lis
                 by_key[key].append(Op(key, position, listened_at, listened_at, r["t1"], "sync" if ok else "", i))
     for ops in by_key.values():
         ops.sort(key=lambda o: o.earliest)
-    return by_key, lost_to_kills
+    return by_key
 
 
 def standing(ops: list[Op], promised: Op) -> set[float]:
@@ -512,7 +498,7 @@ def standing(ops: list[Op], promised: Op) -> set[float]:
     return {o.position for o in ops if o is promised or o.latest > promised.earliest}
 
 
-def last_promise(ops: Iterable[Op], kinds: tuple[str, ...] = ("201", "429", "sync")) -> Op | None:
+def last_promise(ops: Iterable[Op], kinds: tuple[str, ...] = ("201", "sync")) -> Op | None:
     promised = [o for o in ops if o.promise in kinds]
     return max(promised, key=lambda o: o.earliest) if promised else None
 
@@ -630,7 +616,7 @@ def check_persisted(
         for kind in CONTENT_KINDS
     }
     pending = [watch.backlog_at(key[0], op.answered) for key, op in promised]
-    base_s = [PERSIST_BASE_S + watch.sample_s + (DEFER_INTERVAL_S if op.promise == "429" else 0) for _, op in promised]
+    base_s = [PERSIST_BASE_S + watch.sample_s for _ in promised]
     due = [op.answered for _, op in promised]
     for _ in range(3):  # the wait's length decides the arrivals it counts: a few rounds settle it
         came = [0] * len(promised)
@@ -741,8 +727,6 @@ def check_requests(
         if latency_s > BOUND_S[route]:
             fail(f"{route} slower than its bound ({BOUND_S[route]:.1f} s)", f"{where}: {latency_s:.1f} s")
         allowed = {"heartbeat": {201, 503}, "read": {200, 503}, "sync": {200, 503}}[route]
-        if route == "heartbeat" and r["role"] == "burst":
-            allowed = allowed | {429}
         if route == "read" and len(r["ids"]) == 1:
             allowed = allowed | {404}
         if r["status"] not in allowed:
@@ -804,7 +788,6 @@ class Report:
     rows: int = 0
     completed: int = 0
     events: int = 0
-    kept_lost_to_sigkill: int = 0
     load_loop_lag_s: float = 0.0
     drain_s: float = 0.0
     exit_s: dict[int, float] = field(default_factory=dict)
@@ -830,8 +813,8 @@ class Report:
         lag = ", ".join(f"{t} {s:.1f} s" for t, s in self.worst_lag_s.items())
         lines.append(f"worst lag to Postgres of a promised position: {lag}")
         lines.append(
-            f"keys {self.keys}, rows {self.rows}, completed {self.completed}, events {self.events}; 429s a SIGKILL "
-            f"may have taken: {self.kept_lost_to_sigkill}; drained in {self.drain_s:.1f} s; pods exited in "
+            f"keys {self.keys}, rows {self.rows}, completed {self.completed}, events {self.events}; "
+            f"drained in {self.drain_s:.1f} s; pods exited in "
             f"{', '.join(f'{s:.1f}' for s in self.exit_s.values())} s; "
             f"the load's worst event-loop lag {self.load_loop_lag_s:.2f} s"
         )
@@ -876,12 +859,11 @@ async def _run(size: Size, seed: int, kinds: set[str], base: Path, log: Callable
         if await asyncio.to_thread(users.wait, load.seconds + 120) != 0:
             raise RuntimeError(f"the load failed; see {base}/load.log")
         ledger = json.loads(ledger_path.read_text())
-        # faults off: every pod up, the last refused positions written (the deferred writes), the buffer drained
+        # faults off: every pod up, the buffer drained
         for i, process in enumerate(cluster.services):
             if process is None or process.poll() is not None:
                 cluster.start_service(i)
                 await asyncio.to_thread(cluster.wait_ready, i, 60)
-        await asyncio.sleep(2 * DEFER_INTERVAL_S)
         drain_from = time.time()
         # the backlog left at the budget's pace, a dead pod's leases, two intervals and the margin
         drain_bound_s = await backlog_left(cluster.redis.url) / size.budget + LEASE_S + 2 * INTERVAL_S + 5
@@ -899,7 +881,7 @@ async def _run(size: Size, seed: int, kinds: set[str], base: Path, log: Callable
         await asyncio.to_thread(cluster.stop)
 
     faults = nemesis.faults
-    by_key, report.kept_lost_to_sigkill = ops_by_key(ledger["requests"], faults)
+    by_key = ops_by_key(ledger["requests"])
     checks = Checks()
     check_final(by_key, final, checks, started)
     crowds = _crowds(ledger["requests"], load, size.budget)

@@ -225,8 +225,6 @@ class Cluster:
             # delivery to the monolith has its own tests (tests/outbox); here it stays off, unless there is a broker
             RELAY_ENABLED="false",
             EMAIL_PUBLISHER="redis-stream",
-            # a round every few hundred ms is a compressed rhythm, far above the app's 5 s cadence
-            RATE_LIMIT_PER_USER_PER_SECOND="0",
         )
         if self.size is not None:
             env.update(SHUTDOWN_DRAIN_SECONDS=str(self.size.drain_s))
