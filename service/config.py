@@ -1,8 +1,8 @@
 """All configuration, read once from the environment and validated at start-up."""
 
-import re
 import logging
 import os
+import re
 import socket
 from typing import Any, Literal
 from urllib.parse import urlsplit
