@@ -3,8 +3,9 @@
 Order per batch: claim (a lease, committed), publish, mark published. A relay killed between the
 publish and the mark, or a database that refuses the mark for the whole lease, republishes that
 batch with the same task ids once the lease runs out; at any other point nothing is sent twice.
-Several relays (one per pod) take disjoint batches. It is the only publisher of both outboxes:
-the writers (the flush, the email reservations) only write rows and NOTIFY.
+Several relays (one per pod) take disjoint batches. The next batch is claimed while the broker
+takes the current one, so the outbox's SQL costs little next to the publishing. It is the only
+publisher of both outboxes: the writers (the flush, the email reservations) write rows and NOTIFY.
 
 It wakes on NOTIFY from the writers, so a completion reaches the broker within about a second of
 its flush, and polls every RELAY_POLL_INTERVAL_SECONDS in case a notification was missed (LISTEN
@@ -29,7 +30,7 @@ from service import checkpoints, metrics
 from service.config import Settings
 from service.loops import Backoff, every
 from service.outbox.messages import Publisher, PublishResult
-from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, outbox_counts
+from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, outbox_counts, publish_budget_s
 from service.stores import POSTGRES_FAILED, POSTGRES_UNAVAILABLE
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Relay:
             routes=routes,
             batch_size=settings.relay_batch_size,
             lease_s=settings.relay_lease_seconds,
+            publish_timeout_s=settings.celery_publish_timeout_seconds,
             poll_s=settings.relay_poll_interval_seconds,
             max_backoff_s=settings.relay_max_backoff_seconds,
             listen_dsn=listen_dsn if settings.relay_listen else "",
@@ -90,6 +92,7 @@ class Relay:
         routes: Sequence[Route],
         batch_size: int,
         lease_s: float,
+        publish_timeout_s: float,
         poll_s: float,
         max_backoff_s: float,
         listen_dsn: str = "",
@@ -110,6 +113,9 @@ class Relay:
         self._batch_size = batch_size
         self._lease_s = lease_s
         self._statement_s = statement_timeout_s  # how long a statement may take (0: unbounded, no retry near the end)
+        # A batch claimed ahead is published only while enough of its lease is left to publish and mark it;
+        # started later, it could still be going out when another relay claims and sends it again.
+        self._fresh_for_s = max(lease_s - publish_budget_s(publish_timeout_s), lease_s / 2)
         self._poll_s = poll_s
         self._max_backoff_s = max_backoff_s
         self._listen_dsn = listen_dsn
@@ -138,24 +144,44 @@ class Relay:
         return result
 
     async def _drain(self, route: Route, result: RelayResult, stop: asyncio.Event | None) -> None:
-        """Claim, publish, mark, batch after batch, until a batch comes back short or the broker is unreachable.
-
-        Each batch is claimed just before it is published, so its whole lease (longer than a publish, which
-        the settings check) is left for the publish and the mark.
-        """
-        while True:
-            leased_at = time.monotonic()  # the batch's lease runs from about now
-            rows = await self._claim(route.outbox)
-            if not rows:
-                return
-            messages = [route.outbox.to_message(row, route.task_name, route.queue) for row in rows]
-            sent = await route.publisher.publish(messages)
+        """Claim, publish, mark, batch after batch; the next claim runs while the broker takes a batch."""
+        leased_at = time.monotonic()  # the batch's lease runs from about now
+        rows = await self._claim(route.outbox)
+        claimed_at: float | None = None  # set for a batch claimed while the broker took the one before
+        while rows:
+            if claimed_at is not None and time.monotonic() - claimed_at > self._fresh_for_s:
+                # that took long: too little of this batch's lease is left to publish and mark it
+                # before another relay may claim it again; give it back and claim afresh
+                await self._pool.execute(route.outbox.release_sql, [row["id"] for row in rows])
+                leased_at = time.monotonic()
+                rows, claimed_at = await self._claim(route.outbox), None
+                continue
+            publishing = asyncio.ensure_future(
+                route.publisher.publish([route.outbox.to_message(row, route.task_name, route.queue) for row in rows])
+            )
+            more = len(rows) == self._batch_size and (stop is None or not stop.is_set())
+            claim_started = time.monotonic()  # the next batch's lease runs from about now
+            claiming = asyncio.ensure_future(self._claim(route.outbox)) if more else None
+            claim_error: BaseException | None = None
+            try:
+                sent = await publishing
+            finally:
+                # the next claim is awaited whatever happens: never left running unowned (a claim
+                # cancelled after it committed only delays its rows until their lease runs out)
+                try:
+                    next_rows = await claiming if claiming is not None else []
+                except POSTGRES_FAILED as exc:
+                    # the broker has this batch: it is marked below before the claim's error goes up,
+                    # or it would all go out again once its lease ran out
+                    next_rows, claim_error = [], exc
             await self._record(route.outbox, rows, sent, result, lease_ends=leased_at + self._lease_s)
+            if claim_error is not None:
+                raise claim_error
             if sent.unavailable is not None:
-                await self._release(route.outbox, rows, sent)
+                await self._release(route.outbox, rows, sent, next_rows)
                 return
-            if len(rows) < self._batch_size or (stop is not None and stop.is_set()):
-                return
+            rows, claimed_at = next_rows, claim_started
+            leased_at = claim_started
 
     async def _claim(self, outbox: Outbox) -> list[asyncpg.Record]:
         rows: list[asyncpg.Record] = await self._pool.fetch(outbox.claim_sql, self._batch_size, self._lease_s)
@@ -208,11 +234,14 @@ class Relay:
             result.broker_unavailable = sent.unavailable
             metrics.OUTBOX_BROKER_UNAVAILABLE.labels(name).inc()
 
-    async def _release(self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult) -> None:
+    async def _release(
+        self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult, next_rows: list[asyncpg.Record]
+    ) -> None:
         """The broker is unreachable: give back what was claimed and not sent, so it waits unleased."""
         done = set(sent.sent) | set(sent.refused)
         # after a timeout the thread may still be sending this batch: leave it to its lease
         unsent = [] if sent.timed_out else [row["id"] for row in rows if row["id"] not in done]
+        unsent += [row["id"] for row in next_rows]
         if unsent:
             await self._pool.execute(outbox.release_sql, unsent)
 
