@@ -16,8 +16,9 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import harness
 
+from service.trial_emails.batch import reserve_in_blocks
 from service.trial_emails.journey import SOURCE
-from service.trial_emails.reservations import Pair, load_sent_keys, load_trials, pending_reservations, reserve_block
+from service.trial_emails.reservations import Pair, load_sent_keys, load_trials, pending_reservations
 
 TRIALS, BLOCK_SIZE, FIRST_USER = 200, 200, 2_000_000_001
 LAST_USER = FIRST_USER + TRIALS - 1
@@ -31,8 +32,7 @@ Reserve = Callable[[asyncpg.Connection, Sequence[Pair]], Awaitable[int]]
 
 
 async def blocks(conn: asyncpg.Connection, pairs: Sequence[Pair]) -> int:
-    chunks = [pairs[i : i + BLOCK_SIZE] for i in range(0, len(pairs), BLOCK_SIZE)]
-    return sum([len(await reserve_block(conn, chunk, datetime.now(UTC))) for chunk in chunks])
+    return await reserve_in_blocks(conn, pairs, block_size=BLOCK_SIZE)
 
 
 GET = "SELECT id FROM emails_emaildispatch WHERE user_id = $1 AND source = $2 AND email_key = $3"

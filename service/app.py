@@ -39,7 +39,6 @@ from service.progress.sink import HeartbeatSink
 from service.progress.sync import OfflineSync
 from service.redis_client import RedisClient, connect_redis
 from service.stores import REDIS_FAILED
-from service.trial_emails.queue import build_email_queue
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +111,7 @@ def start_publishing(
         background.start("progress-flusher", Flusher.from_settings(settings, redis, pool).run(background.stop))
     publisher = start_publisher(settings, lifecycle) if settings.celery_broker_url else None
     if settings.trial_journey_interval_seconds > 0:
-        queue = build_email_queue(settings, redis, publisher)
-        background.start("trial-journey-sweep", periodic_sweep(settings, pool, queue, background.stop))
+        background.start("trial-journey-sweep", periodic_sweep(settings, pool, background.stop))
     if settings.relay_enabled and publisher is not None:
         relay = Relay.from_settings(settings, pool, relay_routes(settings, redis, publisher))
         background.start("outbox-relay", relay.run(background.stop))

@@ -8,7 +8,7 @@ has no hook, so no setting or environment variable of a pod can stop it here. Th
     flush.after_commit    its rows are committed, the claim is not acked
     relay.after_claim     outbox rows are claimed, nothing is published
     relay.after_publish   the broker has the batch, the rows are not marked published
-    trial_emails.after_reserve   a block of emails is reserved (committed), none is published
+    trial_emails.after_reserve   a block of emails is reserved with its outbox rows (committed)
 """
 
 from collections.abc import Callable

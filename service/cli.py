@@ -30,7 +30,6 @@ from service.progress.backlog import measure_backlog
 from service.redis_client import RedisClient, connect_redis
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 from service.trial_emails.batch import BatchResult
-from service.trial_emails.queue import build_email_queue
 from service.trial_emails.sweep import sweep_journeys
 
 DEV_JWT_SECRET = "dev-only-secret-not-for-production"
@@ -243,18 +242,16 @@ async def _run_relay(parts: _Parts, *, once: bool) -> int:
 def _trial_emails_run_once(args: argparse.Namespace) -> int:
     """One sweep, progress on stderr, the summed result on stdout.
 
-    SIGTERM (or Ctrl-C) stops it cleanly: the batch in hand finishes (its blocks are reserved and their
-    outbox rows written in one statement each, so whatever it could not publish is the relay's), no
-    new batch starts, the partial result is printed with "status": "stopped", and the exit code is 0.
+    It publishes nothing: each block's statement reserves the emails, writes their outbox rows and wakes
+    the relays of the `serve` pods (or `relay`). SIGTERM (or Ctrl-C) stops it cleanly: the batch in hand
+    finishes, no new batch starts, the partial result is printed with "status": "stopped", and the exit
+    code is 0.
     """
 
     def check(settings: Settings) -> bool:
         if not settings.database_url:
             raise ConfigError("DATABASE_URL is required (the primary: reservations never go to a replica)")
-        publishes_with_celery = settings.email_publisher == "celery" and settings.send_email
-        if publishes_with_celery:
-            settings.check_celery_broker()
-        return publishes_with_celery
+        return False
 
     return _run_command("trial-emails run-once", check, _sweep_once)
 
@@ -270,7 +267,6 @@ async def _sweep_once(parts: _Parts) -> int:
 
         result = await sweep_journeys(
             pool=parts.pool,
-            queue=build_email_queue(parts.settings, parts.redis, parts.publisher),
             options=BatchOptions.from_settings(parts.settings),
             on_batch=show,
             should_stop=parts.stop.is_set,

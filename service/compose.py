@@ -14,9 +14,9 @@ from service.outbox.celery_publisher import CeleryPublisher, publisher_from_sett
 from service.outbox.messages import Publisher
 from service.outbox.outboxes import COMPLETIONS, EMAILS
 from service.outbox.relay import Route
+from service.outbox.stream_publisher import StreamPublisher
 from service.redis_client import RedisClient
 from service.trial_emails.batch import BatchOptions
-from service.trial_emails.queue import EmailQueue, email_relay_publisher
 from service.trial_emails.sweep import run_periodic_sweep
 
 
@@ -37,18 +37,15 @@ def email_route(settings: Settings, publisher: Publisher) -> Route:
 
 
 def relay_routes(settings: Settings, redis: RedisClient, publisher: Publisher) -> list[Route]:
-    return [
-        completion_route(settings, publisher),
-        email_route(settings, email_relay_publisher(settings, redis, publisher)),
-    ]
+    emails: Publisher = publisher
+    if settings.email_publisher == "redis-stream":
+        emails = StreamPublisher(redis, settings.email_queue_stream)
+    return [completion_route(settings, publisher), email_route(settings, emails)]
 
 
-def periodic_sweep(
-    settings: Settings, pool: asyncpg.Pool, queue: EmailQueue, stop: asyncio.Event
-) -> Coroutine[Any, Any, None]:
+def periodic_sweep(settings: Settings, pool: asyncpg.Pool, stop: asyncio.Event) -> Coroutine[Any, Any, None]:
     return run_periodic_sweep(
         pool=pool,
-        queue=queue,
         options=BatchOptions.from_settings(settings),
         interval_s=settings.trial_journey_interval_seconds,
         stop=stop,

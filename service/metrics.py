@@ -168,15 +168,7 @@ def render_latest() -> tuple[bytes, str]:
 
 TRIAL_EMAILS_RESERVED = Counter(
     "progress_trial_email_reservations_total",
-    "Trial-journey emails reserved by this process (its INSERT won the unique constraint).",
-)
-TRIAL_EMAILS_ENQUEUED = Counter(
-    "progress_trial_email_enqueued_total", "Trial-journey emails published to the email queue."
-)
-TRIAL_EMAIL_ORPHANS = Counter(
-    "progress_trial_email_orphans_total",
-    "Trial-journey emails reserved but not published by their own batch: left to the outbox relay "
-    "(the log names each pair).",
+    "Trial-journey emails reserved by this process (its INSERT won the unique constraint); the relay publishes them.",
 )
 TRIAL_JOURNEY_SWEEPS = Counter(
     "progress_trial_journey_sweeps_total",

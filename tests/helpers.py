@@ -544,6 +544,15 @@ async def reserved(db: asyncpg.Pool) -> set[tuple[int, str]]:
     return {(row["user_id"], row["email_key"]) for row in rows}
 
 
+async def relayed(db: asyncpg.Pool, timeout_s: float = 10.0) -> None:
+    """Until the outbox relay has published every trial email reserved so far (each outbox row marked)."""
+
+    async def nothing_owed() -> bool:
+        return not await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL")
+
+    await wait_for(nothing_owed, timeout_s)
+
+
 # --- status ------------------------------------------------------------------------------------------------
 
 

@@ -219,13 +219,10 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
                "broker unavailable {{outbox}}")),
     ]),
     ("Trial emails", [
-        graph("Reserved and enqueued", "Trial-journey emails reserved, and published to the email queue; "
-              "enqueued should track reserved.", "short",
+        graph("Reserved and published", "Trial-journey emails reserved, and published by the outbox relay "
+              "(the only publisher); published should track reserved.", "short",
               (f"sum(increase(progress_trial_email_reservations_total[{RATE}]))", "reserved"),
-              (f"sum(increase(progress_trial_email_enqueued_total[{RATE}]))", "enqueued")),
-        graph("Orphans", "Reserved but not published by their batch, left to the outbox relay "
-              "(ProgressTrialEmailOrphans).", "short",
-              (f"sum(increase(progress_trial_email_orphans_total[{RATE}]))", "orphans")),
+              (f"sum(increase(progress_outbox_published_total{{outbox=\"email\"}}[{RATE}]))", "published")),
         graph("Sweeps by outcome", "Periodic sweeps: done, failed, locked (another pod was sweeping).", "short",
               (f"sum by (outcome) (increase(progress_trial_journey_sweeps_total[{RATE}]))", "{{outcome}}")),
     ]),

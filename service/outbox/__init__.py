@@ -2,8 +2,9 @@
 
 messages          Message, Publisher, PublishResult: what a publisher is given and answers
 outboxes          the two outbox tables (completion events, trial emails): claim, mark, park SQL; task ids
-celery_publisher  Celery's own client, off the event loop, bounded and with a deadline
-relay             claims unpublished rows, publishes, marks them; LISTEN/NOTIFY wake-up, polling, backoff
+celery_publisher  Celery's own client, off the event loop, bounded and with a deadline (the default, both outboxes)
+stream_publisher  EMAIL_PUBLISHER=redis-stream: the email outbox to a Redis stream instead
+relay             the only publisher: claims unpublished rows, publishes, marks them; LISTEN/NOTIFY, polling, backoff
 
 The writers (the flush upsert, the email reservation) write the rows in their own statements and
 may call into this package; it never imports them.

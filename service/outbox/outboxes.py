@@ -159,9 +159,8 @@ COMPLETIONS = _outbox(
     returning="o.content_type, o.content_id, o.user_id, o.completed_at",
     to_message=completion_message,
 )
-# A row of the email outbox is written already claimed by the batch that reserved it (see
-# service.trial_emails.reservations): the relay takes it only once that lease has run out, so it
-# does not race the batch's own publish of its winners.
+# A row of the email outbox is written by the statement that reserves its email
+# (service.trial_emails.reservations), which wakes the relay: the batch publishes nothing itself.
 EMAILS = _outbox(
     "email",
     table="trial_email_outbox",
@@ -173,21 +172,6 @@ EMAILS = _outbox(
 OUTBOXES = {outbox.name: outbox for outbox in (COMPLETIONS, EMAILS)}
 
 
-def publish_window_s(lease_s: float, publish_timeout_s: float) -> float:
-    """How long after its lease began the holder of a batch may still start publishing it.
-
-    A batch may take its publish deadline, the wait for the publishing thread beyond it and the mark
-    statement (publish_budget_s) from the start of its publish to its mark; started later, it could
-    still be going out when the lease ends and another relay claims and sends it again.
-    """
-    return max(lease_s - publish_budget_s(publish_timeout_s), lease_s / 2)
-
-
 def publish_budget_s(publish_timeout_s: float) -> float:
     """From the start of one batch's publish to its mark: the deadline, the thread's second, the mark."""
     return publish_timeout_s + 2.0
-
-
-async def mark_published(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox, row_ids: list[int]) -> None:
-    if row_ids:
-        await conn.execute(outbox.mark_sql, row_ids)

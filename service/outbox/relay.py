@@ -4,7 +4,8 @@ Order per batch: claim (a lease, committed), publish, mark published. A relay ki
 publish and the mark, or a database that refuses the mark for the whole lease, republishes that
 batch with the same task ids once the lease runs out; at any other point nothing is sent twice.
 Several relays (one per pod) take disjoint batches. The next batch is claimed while the broker
-takes the current one, so the outbox's SQL costs little next to the publishing.
+takes the current one, so the outbox's SQL costs little next to the publishing. It is the only
+publisher of both outboxes: the writers (the flush, the email reservations) write rows and NOTIFY.
 
 It wakes on NOTIFY from the writers, so a completion reaches the broker within about a second of
 its flush, and polls every RELAY_POLL_INTERVAL_SECONDS in case a notification was missed (LISTEN
@@ -29,7 +30,7 @@ from service import checkpoints, metrics
 from service.config import Settings
 from service.loops import Backoff, every
 from service.outbox.messages import Publisher, PublishResult
-from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, outbox_counts, publish_window_s
+from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, outbox_counts, publish_budget_s
 from service.stores import POSTGRES_FAILED, POSTGRES_UNAVAILABLE
 
 log = logging.getLogger(__name__)
@@ -112,8 +113,9 @@ class Relay:
         self._batch_size = batch_size
         self._lease_s = lease_s
         self._statement_s = statement_timeout_s  # how long a statement may take (0: unbounded, no retry near the end)
-        # a batch claimed ahead is published only while enough of its lease is left to publish and mark it
-        self._fresh_for_s = publish_window_s(lease_s, publish_timeout_s)
+        # A batch claimed ahead is published only while enough of its lease is left to publish and mark it;
+        # started later, it could still be going out when another relay claims and sends it again.
+        self._fresh_for_s = max(lease_s - publish_budget_s(publish_timeout_s), lease_s / 2)
         self._poll_s = poll_s
         self._max_backoff_s = max_backoff_s
         self._listen_dsn = listen_dsn

@@ -9,6 +9,7 @@ from datetime import datetime
 
 import asyncpg
 
+from service.outbox.outboxes import NOTIFY_CHANNEL
 from service.trial_emails.journey import SOURCE, UserTrial, resolve_pending_emails
 
 Pair = tuple[int, str]  # (user_id, email_key)
@@ -62,56 +63,34 @@ def pending_reservations(
 # ON CONFLICT DO NOTHING + RETURNING tells exactly which rows this statement inserted: a pair
 # reserved earlier (a retry, a redelivery, another worker) is not returned and so not enqueued.
 # Each won pair writes its outbox row (service.outbox) in the same statement, so no reservation can
-# commit without the message it owes: a process that dies before publishing leaves the row to the
-# relay. The row starts claimed by this batch for a lease ($5 s), so the relay does not race the
-# batch's own publish of its winners, and takes it over only if the batch never marks it published.
-# `marked` records what the batch published from its previous block ($6, dispatch ids) in the same
-# statement, so 1,200 pairs still take 6 statements (and one closing mark), not 6 more for the marks.
-RESERVE_BLOCK_SQL = """
-WITH marked AS (
-    UPDATE trial_email_outbox SET published_at = now(), claimed_until = NULL
-     WHERE dispatch_id = ANY($6::bigint[]) AND published_at IS NULL
-), reserved AS (
+# commit without the message it owes, and the relay, the only publisher, is woken by the NOTIFY,
+# which Postgres delivers at commit only: nothing goes out before its reservation is durable.
+RESERVE_BLOCK_SQL = f"""
+WITH reserved AS (
     INSERT INTO emails_emaildispatch (user_id, source, email_key, sent_at, created_at)
     SELECT pair.user_id, $3::text, pair.email_key, $4::timestamptz, $4::timestamptz
       FROM unnest($1::bigint[], $2::text[]) AS pair (user_id, email_key)
         ON CONFLICT (user_id, source, email_key) DO NOTHING
     RETURNING id, user_id, source, email_key
 ), owed AS (
-    INSERT INTO trial_email_outbox (dispatch_id, user_id, source, email_key, reserved_at, claimed_until,
-                                    publish_attempts)
-    SELECT id, user_id, source, email_key, $4::timestamptz, now() + make_interval(secs => $5::float8), 1
-      FROM reserved
-    RETURNING dispatch_id, user_id, email_key
+    INSERT INTO trial_email_outbox (dispatch_id, user_id, source, email_key, reserved_at)
+    SELECT id, user_id, source, email_key, $4::timestamptz FROM reserved
+    RETURNING user_id, email_key
 )
-SELECT dispatch_id, user_id, email_key FROM owed
+SELECT user_id, email_key,
+       (SELECT count(pg_notify('{NOTIFY_CHANNEL}', 'email')) FROM (SELECT 1 FROM owed LIMIT 1) one) AS notified
+  FROM owed
 """
-# how long a batch keeps its winners from the relay when the caller does not say (RELAY_LEASE_SECONDS)
-DEFAULT_LEASE_S = 60.0
 
 
-async def reserve_block(
-    conn: asyncpg.Connection,
-    pairs: Sequence[Pair],
-    reserved_at: datetime,
-    *,
-    lease_s: float = DEFAULT_LEASE_S,
-    published: Sequence[int] = (),
-) -> dict[Pair, int]:
-    """Reserve a block in one statement; return the pairs it inserted with their dispatch row ids.
+async def reserve_block(conn: asyncpg.Connection, pairs: Sequence[Pair], reserved_at: datetime) -> list[Pair]:
+    """Reserve a block in one statement; return the pairs it inserted, each now owed by the outbox.
 
-    `published`: dispatch ids of earlier winners the broker has taken, marked published by the same
-    statement. Run outside a transaction: the statement commits on its own, so when this returns the
-    reservations, their outbox rows and the marks are durable, and when it raises (deferred foreign
-    keys fail here too) none is.
+    Run outside a transaction: the statement commits on its own, so when this returns the
+    reservations and their outbox rows are durable and the relay is woken, and when it raises
+    (deferred foreign keys fail here too) none is.
     """
     rows = await conn.fetch(
-        RESERVE_BLOCK_SQL,
-        [user_id for user_id, _ in pairs],
-        [key for _, key in pairs],
-        SOURCE,
-        reserved_at,
-        lease_s,
-        list(published),
+        RESERVE_BLOCK_SQL, [user_id for user_id, _ in pairs], [key for _, key in pairs], SOURCE, reserved_at
     )
-    return {(row["user_id"], row["email_key"]): row["dispatch_id"] for row in rows}
+    return [(row["user_id"], row["email_key"]) for row in rows]

@@ -10,10 +10,9 @@ import asyncpg
 
 from service import metrics
 from service.loops import every
-from service.stores import POSTGRES_FAILED, REDIS_FAILED
+from service.stores import POSTGRES_FAILED
 from service.trial_emails.batch import BatchOptions, BatchResult, send_trial_journey_emails_batch
 from service.trial_emails.journey import GRACE
-from service.trial_emails.queue import EmailQueue
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +37,6 @@ OnBatch = Callable[[int, int, BatchResult], None]  # (trials done so far, trials
 async def sweep_journeys(
     *,
     pool: asyncpg.Pool,
-    queue: EmailQueue,
     options: BatchOptions,
     now: datetime | None = None,
     on_batch: OnBatch | None = None,
@@ -60,7 +58,7 @@ async def sweep_journeys(
         if not rows:
             break
         ids = [row["id"] for row in rows]
-        result = await send_trial_journey_emails_batch(ids, pool=pool, queue=queue, options=options, now=now)
+        result = await send_trial_journey_emails_batch(ids, pool=pool, options=options, now=now)
         total["user_trials"] += result["user_trials"]
         total["sent"] += result["sent"]
         if on_batch is not None:
@@ -70,7 +68,7 @@ async def sweep_journeys(
 
 
 async def sweep_if_no_other_pod_is(
-    *, pool: asyncpg.Pool, queue: EmailQueue, options: BatchOptions, stop: asyncio.Event
+    *, pool: asyncpg.Pool, options: BatchOptions, stop: asyncio.Event
 ) -> BatchResult | None:
     """One sweep under the advisory lock, or None when another pod holds it.
 
@@ -83,7 +81,7 @@ async def sweep_if_no_other_pod_is(
         if not await lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", SWEEP_LOCK_KEY):
             return None
         try:
-            return await sweep_journeys(pool=pool, queue=queue, options=options, should_stop=stop.is_set)
+            return await sweep_journeys(pool=pool, options=options, should_stop=stop.is_set)
         finally:
             # on a broken connection the server has dropped the lock with the session already; an
             # error here would only hide the one that got us here
@@ -92,12 +90,12 @@ async def sweep_if_no_other_pod_is(
 
 
 async def run_periodic_sweep(
-    *, pool: asyncpg.Pool, queue: EmailQueue, options: BatchOptions, interval_s: float, stop: asyncio.Event
+    *, pool: asyncpg.Pool, options: BatchOptions, interval_s: float, stop: asyncio.Event
 ) -> None:
     """Sweep at start, then every `interval_s` (TRIAL_JOURNEY_INTERVAL_SECONDS), until `stop` (0 disables it).
 
     A failed sweep is logged and counted, and the next one runs on schedule: the reservations make
-    a retry safe, and a database or Redis outage must not end the loop.
+    a retry safe, and a database outage must not end the loop.
     """
     if interval_s <= 0:
         log.info("trial-journey sweep disabled (TRIAL_JOURNEY_INTERVAL_SECONDS=0)")
@@ -105,8 +103,8 @@ async def run_periodic_sweep(
 
     async def sweep() -> bool:
         try:
-            result = await sweep_if_no_other_pod_is(pool=pool, queue=queue, options=options, stop=stop)
-        except (*POSTGRES_FAILED, *REDIS_FAILED) as exc:
+            result = await sweep_if_no_other_pod_is(pool=pool, options=options, stop=stop)
+        except POSTGRES_FAILED as exc:
             metrics.TRIAL_JOURNEY_SWEEPS.labels("failed").inc()
             log.exception("trial-journey sweep failed; next in %.0f s", interval_s, extra={"error": repr(exc)})
             return False
@@ -115,7 +113,7 @@ async def run_periodic_sweep(
             log.info("trial-journey sweep skipped: another pod holds the lock")
         else:
             log.info(
-                "trial-journey sweep done: %d trials, %d emails enqueued",
+                "trial-journey sweep done: %d trials, %d emails reserved for the relay",
                 result["user_trials"],
                 result["sent"],
                 extra={"count": result["sent"]},

@@ -1,26 +1,32 @@
-"""Trial emails reach the monolith's send_email task through a real worker: once each, whatever dies when."""
+"""Trial emails reach the monolith's send_email task through a real worker: once each, whatever dies when.
+
+The batches reserve and write outbox rows; the relay, woken by each reservation, is the only publisher.
+"""
 
 import asyncio
 import json
 import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
 
+from service.compose import email_route
 from service.config import Settings
 from service.embedded import free_port
-from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
+from service.outbox.celery_publisher import publisher_from_settings
 from service.outbox.outboxes import email_task_id
+from service.outbox.relay import Relay
 from service.trial_emails.batch import BatchOptions, send_trial_journey_emails_batch
-from service.trial_emails.queue import CeleryEmailQueue
-from tests.helpers import RELAY_LEASE_S as LEASE_S
 from tests.helpers import (
     Servers,
     add_trials,
     limited_broker_user,
     relay_env,
     relay_once,
+    relayed,
     running_app,
     start_service_command,
     wait_for,
@@ -77,31 +83,43 @@ async def assert_each_reservation_delivered_once(db: asyncpg.Pool, executions: E
     return len(dispatched)
 
 
+@asynccontextmanager
+async def relay_running(settings: Settings, db: asyncpg.Pool) -> AsyncIterator[None]:
+    """The relay of a pod, sending the email outbox to the worker; it polls once an hour, so it sends on NOTIFY."""
+    woken_only = settings.model_copy(update={"relay_poll_interval_seconds": 3600})
+    publisher = publisher_from_settings(woken_only)
+    stop = asyncio.Event()
+    relay = asyncio.create_task(Relay.from_settings(woken_only, db, [email_route(woken_only, publisher)]).run(stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(relay, timeout=30)
+        await asyncio.to_thread(publisher.close)
+
+
 async def test_the_mixed_trials_reach_the_worker_once_a_rerun_sends_none_and_send_email_false_nothing(
     relay_settings: Settings, db: asyncpg.Pool, executions: Executions
 ) -> None:
     owed = await mixed_trials(db, NOW)
-    publisher = publisher_from_settings(relay_settings)
-    queue = CeleryEmailQueue(publisher, relay_settings)
-    try:
+    async with relay_running(relay_settings, db):
         disabled = relay_settings.model_copy(update={"send_email": False})
         off = await send_trial_journey_emails_batch(
-            await trial_ids(db), pool=db, queue=queue, options=BatchOptions.from_settings(disabled)
+            await trial_ids(db), pool=db, options=BatchOptions.from_settings(disabled)
         )
         assert off["sent"] == 0 and await db.fetchval("SELECT count(*) FROM trial_email_outbox") == 0
 
         first = await send_trial_journey_emails_batch(
-            await trial_ids(db), pool=db, queue=queue, options=BatchOptions.from_settings(relay_settings)
+            await trial_ids(db), pool=db, options=BatchOptions.from_settings(relay_settings)
         )
         rerun = await send_trial_journey_emails_batch(
-            await trial_ids(db), pool=db, queue=queue, options=BatchOptions.from_settings(relay_settings)
+            await trial_ids(db), pool=db, options=BatchOptions.from_settings(relay_settings)
         )
-    finally:
-        await asyncio.to_thread(publisher.close)
+        await relayed(db)
 
     assert (first["sent"], rerun["sent"]) == (owed, 0)
     assert await assert_each_reservation_delivered_once(db, executions) == owed
-    # the batch marked its own winners: nothing is left for the relay to send again
+    # one publish each: nothing was sent twice
     assert await db.fetchval("SELECT max(publish_attempts) FROM trial_email_outbox") == 1
 
 
@@ -110,25 +128,19 @@ async def test_three_concurrent_runners_deliver_each_email_once(
 ) -> None:
     await add_trials(db, 60, started_at=NOW - timedelta(days=10), ends_at=NOW - timedelta(hours=1))
     small_blocks = relay_settings.model_copy(update={"reservation_block_size": 16})
-    publishers: list[CeleryPublisher] = [publisher_from_settings(relay_settings) for _ in range(3)]
     pools = [await asyncpg.create_pool(migrated, min_size=1, max_size=1) for _ in range(3)]
     try:
-        ids = await trial_ids(db)
-        results = await asyncio.gather(
-            *(
-                send_trial_journey_emails_batch(
-                    ids,
-                    pool=pool,
-                    queue=CeleryEmailQueue(publisher, small_blocks),
-                    options=BatchOptions.from_settings(small_blocks),
+        async with relay_running(relay_settings, db):
+            ids = await trial_ids(db)
+            results = await asyncio.gather(
+                *(
+                    send_trial_journey_emails_batch(ids, pool=pool, options=BatchOptions.from_settings(small_blocks))
+                    for pool in pools
                 )
-                for pool, publisher in zip(pools, publishers, strict=True)
             )
-        )
+            await relayed(db)
     finally:
         await asyncio.gather(*(pool.close() for pool in pools))
-        for publisher in publishers:
-            await asyncio.to_thread(publisher.close)
 
     assert sum(result["sent"] for result in results) == 360
     assert await assert_each_reservation_delivered_once(db, executions) == 360
@@ -139,9 +151,11 @@ async def run_once(servers: Servers, broker_url: str, *, die_at: str = "", **ext
     return await start_service_command("trial-emails", "run-once", env=env, die_at=die_at)
 
 
-async def test_killed_between_reservation_and_publish_the_relay_publishes_the_rest(
+@pytest.mark.regression
+async def test_killed_after_its_first_reservation_the_relay_publishes_it_at_once(
     servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
 ) -> None:
+    # issue 29: the dead batch's winners were leased to it, and waited out that lease for the relay
     await add_trials(db, 50, started_at=NOW - timedelta(days=10), ends_at=NOW - timedelta(hours=1))
     process = await run_once(servers, broker.url, die_at="trial_emails.after_reserve")
     await asyncio.wait_for(process.communicate(), timeout=60)
@@ -149,31 +163,31 @@ async def test_killed_between_reservation_and_publish_the_relay_publishes_the_re
     assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 200
     assert await executions.count() == 0
 
-    await asyncio.sleep(LEASE_S)  # the dead batch's lease on its winners runs out
-    code, summary = await relay_once(servers, broker)
+    code, summary = await relay_once(servers, broker)  # no lease to wait out: the relay's from the start
 
     assert code == 0 and summary is not None and summary["published"]["email"] == 200
     assert await assert_each_reservation_delivered_once(db, executions) == 200
 
 
-async def test_broker_down_during_run_once_every_reserved_email_is_delivered_once_it_is_back(
+async def test_broker_down_every_reserved_email_waits_and_is_delivered_once_it_is_back(
     servers: Servers, broker: Broker, db: asyncpg.Pool, executions: Executions
 ) -> None:
     # the first review defect: each run reserved a block, published none, and those emails were lost
     await add_trials(db, 1000, started_at=NOW - timedelta(hours=1), ends_at=NOW + timedelta(days=7))
     down = f"redis://127.0.0.1:{free_port()}/0"
-    for _ in range(2):
-        process = await run_once(servers, down)
-        _, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
-        assert process.returncode == 1, stderr.decode()[-2000:]
-    reserved = await db.fetchval("SELECT count(*) FROM emails_emaildispatch")
-    assert reserved == 400  # a block per run, each committed with its outbox rows
+    process = await run_once(servers, down)  # it reserves only: the broker is the relay's
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode == 0, stderr.decode()[-2000:]
+    assert json.loads(stdout.decode().splitlines()[-1])["sent"] == 1000
+    code, summary = await relay_once(servers, broker, CELERY_BROKER_URL=down)
+    assert code == 1 and summary is not None and summary["broker_unavailable"]
+    assert summary["published"]["email"] == 0
+    assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 1000
 
-    await asyncio.sleep(LEASE_S)
     code, summary = await relay_once(servers, broker)
 
-    assert code == 0 and summary is not None and summary["published"]["email"] == 400
-    assert await assert_each_reservation_delivered_once(db, executions) == 400
+    assert code == 0 and summary is not None and summary["published"]["email"] == 1000
+    assert await assert_each_reservation_delivered_once(db, executions) == 1000
 
 
 async def test_sigterm_during_run_once_stops_cleanly_and_every_reserved_email_is_delivered(
@@ -194,7 +208,6 @@ async def test_sigterm_during_run_once_stops_cleanly_and_every_reserved_email_is
     result = json.loads(stdout.decode().splitlines()[-1])
     reserved = await db.fetchval("SELECT count(*) FROM emails_emaildispatch")
     assert result["status"] == "stopped" and 0 < reserved < 5000
-    await asyncio.sleep(LEASE_S)
     code, _ = await relay_once(servers, broker)
     assert code == 0
     assert await assert_each_reservation_delivered_once(db, executions) == reserved
@@ -207,26 +220,18 @@ async def test_an_email_the_broker_refuses_is_not_marked_published_and_the_relay
     refused = relay_settings.model_copy(
         update={"celery_broker_url": await limited_broker_user(broker), "email_task_queue": "forbidden"}
     )
-    publisher = publisher_from_settings(refused)
-    try:
-        result = await send_trial_journey_emails_batch(
-            await trial_ids(db),
-            pool=db,
-            queue=CeleryEmailQueue(publisher, refused),
-            options=BatchOptions.from_settings(refused),
-        )
-    finally:
-        await asyncio.to_thread(publisher.close)
-    assert result["sent"] == 0
+    result = await send_trial_journey_emails_batch(
+        await trial_ids(db), pool=db, options=BatchOptions.from_settings(refused)
+    )
+    assert result["sent"] == 2
     assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 2
 
-    await asyncio.sleep(LEASE_S)
     code, summary = await relay_once(
         servers,
         broker,
         CELERY_BROKER_URL=refused.celery_broker_url,
         EMAIL_TASK_QUEUE="forbidden",
-        OUTBOX_MAX_ATTEMPTS="2",
+        OUTBOX_MAX_ATTEMPTS="1",
     )
     assert code == 0 and summary is not None and summary["parked"]["email"] == 2
     parked = await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE publish_failed_at IS NOT NULL")
@@ -248,7 +253,6 @@ async def test_the_serve_sweep_with_the_broker_down_loses_no_block(
             await asyncio.sleep(0.1)
     assert await executions.count() == 0
 
-    await asyncio.sleep(LEASE_S)
     code, summary = await relay_once(servers, broker)
     assert code == 0 and summary is not None and summary["published"]["email"] == 30
     assert await assert_each_reservation_delivered_once(db, executions) == 30

@@ -18,11 +18,12 @@ from service.app import create_app
 from service.auth import make_token
 from service.config import ConfigError, Settings
 from service.embedded import EmbeddedCluster
+from service.outbox.messages import Message
+from service.outbox.stream_publisher import StreamPublisher, publish_guard_key
 from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS
 from service.progress.flusher import Flusher
 from service.progress.keys import KeyLayout, latest_position_key
-from service.trial_emails.queue import QueuedEmail, RedisStreamQueue, publish_guard_key
 from tests.helpers import FLUSH_LEASE_S as LEASE_S
 from tests.helpers import (
     RowsWatch,
@@ -109,8 +110,7 @@ async def test_keys_of_one_shard_share_one_slot(cluster_redis: RedisCluster, clu
             slots = {await cluster_redis.cluster_keyslot(key) for key in keys}
             assert len(slots) == 1, keys
     stream = "emails:trial_journey"
-    email = QueuedEmail(7, "day_3", "sweep", datetime(2026, 1, 1, tzinfo=UTC))
-    assert await cluster_redis.cluster_keyslot(publish_guard_key(stream, email)) == await cluster_redis.cluster_keyslot(
+    assert await cluster_redis.cluster_keyslot(publish_guard_key(stream, 7)) == await cluster_redis.cluster_keyslot(
         stream
     )
 
@@ -134,10 +134,13 @@ async def test_ten_thousand_members_spread_evenly_over_the_masters(
 
 
 async def test_the_trial_email_publish_script_runs_on_the_cluster(cluster_redis: RedisCluster) -> None:
-    queue = RedisStreamQueue(cluster_redis, "emails:trial_journey")
-    email = QueuedEmail(7, "day_3", "sweep", datetime(2026, 1, 1, tzinfo=UTC))
-    await queue.publish(email)
-    await queue.publish(email)  # the client's retry after a timeout: a no-op
+    publisher = StreamPublisher(cluster_redis, "emails:trial_journey")
+    kwargs = {"dispatch_id": 7, "user_id": 7, "email_key": "day_3", "source": "sweep"}
+    email = Message(
+        7, "send_email", "emails", "task-7", kwargs, extra={"reserved_at": datetime(2026, 1, 1, tzinfo=UTC)}
+    )
+    assert (await publisher.publish([email])).sent == [7]
+    assert (await publisher.publish([email])).sent == [7]  # the client's retry after a timeout: a no-op
     assert await cluster_redis.xlen("emails:trial_journey") == 1
 
 

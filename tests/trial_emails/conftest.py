@@ -1,13 +1,16 @@
-"""Fixtures of the trial-journey email tests: clean tables, trials to seed, statements counted for real."""
+"""Fixtures of the trial-journey email tests: clean tables, statements counted for real, the relay on a stream."""
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 from redis.asyncio import Redis
 
+from service.compose import email_route
 from service.config import Settings
-from service.trial_emails.queue import RedisStreamQueue
+from service.outbox.relay import Relay
+from service.outbox.stream_publisher import StreamPublisher
 from tests.helpers import Statements
 
 
@@ -18,8 +21,20 @@ async def trials_db(db: asyncpg.Pool) -> asyncpg.Pool:
 
 
 @pytest.fixture
-def queue(redis: Redis, settings: Settings) -> RedisStreamQueue:
-    return RedisStreamQueue(redis, settings.email_queue_stream)
+async def stream(trials_db: asyncpg.Pool, redis: Redis, settings: Settings) -> AsyncIterator[str]:
+    """The relay, the only publisher, sending the email outbox to the stream named here, in the background.
+
+    It polls once an hour: what it sends within seconds, it was woken for by a reservation's NOTIFY.
+    """
+    woken_only = settings.model_copy(update={"relay_poll_interval_seconds": 3600, "relay_listen": True})
+    route = email_route(woken_only, StreamPublisher(redis, settings.email_queue_stream))
+    stop = asyncio.Event()
+    relay = asyncio.create_task(Relay.from_settings(woken_only, trials_db, [route]).run(stop))
+    try:
+        yield settings.email_queue_stream
+    finally:
+        stop.set()
+        await asyncio.wait_for(relay, timeout=10)
 
 
 @pytest.fixture
