@@ -63,6 +63,8 @@ async def test_the_monolith_task_gets_the_traceparent_of_the_publish_span_the_co
     assert publish.trace_id == trace_id
     assert publish.attributes == {"task_name": TASK, "task_id": row["task_id"], "queue": "onion-progress"}
     assert publish.service_name == "progress-service"
+    # the heartbeat made no span: only the flush's, the relay's and the publish's came
+    assert {span.name for span in receiver.spans} <= {"flush batch", "relay batch", f"publish {TASK}"}
 
 
 @pytest.mark.parametrize("asked", ["no OTEL variable", "OTEL_TRACES_EXPORTER=none beside an endpoint"])
