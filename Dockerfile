@@ -1,8 +1,9 @@
 # syntax=docker/dockerfile:1
 
 # Build stage: the project and its runtime dependencies, at the versions of uv.lock (no dev or test
-# groups; the sqs extra, for the monolith's broker in production), in a virtualenv that the runtime
-# stage copies whole. Every dependency ships manylinux wheels: no compiler needed.
+# groups; the sqs extra, for the monolith's broker in production; the otel extra, for the traces the
+# OTEL_* variables may ask for), in a virtualenv that the runtime stage copies whole. Every dependency
+# ships manylinux wheels: no compiler needed.
 FROM python:3.11-slim-bookworm AS build
 
 ENV PIP_NO_CACHE_DIR=1 \
@@ -18,9 +19,9 @@ RUN pip install --no-cache-dir uv==0.13.9
 WORKDIR /src
 # dependencies first, from the lockfile alone, so a change of the code alone reuses this layer
 COPY pyproject.toml uv.lock ./
-RUN uv sync --frozen --no-install-project --no-cache --extra sqs
+RUN uv sync --frozen --no-install-project --no-cache --extra sqs --extra otel
 COPY service ./service
-RUN uv sync --frozen --no-editable --no-cache --extra sqs
+RUN uv sync --frozen --no-editable --no-cache --extra sqs --extra otel
 
 
 # Runtime stage: the virtualenv and nothing else, run by an unprivileged user.

@@ -2,9 +2,11 @@
 
 req/s, latencies, server CPU per request, the ratio, RSS; --million: then --requests N (a million) in all and the
 RSS. --door: a second service with the door on, alternating rounds against the first (known ids), then made-up ids.
+--tracing: a second service with tracing configured (OTLP, the default sampler), alternating rounds against the first.
 
     .venv/bin/python bench/bench_ingest.py [--duration 20] [--warmup 10] [--million [--requests N]] [--door --rounds 3]
-    smallest: --duration 1 --warmup 1 --wait-idle 0 [--million --requests 20000] [--door --rounds 1]
+        [--tracing]
+    smallest: --duration 1 --warmup 1 --wait-idle 0 [--million --requests 20000] [--door --rounds 1] [--tracing]
     (--door needs many --users)
 """
 
@@ -47,7 +49,7 @@ def check_writes(redis: Redis, name: str) -> None:
         raise RuntimeError(f"{name}: the pending sets are empty after the run")
 
 
-@harness.main(**LOAD, door=False, rounds=3, million=False, requests=1_000_000)
+@harness.main(**LOAD, door=False, tracing=False, rounds=3, million=False, requests=1_000_000)
 def main(args: harness.Namespace) -> None:
     served: dict[str, int] = {}
 
@@ -78,7 +80,7 @@ def main(args: harness.Namespace) -> None:
         }
         redis = {
             name: s.stack.enter_context(Redis.from_url(harness.redis_db(s.redis_url, db)))
-            for db, name in enumerate(("service", "baseline", "service+door"))
+            for db, name in enumerate(("service", "baseline", "service+door", "service+tracing"))
         }
         service_pid = children["service"].pid
         rss_idle = rss_mib(service_pid)["VmRSS"]
@@ -108,21 +110,24 @@ def main(args: harness.Namespace) -> None:
         p99_target = f"service p99 < 15 ms at {args.connections} connections"
         harness.target(p99_target, f"{service.p99_ms:.2f} ms", service.p99_ms < 15)
 
-        if args.door:
-            asyncio.run(harness.seed(s.database_url, users=0, contents=args.contents))
-            door_env = {"REDIS_URL": harness.redis_db(s.redis_url, 2), "CONTENT_CATALOG_ENABLED": "true"}
-            children["service+door"] = s.service("service+door", **door_env)  # the catalog on
-            load("service+door", args.warmup)
-            runs = harness.rounds({n: partial(measured, n) for n in ("service", "service+door")}, args.rounds)
-            print(
-                f"\ndoor: the same load, known ids, {args.rounds} alternating rounds of {args.duration:.0f}s; all 201"
-            )
+        def side_by_side(other: str) -> list[list[Any]]:
+            """Alternating rounds of the service and `other` under the same load: a row of medians each."""
+            load(other, args.warmup)
+            runs = harness.rounds({n: partial(measured, n) for n in ("service", other)}, args.rounds)
+            print(f"\n{other}: the same load, known ids, {args.rounds} alternating rounds of {args.duration:.0f}s")
             rows = []
             for n, rs in runs.items():
                 rps, p99 = harness.medians(rs, "rps", "p99_ms")
                 cpu = median(r.us_per_request(children[n].pid) for r in rs)
                 rows.append([n, rps, ", ".join(f"{r.rps:,.0f}" for r in rs), p99, cpu])
             harness.table(" | median req/s | runs req/s | median p99 ms | server CPU µs/request", rows)
+            return rows
+
+        if args.door:
+            asyncio.run(harness.seed(s.database_url, users=0, contents=args.contents))
+            door_env = {"REDIS_URL": harness.redis_db(s.redis_url, 2), "CONTENT_CATALOG_ENABLED": "true"}
+            children["service+door"] = s.service("service+door", **door_env)  # the catalog on
+            rows = side_by_side("service+door")
             share = rows[1][1] / rows[0][1]
             harness.target("throughput with the door >= 95% of without", f"{share:.1%}", share >= 0.95)
             print(f"\ndoor: made-up content ids ({BOGUS_IDS[0]}..{BOGUS_IDS[1]}), {args.duration:.0f}s")
@@ -133,6 +138,16 @@ def main(args: harness.Namespace) -> None:
                 r = load("service+door", args.duration, token_file, ids=BOGUS_IDS, expect=(404,))
                 keys = int(redis["service+door"].dbsize())
                 harness.target(f"{label}: {r.rps:,.0f} answers/s {r.statuses}, Redis keys left", str(keys), keys == 0)
+
+        if args.tracing:  # a collector address with none behind it: a heartbeat makes no span to send there
+            otel = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}  # discard port
+            child = s.service("service+tracing", **otel, REDIS_URL=harness.redis_db(s.redis_url, 3), DATABASE_URL="")
+            children["service+tracing"] = child
+            if "google/_upb" not in Path(f"/proc/{child.pid}/maps").read_text():  # the OTLP exporter's protobuf
+                raise RuntimeError("service+tracing did not load the OTLP exporter: is the otel extra installed?")
+            rows = side_by_side("service+tracing")
+            more = rows[1][4] / rows[0][4] - 1
+            harness.target("server CPU per heartbeat with tracing configured <= 5% more", f"{more:+.1%}", more <= 0.05)
 
         if args.million:  # every request is a 201 (wrk checks the answers), so wrk's count is the service's
             rate = service.rps

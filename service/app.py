@@ -13,6 +13,7 @@ from typing import Any
 import asyncpg
 from fastapi import FastAPI
 
+from service import tracing
 from service.api import health
 from service.api.catalog import ContentCatalog
 from service.api.ingest import ProgressIngest
@@ -149,6 +150,8 @@ async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock 
     """Every part, started in the order that keeps the guarantees at shutdown (stopped in reverse): the
     heartbeat writes (reader, catalog, sink) stop before the loops' last flush, the last flush
     before the relay's final pass, and those before the publisher, the pool and Redis close."""
+    if tracing.configure():  # stopped last: the spans of the final flush and pass are exported too
+        lifecycle.started_part("tracing", tracing.aclose)
     redis = await start_redis(settings, lifecycle)
     checks = dict[str, "asyncio.Task[object]"]()
     lifecycle.started_part("readiness checks", _cancel_all, checks)

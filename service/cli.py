@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
+from service import tracing
 from service.compose import relay_routes, start_publisher
 from service.config import ConfigError, Settings, load_settings
 from service.console import Progress
@@ -172,6 +173,8 @@ def _run_command(name: str, check: Callable[[Settings], bool], body: Callable[[_
     async def main(stop: asyncio.Event) -> int:
         lifecycle = Lifecycle()
         try:
+            if tracing.configure():  # stopped last: the spans of the last batch are exported too
+                lifecycle.started_part("tracing", tracing.aclose)
             publisher = start_publisher(settings, lifecycle) if with_publisher else None
             pool = await create_db_pool(settings)
             lifecycle.started_part("postgres", pool.close)

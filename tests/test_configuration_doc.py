@@ -13,6 +13,10 @@ from tests.helpers import auth, running_app
 
 # read outside Settings: by the CLI (HOST/PORT/WORKERS), the dev command, the metrics endpoint
 OTHER_VARIABLES = {"HOST", "PORT", "WORKERS", "PROMETHEUS_MULTIPROC_DIR", "DEV_DATA_DIR", "MIGRATIONS_DIR"}
+# read by service/tracing.py and the OpenTelemetry SDK
+OTHER_VARIABLES |= {"OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                    "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_SERVICE_NAME",
+                    "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_SDK_DISABLED"}  # fmt: skip
 
 
 def configuration_table() -> set[str]:

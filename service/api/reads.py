@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl
 
 from prometheus_client import Counter
 
-from service import metrics
+from service import metrics, tracing
 from service.api.http import HttpError, as_http_error, identify, retry_soon, send_error, send_json
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
@@ -166,7 +166,8 @@ class ProgressReads:
         if self.reader is None:
             raise retry_soon("progress reads need the database (DATABASE_URL)")
         try:
-            return await self.reader.read(kind, user_id, content_ids)
+            with tracing.span("progress read", content_type=kind.name, ids=len(content_ids)):
+                return await self.reader.read(kind, user_id, content_ids)
         except ReadsWaiting as exc:  # a storm of reads, or a store that stalls: shed, not queued
             raise retry_soon("progress store too slow for the reads waiting, retry later") from exc
         except (*REDIS_FAILED, *POSTGRES_FAILED) as exc:

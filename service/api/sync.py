@@ -10,7 +10,7 @@ import logging
 
 from pydantic import ValidationError
 
-from service import metrics
+from service import metrics, tracing
 from service.api.http import (
     ClientGone,
     HttpError,
@@ -87,7 +87,8 @@ class ProgressSync:
         if offline is None:
             raise retry_soon("offline sync needs the database (DATABASE_URL)")
         try:
-            outcomes = await offline.apply(user_id, items, now_ms=now_ms())
+            with tracing.span("progress sync", items=len(items)):
+                outcomes = await offline.apply(user_id, items, now_ms=now_ms())
         except SyncsWaiting as exc:  # the syncs' connections are held (a table locked, a slow database): shed
             raise retry_soon("progress store too slow for the syncs waiting, retry later") from exc
         except (*REDIS_FAILED, *POSTGRES_FAILED) as exc:

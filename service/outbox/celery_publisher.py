@@ -7,6 +7,7 @@ thread pool, one batch per call, with a deadline; the loop that awaits it stays 
 """
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
+from service import tracing
 from service.config import Settings, check_transport
 from service.outbox.messages import Message, PublishResult
 
@@ -117,7 +119,10 @@ class CeleryPublisher:
             return PublishResult()
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.timeout_s
-        call = loop.run_in_executor(self._executor, self._publish_blocking, list(messages), deadline)
+        # in the caller's context: the publish spans are children of the caller's span (the relay's batch)
+        call = loop.run_in_executor(
+            self._executor, contextvars.copy_context().run, self._publish_blocking, list(messages), deadline
+        )
         try:
             # shield: a cancelled caller must not drop the result of sends already made
             return await asyncio.wait_for(asyncio.shield(call), timeout=self.timeout_s + 1.0)
@@ -134,15 +139,7 @@ class CeleryPublisher:
                         result.unavailable = "deadline reached mid-batch"
                         return result
                     try:
-                        self.app.send_task(
-                            message.task_name,
-                            kwargs=message.kwargs,
-                            task_id=message.task_id,
-                            queue=message.queue,
-                            serializer="json",
-                            producer=producer,
-                            retry=True,
-                        )
+                        self._send(producer, message)
                     except Exception as exc:  # sorted below: refused (this message) or not now (all)
                         reply = _broker_reply(exc)
                         if reply == "temporary" or (reply is None and isinstance(exc, self._connection_errors)):
@@ -155,6 +152,23 @@ class CeleryPublisher:
         except self._connection_errors as exc:
             result.unavailable = f"{type(exc).__name__}: {exc}"
         return result
+
+    def _send(self, producer: Any, message: Message) -> None:
+        name, task_id, queue = message.task_name, message.task_id, message.queue
+        with tracing.span(f"publish {name}", task_name=name, task_id=task_id, queue=queue):
+            # the monolith's Celery instrumentation reads it from the message headers: its task joins this trace
+            headers: dict[str, str] = {}
+            tracing.inject(headers)
+            self.app.send_task(
+                name,
+                kwargs=message.kwargs,
+                task_id=task_id,
+                queue=queue,
+                serializer="json",
+                producer=producer,
+                retry=True,
+                headers=headers,
+            )
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -58,8 +58,8 @@ def test_image_is_multi_stage_slim_non_root_and_runs_serve() -> None:
     assert {"HOST", "PORT", "WORKERS"} <= final.env.keys()
     assert final.expose == [final.env["PORT"]]
     installs = " ".join(run for stage in stages for run in stage.run)
-    # from the lockfile, with the production extra only: no test or dev group, no embedded servers
-    assert "uv sync --frozen" in installs and "--extra sqs" in installs
+    # from the lockfile, with the production extras only: no test or dev group, no embedded servers
+    assert "uv sync --frozen" in installs and "--extra sqs" in installs and "--extra otel" in installs
     assert "--group" not in installs and "--all-groups" not in installs and "embedded" not in installs
 
 

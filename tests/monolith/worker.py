@@ -2,8 +2,8 @@
 
 Run as a real worker process (`celery -A tests.monolith.worker worker ...`) on the broker of
 MONOLITH_BROKER_URL. Every execution is one row of `monolith_task_execution` in the database of
-MONOLITH_DATABASE_URL: task id, task name, queue and kwargs, so tests count deliveries by task id.
-It never dedupes: a republished message shows up as a second row with the same task id.
+MONOLITH_DATABASE_URL: task id, task name, queue, kwargs and the `traceparent` header, so tests count
+deliveries by task id. It never dedupes: a republished message shows up as a second row with the same task id.
 """
 
 import asyncio
@@ -31,10 +31,14 @@ CREATE TABLE IF NOT EXISTS monolith_task_execution (
     task_name   text        NOT NULL,
     queue       text        NULL,
     kwargs      jsonb       NOT NULL,
+    -- the W3C trace context the message carried in its headers (tracing on), read as Celery's instrumentation does
+    traceparent text        NULL,
     executed_at timestamptz NOT NULL DEFAULT clock_timestamp()
 )
 """
-RECORD_SQL = "INSERT INTO monolith_task_execution (task_id, task_name, queue, kwargs) VALUES ($1, $2, $3, $4)"
+RECORD_SQL = """
+INSERT INTO monolith_task_execution (task_id, task_name, queue, kwargs, traceparent) VALUES ($1, $2, $3, $4, $5)
+"""
 
 # one event loop and one connection per worker thread (the solo pool has one, the threads pool -c N)
 _local = threading.local()
@@ -48,7 +52,10 @@ def _record(task: Task, kwargs: dict[str, Any]) -> None:
     if _local.conn is None or _local.conn.is_closed():
         _local.conn = loop.run_until_complete(asyncpg.connect(os.environ["MONOLITH_DATABASE_URL"]))
     queue = (task.request.delivery_info or {}).get("routing_key")
-    loop.run_until_complete(_local.conn.execute(RECORD_SQL, task.request.id, task.name, queue, json.dumps(kwargs)))
+    traceparent = task.request.get("traceparent")
+    loop.run_until_complete(
+        _local.conn.execute(RECORD_SQL, task.request.id, task.name, queue, json.dumps(kwargs), traceparent)
+    )
 
 
 @app.task(name="apps.engagements.tasks.advance_user_journey", bind=True)
