@@ -113,9 +113,7 @@ class ProgressIngest:
                 metrics.REFUSED.labels("unknown_content").inc()
                 raise HttpError(404, f"unknown {kind.id_column} {content_id}")
         try:
-            await self.sink.write(
-                kind, content_id=content_id, user_id=user_id, position=heartbeat.position, received_ms=receive_ms()
-            )
+            await self.sink.write(kind, content_id=content_id, user_id=user_id, position=heartbeat.position)
         except Unavailable as exc:
             self._log_refusal(kind, exc)
             raise HttpError(503, str(exc)) from None
