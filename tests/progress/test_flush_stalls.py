@@ -415,3 +415,31 @@ async def test_a_batch_split_on_row_locks_settles_within_its_lease(
         assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") + len(pending) == 40
     await flusher.flush_cycle()
     assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 40
+
+
+@pytest.mark.slow
+async def test_twenty_users_held_for_update_hold_back_only_their_own_keys(
+    settings: Settings, redis: Redis, db: asyncpg.Pool, locker: asyncpg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by an attack: 20 users' rows held FOR UPDATE split batches until half the lease (1,251 of 4,000 keys
+    written in 60 s), and the log blamed 'locked by another session' on ~190 unlocked entries per batch. The
+    foreign key's check waited on the held user rows; the upsert now takes that lock itself and skips them."""
+    last = await fill(redis, db, 4000)  # 400 users x 10 lessons
+    held = set(range(1, 400, 20))  # 20 users, spread over every batch
+    flusher = flusher_with(settings, redis, db, database_lock_timeout_seconds=0.5, progress_flush_max_rows_per_second=0)
+    async with locker.transaction():
+        await locker.execute("SELECT 1 FROM users_user WHERE id = ANY($1::bigint[]) FOR UPDATE", sorted(held))
+        with caplog.at_level(logging.WARNING, logger="service.progress.flusher"):
+            for _ in range(2):
+                await asyncio.wait_for(flusher.flush_cycle(), 30)
+        rows = await lesson_rows(db)
+        assert {user_id for _, user_id in rows} == set(range(1, 401)) - held  # every other user's keys, all
+        assert len(rows) == 4000 - 10 * len(held)
+        pending = await redis.smembers("progress:pending_flush:lesson")
+        assert pending == {f"{lesson}:{user}" for user in held for lesson in range(1, 11)}
+        assert await redis.zcard("progress:in_flight:lesson") == 0
+        lines = [r.getMessage() for r in caplog.records if "left pending" in r.getMessage()]
+        assert lines and all("user rows locked by another session: user ids" in line for line in lines)
+        assert not any("progress rows locked" in line for line in lines)  # no other lock is blamed
+    await flusher.flush_cycle()  # released: their keys go too
+    await assert_all_persisted(redis, db, last)
