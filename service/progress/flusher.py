@@ -1,18 +1,14 @@
 """The background loop of every pod: pending Redis entries into Postgres, acked only after commit.
 
-Each cycle walks every shard of every content type (service/progress/keys.py), from a random
-first shard so that pods do not all contend for the same one; a shard whose Redis node cannot be
-reached is skipped for the cycle and the others are flushed.
-
-A batch is one step: claim (under a lease scored by Redis), reserve exactly what was claimed from the
-fleet's write budget (service/progress/budget.py), write it in one statement on a connection taken for
-that statement only (none is held across a budget wait), ack, and give back the budget's rows that were
-not written. Whatever stops a batch before its ack puts the claim back in the pending set at once; a
-pod killed anywhere leaves it under lease, which any flusher requeues once past. A fixed number of
-drains per pod (PROGRESS_FLUSH_CONCURRENCY) run the batches; every statement runs with
-statement_timeout and lock_timeout and skips the rows another session holds (service/progress/store.py),
-so a lock holds back only the keys behind it. A content type's cycle takes at most what was pending when
-it began, so a backlog of one type that keeps growing cannot keep the next types waiting.
+A batch is one step: claim (under a lease Redis scores), reserve exactly what was claimed from the
+fleet's write budget (budget.py), write it in one statement on a connection taken for that statement
+alone (none is held across a budget wait), ack, and give back the rows not written. Whatever stops a
+batch before its ack (a failure, SIGTERM, a cancellation) puts its claim back at once; a pod killed
+anywhere leaves it under lease, for any flusher to requeue. PROGRESS_FLUSH_CONCURRENCY drains per pod
+run the batches; the statement (store.py) runs with statement_timeout and lock_timeout and skips the
+rows other sessions hold, so a lock holds back only the keys behind it, and a table a migration locks
+only its type. Types and shards take turns, a batch each, from a random first shard; a cycle claims at
+most what each shard held when it began, and a shard whose Redis node is down waits for the next cycle.
 """
 
 import asyncio
@@ -22,7 +18,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 
 import asyncpg
@@ -54,7 +50,7 @@ _MAX_BACKOFF_S = 30.0
 
 OnBatch = Callable[[int], None]  # entries a batch took out of the buffer
 
-_LOCKED_SAMPLE = 10  # ids named in the line of a batch's locked rows
+_LOCKED_SAMPLE = 10  # ids named in the line of a batch's locked rows: enough to look into
 
 
 @dataclass
@@ -67,12 +63,12 @@ class CycleResult:
     locked: int = 0  # entries left pending because another session held a row they need
     batches: int = 0
     failed_batches: int = 0
-    by_type: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class _Quota:
-    """What a cycle may still claim of one shard: what it held at the cycle's start (None: not known)."""
+    """What a cycle may still claim of one shard: what it held at the start (None: not known). A backlog that
+    keeps growing cannot keep the cycle (and the types after it) going."""
 
     left: int | None
 
@@ -85,23 +81,16 @@ class _Quota:
 
 
 @dataclass
-class _Turn:
-    """One content type in a cycle: whether a batch of it failed."""
-
-    kind: ContentKind
-    failed: bool = False  # its siblings claim no more this cycle: no point retrying at once
-
-
-@dataclass
 class _Cycle:
     """What the drains of one cycle share: the work left, the nodes down, and the counts."""
 
-    work: deque[tuple[_Turn, Shard, _Quota]]
+    work: deque[tuple[ContentKind, Shard, _Quota]]
     stop: asyncio.Event | None
     on_batch: OnBatch | None
     result: CycleResult = field(default_factory=CycleResult)
     unreachable: set[str] = field(default_factory=set)  # Redis nodes that failed: their shards wait
     requeued: set[Shard] = field(default_factory=set)  # shards whose expired leases were requeued
+    failed: set[str] = field(default_factory=set)  # types a batch of which failed: no more of them this cycle
 
     @property
     def stopped(self) -> bool:
@@ -227,11 +216,10 @@ class Flusher:
             metrics.FLUSH_LAST_SUCCESS.set_to_current_time()
         return result
 
-    def _work(self, at_start: Backlog) -> deque[tuple[_Turn, Shard, _Quota]]:
+    def _work(self, at_start: Backlog) -> deque[tuple[ContentKind, Shard, _Quota]]:
         """Every shard of every type that holds something, interleaved: one of each type in turn."""
         per_type = []
         for kind in CONTENT_KINDS:
-            turn = _Turn(kind)
             # a node that did not answer: no quota (the drains find out which node, and skip its shards)
             quotas = {shard: _Quota(at_start.by_shard.get(shard)) for shard in self._layout.shards_to_flush(kind.name)}
             shards = [shard for shard, quota in quotas.items() if quota.left != 0]
@@ -241,17 +229,17 @@ class Flusher:
             shards = shards[first:] + shards[:first]
             # fewer shards than drains (one on a standalone server): several drains share a shard
             shards = (shards * -(-self._concurrency // len(shards)))[: max(self._concurrency, len(shards))]
-            per_type.append([(turn, shard, quotas[shard]) for shard in shards])
+            per_type.append([(kind, shard, quotas[shard]) for shard in shards])
         return deque(item for items in itertools.zip_longest(*per_type) for item in items if item is not None)
 
     async def _drain(self, cycle: _Cycle) -> None:
         """Batches of the cycle's work until none is left: a batch of a shard, then it goes to the back."""
         while cycle.work and not cycle.stopped:
-            turn, shard, quota = cycle.work.popleft()
-            if not turn.failed and await self._turn(cycle, turn, shard, quota):
-                cycle.work.append((turn, shard, quota))
+            kind, shard, quota = cycle.work.popleft()
+            if await self._turn(cycle, kind, shard, quota):
+                cycle.work.append((kind, shard, quota))
 
-    async def _turn(self, cycle: _Cycle, turn: _Turn, shard: Shard, quota: _Quota) -> bool:
+    async def _turn(self, cycle: _Cycle, kind: ContentKind, shard: Shard, quota: _Quota) -> bool:
         """One batch of `shard`, unless its node is down this cycle; True when the shard may hold more."""
         try:
             node = node_name(self._redis, shard.pending_key)
@@ -263,27 +251,26 @@ class Flusher:
         try:
             if shard not in cycle.requeued:
                 cycle.requeued.add(shard)
-                self._count_requeued(cycle.result, await self._leases.requeue_expired(shard))
-            return await self._batch(cycle, turn, shard, quota)
+                if moved := await self._leases.requeue_expired(shard):
+                    cycle.result.requeued += moved
+                    metrics.FLUSH_REQUEUED.inc(moved)
+                    log.warning(
+                        "requeued %d entries whose lease expired (a flusher died)", moved, extra={"count": moved}
+                    )
+            return await self._batch(cycle, kind, shard, quota)
         except REDIS_UNAVAILABLE as exc:
             # that shard's node is down (or failing over): its members wait there, under lease if
             # claimed; the shards of the other nodes are still flushed
             cycle.unreachable.add(node)
             cycle.result.failed_batches += 1
-            metrics.FLUSH_FAILURES.labels(turn.kind.name).inc()
-            log.warning(
-                "flush of %s skipped: Redis unavailable (%s: %s)",
-                shard.pending_key,
-                type(exc).__name__,
-                exc,
-                extra={"content_type": turn.kind.name},
-            )
+            metrics.FLUSH_FAILURES.labels(kind.name).inc()
+            log.warning("flush of %s skipped: Redis unavailable (%s: %s)", shard.pending_key, type(exc).__name__, exc)
             return False
 
-    async def _batch(self, cycle: _Cycle, turn: _Turn, shard: Shard, quota: _Quota) -> bool:
+    async def _batch(self, cycle: _Cycle, kind: ContentKind, shard: Shard, quota: _Quota) -> bool:
         """Claim, reserve, write, ack, settle one batch; True when it was full (the shard may hold more)."""
         rows = quota.take(self.budget.batch_rows)
-        if not rows or turn.failed or cycle.stopped:
+        if not rows or kind.name in cycle.failed or cycle.stopped:
             return False
         claim = await self._leases.claim_batch(shard, count=rows, lease_ms=self._lease_ms)
         if not claim.entries:
@@ -293,23 +280,24 @@ class Flusher:
         unsettled: Claim | None = claim
         reservation: Reservation | None = None
         try:
-            unsettled, heartbeats = await self._readable(claim, turn.kind, result)
+            unsettled, heartbeats = await self._readable(claim, kind, result)
             if unsettled is not None:
                 reservation = await self.budget.reserve(len(heartbeats), cycle.stop)
                 if reservation is None:
                     return False  # stopping: the claim goes back below
-                unsettled = await self._write(unsettled, turn.kind, heartbeats, result)
+                unsettled = await self._write(unsettled, kind, heartbeats, result)
         except POSTGRES_FAILED as exc:
-            self._failed(claim, turn.kind, exc, result)
-            turn.failed = True  # its siblings leave the rest of this type pending; the loop backs off
+            self._failed(claim, kind, exc, result)
+            cycle.failed.add(kind.name)  # the rest of this type waits for the next cycle; the loop backs off
         finally:
-            # the one way back for whatever was not acked (a failure, a stop, a cancellation): now, not
-            # after the lease; and the budget's rows that were not written go back to the fleet
+            # the one way back for what was not acked (a failure, a stop, a cancellation): now, not after
+            # the lease; and the budget's rows that were not written go back to the fleet
             if unsettled is not None:
                 await asyncio.shield(self._leases.release(unsettled))
             if reservation is not None:
                 await asyncio.shield(self.budget.refund(reservation, reservation.rows - result.written))
-            self._add(cycle.result, result, turn.kind)
+            for name in (f.name for f in fields(CycleResult)):
+                setattr(cycle.result, name, getattr(cycle.result, name) + getattr(result, name))
         if result.failed_batches:
             return False
         if cycle.on_batch is not None:
@@ -321,9 +309,7 @@ class Flusher:
     ) -> Claim | None:
         """One statement, then the ack; the keys a lock held go back to pending. None: all settled."""
         started = time.perf_counter()
-        # a connection for this statement only, with the pool's acquire deadline; the timeouts for this
-        # transaction only: a table held by a migration sends the batch back in lock_timeout instead of
-        # queueing it, and the monolith's statements behind it
+        # the pool's acquire deadline; the timeouts for this transaction only (behind PgBouncer too)
         async with pooled_connection(self._pool) as conn, conn.transaction():
             if self._timeouts_sql:
                 await conn.execute(self._timeouts_sql)
@@ -336,8 +322,7 @@ class Flusher:
             self._report_locks(kind, batch)
         # the values of unknown users or content go in the same script, unless written again since the claim
         await self._leases.ack(claim, dropped=batch.dropped)
-        # the batch's oldest heartbeat, against this pod's clock (a metric only): the lag an alert on "two
-        # flush intervals" cares about
+        # the batch's oldest heartbeat against this pod's clock (a metric only): what "two intervals" alerts on
         oldest_ms = min(hb.received_ms for hb in heartbeats if hb.received_ms is not None)
         metrics.FLUSH_LAG_SECONDS.observe(max(0.0, time.time() - oldest_ms / 1000))
         metrics.FLUSH_BATCH_SECONDS.labels(kind.name).observe(time.perf_counter() - started)
@@ -350,60 +335,50 @@ class Flusher:
     async def _readable(
         self, claim: Claim, kind: ContentKind, result: CycleResult
     ) -> tuple[Claim | None, list[Heartbeat]]:
-        """The claim's heartbeats, and the claim left to write: what holds nothing to persist is settled now,
-        so a failed batch cannot bring it back (the unreadable values go with it; an expired one has none)."""
+        """The claim's heartbeats and what is left of the claim: entries with nothing to persist are settled now
+        (a failed batch cannot bring them back), logged and counted; an unreadable value goes with its entry."""
         heartbeats: list[Heartbeat] = []
         usable: list[tuple[str, bytes | None]] = []
         unusable: list[tuple[str, bytes | None]] = []
         for member, raw in claim.entries:
-            heartbeat = self._read(kind, member, raw, result)
-            (unusable if heartbeat is None else usable).append((member, raw))
-            if heartbeat is not None:
-                heartbeats.append(heartbeat)
+            if raw is None:  # the TTL passed before any flush: this position is lost, and that must show
+                result.expired += 1
+                metrics.FLUSH_EXPIRED.labels(kind.name).inc()
+                log.error("value expired before it was flushed: position lost", extra={"key": member})
+                unusable.append((member, raw))
+                continue
+            try:
+                content_id, user_id = parse_member(member)
+                stored = decode_value(raw)
+            except ValueError:  # not written by this service's script: retrying cannot help
+                result.dropped += 1
+                metrics.FLUSH_DROPPED.labels(kind.name).inc()
+                log.error("unreadable pending entry dropped", extra={"key": member, "error": repr(raw)[:200]})
+                unusable.append((member, raw))
+                continue
+            usable.append((member, raw))
+            heartbeats.append(
+                Heartbeat(
+                    content_id, user_id, stored.position, stored.received_ms, stored.peak, stored.completion_floor_ms
+                )
+            )
         if unusable:
             unreadable = [member for member, raw in unusable if raw is not None]
             await self._leases.ack(replace(claim, entries=unusable), dropped=unreadable)
         return (replace(claim, entries=usable) if usable else None), heartbeats
 
     @staticmethod
-    def _read(kind: ContentKind, member: str, raw: bytes | None, result: CycleResult) -> Heartbeat | None:
-        """The claimed entry as a heartbeat; None (logged and counted) when there is nothing to persist."""
-        if raw is None:
-            # the TTL passed before any flush: this position is lost, and that must show
-            result.expired += 1
-            metrics.FLUSH_EXPIRED.labels(kind.name).inc()
-            log.error(
-                "value expired before it was flushed: position lost", extra={"content_type": kind.name, "key": member}
-            )
-            return None
-        try:
-            content_id, user_id = parse_member(member)
-            stored = decode_value(raw)
-        except ValueError:
-            # not written by this service's script: retrying cannot help
-            result.dropped += 1
-            metrics.FLUSH_DROPPED.labels(kind.name).inc()
-            log.error(
-                "unreadable pending entry dropped",
-                extra={"content_type": kind.name, "key": member, "error": repr(raw)[:200]},
-            )
-            return None
-        return Heartbeat(
-            content_id, user_id, stored.position, stored.received_ms, stored.peak, stored.completion_floor_ms
-        )
-
-    @staticmethod
     def _failed(claim: Claim, kind: ContentKind, exc: Exception, result: CycleResult) -> None:
         metrics.FLUSH_REQUEUED.inc(len(claim.entries))
         metrics.FLUSH_FAILURES.labels(kind.name).inc()
-        outage = isinstance(exc, POSTGRES_UNAVAILABLE)
         # an outage (or a lock, a timeout) is expected weather; any other database error is a bug or a schema drift
-        reason = "database busy" if isinstance(exc, POSTGRES_BUSY) else "database unavailable"
+        outage = isinstance(exc, POSTGRES_UNAVAILABLE)
+        reason = ("database busy" if isinstance(exc, POSTGRES_BUSY) else "database unavailable") if outage else "error"
         log.log(
             logging.WARNING if outage else logging.ERROR,
             "batch of %d requeued: %s (%s: %s)",
             len(claim.entries),
-            reason if outage else "database error",
+            reason,
             type(exc).__name__,
             exc,
             extra={"content_type": kind.name, "batch_size": len(claim.entries)},
@@ -412,40 +387,27 @@ class Flusher:
 
     @staticmethod
     def _report_locks(kind: ContentKind, batch: BatchResult) -> None:
-        """One line naming the lock that held each key back: a user's row, a content's, or the progress row."""
+        """One line naming the lock that held each key back: its user's row, its content's, or its own row."""
         metrics.FLUSH_LOCKED.labels(kind.name).inc(len(batch.locked))
         users, content = set(batch.held_users), set(batch.held_content)
-        behind_rows = [
+        rows = [
             key for key in batch.locked if parse_member(key)[1] not in users and parse_member(key)[0] not in content
         ]
-        held = []
-        if users:
-            held.append(f"user rows locked by another session: user ids {_sample(batch.held_users)}")
-        if content:
-            held.append(f"{kind.content_table} rows locked by another session: ids {_sample(batch.held_content)}")
-        if behind_rows:
-            held.append(f"progress rows locked by another session: {len(behind_rows)} keys {_sample(behind_rows)}")
+        held = [
+            f"{what} locked by another session: {name} {_sample([str(i) for i in ids])}"
+            for what, name, ids in (
+                ("user rows", "user ids", batch.held_users),
+                (f"{kind.content_table} rows", "ids", batch.held_content),
+                ("progress rows", "keys", rows),
+            )
+            if ids
+        ]
         log.warning(
             "%d entries left pending (the rest of the batch was written): %s",
             len(batch.locked),
             "; ".join(held),
             extra={"content_type": kind.name, "count": len(batch.locked)},
         )
-
-    @staticmethod
-    def _count_requeued(result: CycleResult, moved: int) -> None:
-        if moved:
-            result.requeued += moved
-            metrics.FLUSH_REQUEUED.inc(moved)
-            log.warning(
-                "requeued %d entries whose lease expired (a flusher died or stalled)", moved, extra={"count": moved}
-            )
-
-    @staticmethod
-    def _add(total: CycleResult, batch: CycleResult, kind: ContentKind) -> None:
-        for name in ("written", "completions", "dropped", "expired", "requeued", "locked", "batches", "failed_batches"):
-            setattr(total, name, getattr(total, name) + getattr(batch, name))
-        total.by_type[kind.name] = total.by_type.get(kind.name, 0) + batch.written
 
     async def _record_backlog(self) -> None:
         # a node that does not answer counts as empty here; its shards' flush failures show it
@@ -458,5 +420,5 @@ class Flusher:
         metrics.FLUSH_DRAIN_SECONDS.set(self.budget.drain_s(total, self._measured_rows_per_s))
 
 
-def _sample(items: list[int] | list[str]) -> str:
-    return " ".join(str(item) for item in items[:_LOCKED_SAMPLE]) + (" ..." if len(items) > _LOCKED_SAMPLE else "")
+def _sample(items: list[str]) -> str:
+    return " ".join(items[:_LOCKED_SAMPLE]) + (" ..." if len(items) > _LOCKED_SAMPLE else "")
