@@ -33,7 +33,7 @@ from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import KeyLayout, Shard, parse_member
 from service.progress.leases import Claim, Leases
-from service.progress.store import BatchResult, Heartbeat, persist_batch, report_batch
+from service.progress.store import Heartbeat, persist_batch, report_batch
 from service.redis_client import RedisClient, node_name
 from service.stores import (
     POSTGRES_BUSY,
@@ -49,8 +49,6 @@ log = logging.getLogger(__name__)
 _MAX_BACKOFF_S = 30.0
 
 OnBatch = Callable[[int], None]  # entries a batch took out of the buffer
-
-_LOCKED_SAMPLE = 10  # ids named in the line of a batch's locked rows: enough to look into
 
 
 @dataclass
@@ -319,7 +317,7 @@ class Flusher:
         if held:
             await self._leases.release(replace(claim, entries=[entry for entry in claim.entries if entry[0] in held]))
             claim = replace(claim, entries=[entry for entry in claim.entries if entry[0] not in held])
-            self._report_locks(kind, batch)
+            metrics.FLUSH_LOCKED.labels(kind.name).inc(len(held))
         # the values of unknown users or content go in the same script, unless written again since the claim
         await self._leases.ack(claim, dropped=batch.dropped)
         # the batch's oldest heartbeat against this pod's clock (a metric only): what "two intervals" alerts on
@@ -385,30 +383,6 @@ class Flusher:
         )
         result.requeued, result.failed_batches = len(claim.entries), 1
 
-    @staticmethod
-    def _report_locks(kind: ContentKind, batch: BatchResult) -> None:
-        """One line naming the lock that held each key back: its user's row, its content's, or its own row."""
-        metrics.FLUSH_LOCKED.labels(kind.name).inc(len(batch.locked))
-        users, content = set(batch.held_users), set(batch.held_content)
-        rows = [
-            key for key in batch.locked if parse_member(key)[1] not in users and parse_member(key)[0] not in content
-        ]
-        held = [
-            f"{what} locked by another session: {name} {_sample([str(i) for i in ids])}"
-            for what, name, ids in (
-                ("user rows", "user ids", batch.held_users),
-                (f"{kind.content_table} rows", "ids", batch.held_content),
-                ("progress rows", "keys", rows),
-            )
-            if ids
-        ]
-        log.warning(
-            "%d entries left pending (the rest of the batch was written): %s",
-            len(batch.locked),
-            "; ".join(held),
-            extra={"content_type": kind.name, "count": len(batch.locked)},
-        )
-
     async def _record_backlog(self) -> None:
         # a node that does not answer counts as empty here; its shards' flush failures show it
         backlog = await measure_backlog(self._redis, self._layout)
@@ -418,7 +392,3 @@ class Flusher:
             metrics.IN_FLIGHT_ENTRIES.labels(content_type).set(sizes.in_flight)
             total += sizes.pending + sizes.in_flight
         metrics.FLUSH_DRAIN_SECONDS.set(self.budget.drain_s(total, self._measured_rows_per_s))
-
-
-def _sample(items: list[str]) -> str:
-    return " ".join(items[:_LOCKED_SAMPLE]) + (" ..." if len(items) > _LOCKED_SAMPLE else "")

@@ -8,6 +8,7 @@ import asyncpg
 from service import metrics
 from service.outbox.outboxes import NOTIFY_CHANNEL
 from service.progress.content import ContentKind
+from service.progress.keys import parse_member
 
 log = logging.getLogger(__name__)
 
@@ -172,22 +173,45 @@ async def persist_batch(
     )
 
 
-# keys named in a batch's drop line: enough to look into, not a line per key (a flood of made-up users
+# keys named in a batch's log lines: enough to look into, not a line per key (a flood of made-up users
 # behind a gateway is thousands of keys a second)
-_DROPPED_SAMPLE = 10
+_SAMPLE = 10
 
 
 def report_batch(kind: ContentKind, result: BatchResult) -> None:
-    """What a persisted batch did, as metrics and one log line for its dropped keys (flusher and degraded mode)."""
+    """What a persisted batch did, as metrics and a log line for its dropped keys and one naming the locks that
+    held keys back: their user's row, their content's, or their own progress row (flusher and degraded mode)."""
     metrics.FLUSH_COMPLETIONS.labels(kind.name).inc(result.completions)
     metrics.FLUSH_DROPPED.labels(kind.name).inc(len(result.dropped))
     if result.dropped:
         log.warning(
             "%d heartbeats dropped: unknown user or content",
             len(result.dropped),
-            extra={
-                "content_type": kind.name,
-                "count": len(result.dropped),
-                "key": " ".join(result.dropped[:_DROPPED_SAMPLE]),
-            },
+            extra={"content_type": kind.name, "count": len(result.dropped), "key": " ".join(result.dropped[:_SAMPLE])},
         )
+    if result.locked:
+        users, content = set(result.held_users), set(result.held_content)
+        rows = []  # the keys held back by neither: their own progress row was held
+        for key in result.locked:
+            content_id, user_id = parse_member(key)
+            if user_id not in users and content_id not in content:
+                rows.append(key)
+        held = [
+            f"{what} locked by another session: {name} {_sample(ids)}"
+            for what, name, ids in (
+                ("user rows", "user ids", result.held_users),
+                (f"{kind.content_table} rows", "ids", result.held_content),
+                ("progress rows", "keys", rows),
+            )
+            if ids
+        ]
+        log.warning(
+            "%d heartbeats not written (the rest of the batch was): %s",
+            len(result.locked),
+            "; ".join(held),
+            extra={"content_type": kind.name, "count": len(result.locked)},
+        )
+
+
+def _sample(items: list[int] | list[str]) -> str:
+    return " ".join(str(item) for item in items[:_SAMPLE]) + (" ..." if len(items) > _SAMPLE else "")

@@ -429,7 +429,7 @@ async def test_twenty_users_held_for_update_hold_back_only_their_own_keys(
     flusher = flusher_with(settings, redis, db, database_lock_timeout_seconds=0.5, progress_flush_max_rows_per_second=0)
     async with locker.transaction():
         await locker.execute("SELECT 1 FROM users_user WHERE id = ANY($1::bigint[]) FOR UPDATE", sorted(held))
-        with caplog.at_level(logging.WARNING, logger="service.progress.flusher"):
+        with caplog.at_level(logging.WARNING, logger="service.progress.store"):
             for _ in range(2):
                 await asyncio.wait_for(flusher.flush_cycle(), 30)
         rows = await lesson_rows(db)
@@ -438,7 +438,7 @@ async def test_twenty_users_held_for_update_hold_back_only_their_own_keys(
         pending = await redis.smembers("progress:pending_flush:lesson")
         assert pending == {f"{lesson}:{user}" for user in held for lesson in range(1, 11)}
         assert await redis.zcard("progress:in_flight:lesson") == 0
-        lines = [r.getMessage() for r in caplog.records if "left pending" in r.getMessage()]
+        lines = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
         assert lines and all("user rows locked by another session: user ids" in line for line in lines)
         assert not any("progress rows locked" in line for line in lines)  # no other lock is blamed
     await flusher.flush_cycle()  # released: their keys go too
