@@ -49,7 +49,9 @@ class _Queued:
 
 
 def _row_locked() -> Unavailable:
-    return Unavailable("progress buffer unavailable and this progress row is locked by another session, retry later")
+    return Unavailable(
+        "progress buffer unavailable and a row of this heartbeat is locked by another session, retry later"
+    )
 
 
 def _late() -> Unavailable:
@@ -108,6 +110,7 @@ class DirectWriter:
         if reservation is None:
             return [_over_budget() for _ in entries]
         written: set[int] = set()
+        rows_written = 0
         try:
             async with asyncio.timeout_at(deadline):
                 await self._statements.acquire()
@@ -132,7 +135,7 @@ class DirectWriter:
                 )
             # a row another session holds (the progress row, its user's or content's): that heartbeat alone is
             # refused (503), the rest written
-            locked = set(result.locked)
+            rows_written, locked = result.written, set(result.locked)
             written = {
                 i
                 for i in live
@@ -140,7 +143,7 @@ class DirectWriter:
             }
         finally:
             self._statements.release()
-            await asyncio.shield(self._budget.refund(reservation, reservation.rows - len(written)))
+            await asyncio.shield(self._budget.refund(reservation, reservation.rows - rows_written))
         metrics.DEGRADED_WRITES.labels(kind.name).inc(len(written))
         report_batch(kind, result)
         results: list[BaseException | None] = [_late() for _ in entries]
