@@ -1,7 +1,7 @@
 """Capacity of the buffer on one Redis and on a 3-master, 3-replica Redis Cluster, and the request path on each.
 
 Redis CPU per heartbeat and per flushed key (INFO commandstats), heartbeats per Redis core, masters for 1M and 10M
-listeners; then `serve` under wrk on each and on the cluster with WAIT (best of --repeat interleaved runs).
+listeners; then `serve` under wrk on each and on the cluster (best of --repeat interleaved runs).
 
     .venv/bin/python bench/bench_cluster.py [--duration 10] [--warmup 3] [--repeat 2] [--keys 100000]
     smallest: --keys 2000 --rounds 1 --repeat 1 --duration 1 --warmup 1 --users 100 --wait-idle 0
@@ -19,7 +19,6 @@ from redis.asyncio import RedisCluster as AsyncRedisCluster
 
 from service.config import Settings
 from service.embedded import EmbeddedCluster
-from service.progress.buffer import now_ms
 from service.progress.keys import KeyLayout
 from service.progress.leases import Leases
 
@@ -45,7 +44,7 @@ async def write_and_flush(
     calls, usec = evalsha(nodes)
     leases, flushed = Leases(redis), 0
     for shard in layout.shards_of("lesson"):
-        while (claim := await leases.claim_batch(shard, count=500, now_ms=now_ms(), lease_ms=60_000)).entries:
+        while (claim := await leases.claim_batch(shard, count=500, lease_ms=60_000)).entries:
             flushed += await leases.ack(claim)
     if flushed != keys:
         raise RuntimeError(f"flushed {flushed} of {keys} keys")
@@ -83,7 +82,6 @@ def main(args: harness.Namespace) -> None:
         configurations = {
             "standalone": {"REDIS_URL": s.redis_url},
             "cluster": on_cluster,
-            "cluster+WAIT": {**on_cluster, "REDIS_WAIT_REPLICAS": "1"},
         }
         http: dict[str, harness.WrkResult] = {}
         for round_ in range(args.repeat):  # interleaved, the best of each: other load hits them alike

@@ -29,6 +29,7 @@ from service.logs import RequestIdMiddleware, configure_logging
 from service.outbox.outboxes import publish_budget_s
 from service.outbox.relay import Relay
 from service.postgres import create_db_pool
+from service.progress.budget import FlushBudget
 from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
 from service.progress.clock import ClockCheck
 from service.progress.flusher import Flusher
@@ -105,11 +106,17 @@ async def start_redis(settings: Settings, lifecycle: Lifecycle) -> RedisClient:
 
 
 def start_publishing(
-    settings: Settings, redis: RedisClient, pool: asyncpg.Pool, background: BackgroundTasks, lifecycle: Lifecycle
+    settings: Settings,
+    redis: RedisClient,
+    pool: asyncpg.Pool,
+    background: BackgroundTasks,
+    lifecycle: Lifecycle,
+    budget: FlushBudget,
 ) -> None:
     """The flush, the trial-journey sweep and the outbox relay, as the settings ask."""
     if settings.progress_flusher_enabled:
-        background.start("progress-flusher", Flusher.from_settings(settings, redis, pool).run(background.stop))
+        flusher = Flusher.from_settings(settings, redis, pool, budget)
+        background.start("progress-flusher", flusher.run(background.stop))
     publisher = start_publisher(settings, lifecycle) if settings.celery_broker_url else None
     if settings.trial_journey_interval_seconds > 0:
         background.start("trial-journey-sweep", periodic_sweep(settings, pool, background.stop))
@@ -156,15 +163,16 @@ async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock 
     checks = dict[str, "asyncio.Task[object]"]()
     lifecycle.started_part("readiness checks", _cancel_all, checks)
     background = BackgroundTasks()
+    budget = FlushBudget.from_settings(settings, redis)  # every row the pod writes: the flush and degraded mode
     pool = None
     if settings.database_url:
         pool = await create_db_pool(settings)
         lifecycle.started_part("postgres pool", pool.close)
-        start_publishing(settings, redis, pool, background, lifecycle)
+        start_publishing(settings, redis, pool, background, lifecycle, budget)
     # the final flush must see every write acknowledged before shutdown: the loops stop after the writes
     lifecycle.started_part("background loops", background.aclose, settings.progress_shutdown_timeout_seconds + 5)
     layout = KeyLayout.from_settings(settings)
-    sink = HeartbeatSink.from_settings(settings, PositionWriter.from_settings(settings, redis, layout), pool)
+    sink = HeartbeatSink.from_settings(settings, PositionWriter.from_settings(settings, redis, layout), pool, budget)
     lifecycle.started_part("heartbeat sink", sink.aclose)
     catalog = await start_door(settings, pool, background, lifecycle, clock)
     start_samplers(settings, redis, background)

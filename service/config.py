@@ -21,6 +21,11 @@ REMOVED_SETTINGS: dict[str, str] = {
     "RATE_LIMIT_BURST": "a per-user or per-IP limit at the API gateway (docs/deploy.md)",
     "SYNC_ITEMS_PER_USER_PER_SECOND": "a per-user or per-IP limit at the API gateway (docs/deploy.md)",
     "SYNC_ITEMS_BURST": "a per-user or per-IP limit at the API gateway (docs/deploy.md)",
+    "REDIS_WAIT_REPLICAS": "nothing: Redis durability is the deployment's (AOF on each master; docs/deploy.md)",
+    "REDIS_WAIT_TIMEOUT_MS": "nothing: Redis durability is the deployment's (AOF on each master; docs/deploy.md)",
+    "DEGRADED_MAX_WAITING": (
+        "the write budget's per-pod share (PROGRESS_FLEET_MAX_PODS) within DEGRADED_WRITE_TIMEOUT_SECONDS"
+    ),
 }
 
 # GET /progress reads each content type in lanes of its own (lesson, audio, meditation, live:
@@ -46,10 +51,6 @@ class Settings(BaseSettings):
     # shards of the buffer per content type; 0: 1 on a standalone server (the monolith's key names),
     # 60 on a cluster (even over 3-12 masters)
     progress_buffer_shards: int = Field(0, ge=0, le=256)
-    # WAIT for this many replicas after each turn's writes before answering 201 (0: do not wait); a write
-    # not confirmed in REDIS_WAIT_TIMEOUT_MS goes to Postgres instead (degraded mode for that node)
-    redis_wait_replicas: int = Field(0, ge=0, le=5)
-    redis_wait_timeout_ms: int = Field(50, ge=1)
     # the shard count before a change: the flusher drains those shards too until they are empty
     progress_buffer_previous_shards: int = Field(0, ge=0, le=256)
     database_url: str = ""
@@ -107,8 +108,11 @@ class Settings(BaseSettings):
     progress_flush_batch_size: int = Field(500, ge=1, le=10_000)
     progress_flush_lease_seconds: float = Field(120.0, gt=0)
     progress_flush_concurrency: int = Field(4, ge=1)
-    # rows per second written by the whole fleet's flushers together, shared through Redis (0: no limit)
+    # rows per second written by the whole fleet together (flush and degraded mode), shared through Redis (0: no limit)
     progress_flush_max_rows_per_second: int = Field(5000, ge=0)
+    # the most pods that run at once (the HPA's maxReplicas): while Redis cannot be reached, each keeps to
+    # the budget / this
+    progress_fleet_max_pods: int = Field(10, ge=1)
     progress_completion_margin_seconds: float = Field(10.0, ge=0)
     progress_shutdown_timeout_seconds: float = Field(20.0, gt=0)
     # GET /progress: batches of one content type (one MGET, one query) out at once per process; the reads that
@@ -125,7 +129,6 @@ class Settings(BaseSettings):
     sync_max_concurrency: int = Field(2, ge=1)
 
     degraded_max_concurrency: int = Field(4, ge=1)
-    degraded_max_waiting: int = Field(2000, ge=1)
     degraded_redis_retry_seconds: float = Field(1.0, gt=0)
     degraded_write_timeout_seconds: float = Field(5.0, gt=0)
 

@@ -122,7 +122,8 @@ FLUSH_LAG_SECONDS = Histogram(
     buckets=(1, 5, 15, 30, 60, 90, 120, 180, 300, 600, 1800, 3600),
 )
 FLUSH_BUDGET_WAIT_SECONDS = Counter(
-    "progress_flush_budget_wait_seconds_total", "Seconds the flush drains spent waiting for the fleet's write budget."
+    "progress_flush_budget_wait_seconds_total",
+    "Seconds the flush and degraded mode spent waiting for the fleet's write budget.",
 )
 CLOCK_SKEW_SECONDS = Gauge(
     "progress_clock_skew_seconds",
@@ -131,17 +132,12 @@ CLOCK_SKEW_SECONDS = Gauge(
 )
 FLUSH_BUDGET_FALLBACK = Counter(
     "progress_flush_budget_fallback_total",
-    "Batches paced by the pod's own budget because Redis refused the fleet's (at maxmemory, its master down).",
+    "Batches (flush or degraded mode) kept to the pod's share of the budget: Redis could not take the fleet's.",
 )
 FLUSH_LOCKED = Counter(
     "progress_flush_locked_total",
-    "Entries left pending because another session held their row's lock (the rest of the batch was written).",
+    "Entries left pending because another session held a row they need (the rest of the batch was written).",
     ["content_type"],
-)
-FLUSH_CONCURRENCY_LIMIT = Gauge(
-    "progress_flush_concurrency_limit",
-    "Statements the flush may run at once now (adapts to their latency).",
-    multiprocess_mode="max",
 )
 FLUSH_DRAIN_SECONDS = Gauge(
     "progress_flush_drain_seconds",

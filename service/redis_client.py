@@ -58,25 +58,18 @@ def connect_redis(settings: Settings) -> RedisClient:
     return Redis.from_pool(pool)  # the client owns the pool and closes it
 
 
-class NotReplicated(RedisError):
-    """WAIT heard from fewer replicas than asked: these writes could die with their master."""
-
-
 async def execute_by_node(
     redis: RedisClient,
     commands: Sequence[tuple[object, ...]],
     *,
     key_index: int,
-    wait_replicas: int = 0,
-    wait_timeout_ms: int = 0,
 ) -> list[object]:
     """Send commands in one round trip per node; each result is its reply or its own exception.
 
     On a cluster, a pipeline per node rather than one cluster pipeline: redis-py fails a whole cluster
     pipeline when one node is unreachable, and only the commands of that node's slots should fail
     (they go to degraded mode; the others' heartbeats stay on Redis). `key_index` locates a key of
-    each command; all its keys share that key's slot. With `wait_replicas`, each node's commands are
-    followed by WAIT, and those not confirmed by that many replicas fail with NotReplicated.
+    each command; all its keys share that key's slot.
     """
     groups: list[tuple[ClusterNode | None, list[int]]] = [(None, list(range(len(commands))))]
     if isinstance(redis, RedisCluster):
@@ -91,10 +84,7 @@ async def execute_by_node(
             raise RedisConnectionError(f"Redis Cluster unavailable: {exc}") from exc
         groups = list(by_node.values())
     sent = await asyncio.gather(
-        *(
-            _pipeline(redis, [commands[i] for i in group], node, wait_replicas, wait_timeout_ms)
-            for node, group in groups
-        ),
+        *(_pipeline(redis, [commands[i] for i in group], node) for node, group in groups),
         return_exceptions=True,
     )
     results: list[object] = [None] * len(commands)
@@ -188,26 +178,13 @@ def _node_of(redis: RedisCluster, key: object) -> ClusterNode:
 
 
 async def _pipeline(
-    redis: RedisClient,
-    commands: Sequence[tuple[object, ...]],
-    node: ClusterNode | None,
-    wait_replicas: int,
-    wait_timeout_ms: int,
+    redis: RedisClient, commands: Sequence[tuple[object, ...]], node: ClusterNode | None
 ) -> list[object]:
-    # WAIT counts the replicas that have every write of its connection: it goes last, on the same one
-    wait = [("WAIT", wait_replicas, wait_timeout_ms)] if wait_replicas else []
-    results: list[object]
     if node is None:
         async with redis.pipeline(transaction=False) as pipe:
-            for args in [*commands, *wait]:
+            for args in commands:
                 pipe.execute_command(*args)  # type: ignore[arg-type]
-            results = await pipe.execute(raise_on_error=False)
-    else:
-        assert isinstance(redis, RedisCluster)
-        results = await _node_pipeline(redis, node, [*commands, *wait])
-    if wait_replicas:
-        confirmed = results.pop()
-        if not isinstance(confirmed, int) or confirmed < wait_replicas:
-            error = NotReplicated(f"{confirmed!r} of {wait_replicas} replicas confirmed in {wait_timeout_ms} ms")
-            results = [result if isinstance(result, Exception) else error for result in results]
-    return results
+            results: list[object] = await pipe.execute(raise_on_error=False)
+            return results
+    assert isinstance(redis, RedisCluster)
+    return await _node_pipeline(redis, node, commands)

@@ -167,7 +167,7 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
              thresholds=[("green", None), ("orange", 120), ("red", 300)]),
         graph("Failures", "Batches the database refused (requeued), cycles ended by a bug, positions expired "
               "unflushed (lost), entries requeued, heartbeats dropped for unknown users or content, entries "
-              "left pending because another session held their row.", "short",
+              "left pending because another session held a row they need (the log names it).", "short",
               (f"sum(increase(progress_flush_failed_batches_total[{RATE}])) or vector(0)", "failed batches"),
               (f"sum(increase(progress_flush_cycle_errors_total[{RATE}]))", "cycle errors"),
               (f"sum(increase(progress_flush_expired_total[{RATE}])) or vector(0)", "expired (lost)"),
@@ -182,18 +182,14 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
               "(ProgressFlushDrainSlow: over 600 s for 15 min).", "s",
               ("max(progress_flush_drain_seconds)", "drain time"),
               thresholds=[("green", None), ("orange", 600)]),
-        graph("Budget waits", "Seconds per second the flush drains spent waiting for the fleet's write budget: "
-              "near the drains' number, the budget is what limits the flush. Paced locally: batches each pod "
-              "paced on its own because Redis refused the fleet's budget (at maxmemory).", "s",
+        graph("Budget waits", "Seconds per second the flush drains and degraded mode spent waiting for the fleet's "
+              "write budget: near the drains' number, the budget is what limits the flush. Local share: batches "
+              "kept to budget / PROGRESS_FLEET_MAX_PODS because Redis could not take the fleet's budget.", "s",
               (f"sum(rate(progress_flush_budget_wait_seconds_total[{RATE}]))", "waiting"),
-              (f"sum(rate(progress_flush_budget_fallback_total[{RATE}]))", "paced locally (batches/s)")),
+              (f"sum(rate(progress_flush_budget_fallback_total[{RATE}]))", "local share (batches/s)")),
         graph("Clock skew", "Each pod's clock minus the Redis server's. Heartbeats are ordered by the receive time a pod "
               "stamps: past PROGRESS_MAX_CLOCK_SKEW_SECONDS (1 s) the pod takes no heartbeats and is not ready.", "s",
               ("max(progress_clock_skew_seconds)", "most ahead"), ("min(progress_clock_skew_seconds)", "most behind")),
-        graph("Concurrency limit", "Flush statements allowed at once per pod; halves when their latency doubles "
-              "over its recent baseline or Postgres refuses one (lock_timeout, statement_timeout).", "short",
-              ("min(progress_flush_concurrency_limit > 0)", "lowest"),
-              ("max(progress_flush_concurrency_limit)", "highest")),
     ]),
     ("Outbox", [
         graph("Owed and parked", "Messages committed and not yet published (owed), and those refused "

@@ -1,18 +1,20 @@
-"""The fleet's write budget: rows per second for every flusher of every pod together, shared through Redis.
+"""The fleet's write budget: rows per second for every row every pod writes to the monolith's tables.
 
-A GCRA (a token bucket kept as one "theoretical arrival time"): each batch reserves its rows with one
-script call before it is claimed, and waits until its reservation starts. Reservations follow one
-another on the server's clock (TIME), not the pods' clocks, so a backlog drains at the budget's pace,
-evenly, whatever the number of pods; a pod never needs to know how many others there are.
-The key lives on one hash slot (keys.FLUSH_BUDGET_KEY): on a cluster, every pod asks the same master.
+The flush and degraded mode draw from it alike. A GCRA (a token bucket kept as one "theoretical
+arrival time"): each batch reserves its rows with one script call and waits until its reservation
+starts. Reservations follow one another on the server's clock (TIME), not the pods' clocks, so a
+backlog drains at the budget's pace, evenly, whatever the number of pods. The key lives on one hash
+slot (keys.FLUSH_BUDGET_KEY): on a cluster, every pod asks the same master.
+
+While the fleet's budget cannot be reached (Redis down, or refusing the script at `maxmemory`), each
+pod keeps to its local share: the budget / PROGRESS_FLEET_MAX_PODS, so that a fleet of at most that
+many pods stays within the budget with Redis gone. It asks Redis again a second later.
 
 The budget is a brake, and a brake must not become a stall:
-- a wait is capped at a few batches' worth (`max_wait_s`): past it the batch is not reserved and asks
-  again later, and a stored time further ahead than any reservation of this budget can end (a Redis
-  clock stepped back, a failover to a replica whose clock lags, a pod configured with a smaller
-  budget) is taken for what it is, not waited for;
-- a Redis that refuses the script (at `maxmemory`, or the budget's master down) leaves the pod to pace
-  itself at the budget on its own clock, counted and logged, until Redis takes the script again;
+- a wait is capped at a few batches' worth (`max_wait_s`), or at the caller's own deadline (degraded
+  mode's request): past it nothing is reserved (the flush asks again later, a request gets 503), and a
+  stored time further ahead than any reservation of this budget can end (a Redis clock stepped back,
+  a failover to a replica whose clock lags, a pod configured with a smaller budget) is not waited for;
 - every wait ends on the stop event, and a reservation not used (stopped, cancelled) is given back.
 """
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from redis.commands.core import AsyncScript
 
 from service import metrics
+from service.config import Settings
 from service.loops import sleep_unless_stopped
 from service.progress.keys import FLUSH_BUDGET_KEY
 from service.redis_client import RedisClient
@@ -65,48 +68,66 @@ return {1, math.floor(start - now)}
 # time in the key, whatever it says, costs a few batches
 _MAX_WAIT_BATCHES = 4
 _MIN_MAX_WAIT_S = 1.0
+# after a refusal, the pod keeps to its local share this long before it asks Redis again: a Redis that does not
+# answer (blackholed: a socket timeout per ask) costs degraded mode's requests no wait
+_REDIS_RETRY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
     rows: int
-    local: bool  # taken from the pod's own pacing: Redis refused the fleet's
+    local: bool  # taken from the pod's local share: the fleet's budget could not be reached
 
 
 class FlushBudget:
-    """`reserve(rows)` waits for the fleet's budget; `refund(reservation, rows)` gives back rows not written."""
+    """`reserve(rows)` waits for the budget; `refund(reservation, rows)` gives back rows not written."""
 
-    def __init__(self, redis: RedisClient, *, rows_per_second: int, batch_size: int = 500) -> None:
+    @classmethod
+    def from_settings(cls, settings: Settings, redis: RedisClient) -> "FlushBudget":
+        return cls(
+            redis,
+            rows_per_second=settings.progress_flush_max_rows_per_second,
+            batch_size=settings.progress_flush_batch_size,
+            fleet_max_pods=settings.progress_fleet_max_pods,
+        )
+
+    def __init__(
+        self, redis: RedisClient, *, rows_per_second: int, batch_size: int = 500, fleet_max_pods: int = 1
+    ) -> None:
         self._script: AsyncScript = redis.register_script(_RESERVE)
         self.rows_per_second = rows_per_second
+        self.local_rows_per_second = rows_per_second / fleet_max_pods
         # a batch is at most one second of the budget: a small budget is paced within the second too
         self.batch_rows = min(batch_size, max(1, rows_per_second)) if rows_per_second > 0 else batch_size
         batch_s = self.batch_rows / rows_per_second if rows_per_second > 0 else 0.0
         self.max_wait_s = max(_MIN_MAX_WAIT_S, _MAX_WAIT_BATCHES * batch_s)
         # twice what a reservation of this budget can reach: pods of one fleet share these settings
         self._horizon_s = 2 * (self.max_wait_s + batch_s)
-        self._local_until = 0.0  # the pod's own pacing (time.monotonic()), while Redis refuses the script
-        self._falling_back = False
+        self._local_until = 0.0  # the local share's own GCRA (time.monotonic())
+        self._redis_retry_at: float | None = None  # while the fleet's budget cannot be reached: when to ask again
 
     @property
     def limited(self) -> bool:
         return self.rows_per_second > 0
 
-    async def reserve(self, rows: int, stop: asyncio.Event | None = None) -> Reservation | None:
-        """Take `rows` from the budget and sleep until they may be written; None when `stop` came first.
-
-        Nothing stays reserved when this returns None or is cancelled: the rows are given back.
-        """
+    async def reserve(
+        self, rows: int, stop: asyncio.Event | None = None, *, max_wait_s: float | None = None
+    ) -> Reservation | None:
+        """Take `rows` and sleep until they may be written; None when `stop` came first, or when they do not
+        fit within `max_wait_s` (one ask, for a request's deadline). Nothing stays reserved when this returns
+        None or is cancelled."""
         if not self.limited or rows <= 0:
             return Reservation(rows, local=False)
         waited = time.monotonic()
+        longest_s = self.max_wait_s if max_wait_s is None else min(self.max_wait_s, max_wait_s)
         try:
             while True:
-                granted, wait_s, local = await self._ask(rows)
-                reservation = Reservation(rows, local) if granted else None
+                reservation, wait_s = await self._ask(rows, longest_s)
+                if reservation is None and max_wait_s is not None:
+                    return None
                 try:
                     stopped = wait_s > 0 and await sleep_unless_stopped(stop or asyncio.Event(), wait_s)
-                except BaseException:  # cancelled (the final flush's deadline): its rows go back
+                except BaseException:  # cancelled (the final flush's deadline, a request gone): its rows go back
                     if reservation is not None:
                         await asyncio.shield(self.refund(reservation, rows))
                     raise
@@ -124,43 +145,43 @@ class FlushBudget:
         if not self.limited or rows <= 0:
             return
         if reservation.local:
-            self._local_until = max(time.monotonic(), self._local_until - rows / self.rows_per_second)
+            self._local_until = max(time.monotonic(), self._local_until - rows / self.local_rows_per_second)
             return
         with contextlib.suppress(*REDIS_FAILED):
-            await self._script(keys=[FLUSH_BUDGET_KEY], args=self._args(-rows))
+            await self._script(keys=[FLUSH_BUDGET_KEY], args=self._args(-rows, self.max_wait_s))
 
-    async def _ask(self, rows: int) -> tuple[bool, float, bool]:
-        """(reserved, seconds to wait, from the pod's own pacing)."""
-        try:
-            granted, wait_us = await self._script(keys=[FLUSH_BUDGET_KEY], args=self._args(rows))
-        except REDIS_FAILED as exc:
-            return (*self._ask_locally(rows, exc), True)
-        if self._falling_back:
-            self._falling_back = False
-            log.info("flush budget: Redis takes the fleet's budget again")
-        return bool(granted), wait_us / 1_000_000, False
-
-    def _ask_locally(self, rows: int, exc: Exception) -> tuple[bool, float]:
-        # the fleet may then write up to pods x budget: better than no flush while Redis is full, which
-        # is when the buffer most needs draining (the claim and ack scripts start with a removal, and run)
+    async def _ask(self, rows: int, longest_s: float) -> tuple[Reservation | None, float]:
+        """(the reservation or None, seconds to wait: for it, or before asking again)."""
+        if self._redis_retry_at is None or time.monotonic() >= self._redis_retry_at:
+            try:
+                granted, wait_us = await self._script(keys=[FLUSH_BUDGET_KEY], args=self._args(rows, longest_s))
+            except REDIS_FAILED as exc:
+                self._refused(exc)
+            else:
+                if self._redis_retry_at is not None:
+                    self._redis_retry_at = None
+                    log.info("write budget: Redis takes the fleet's budget again")
+                return (Reservation(rows, local=False) if granted else None), wait_us / 1_000_000
         metrics.FLUSH_BUDGET_FALLBACK.inc()
-        if not self._falling_back:
-            self._falling_back = True
-            log.warning(
-                "flush budget: Redis refused the fleet's budget (%s: %s); this pod paces itself at %d rows/s",
-                type(exc).__name__,
-                exc,
-                self.rows_per_second,
-            )
         now = time.monotonic()
         start = max(self._local_until, now)
-        if start - now > self.max_wait_s:
-            return False, start - now - self.max_wait_s
-        self._local_until = start + rows / self.rows_per_second
-        return True, start - now
+        if start - now > longest_s:
+            return None, start - now - longest_s
+        self._local_until = start + rows / self.local_rows_per_second
+        return Reservation(rows, local=True), start - now
 
-    def _args(self, rows: int) -> list[float]:
-        return [self.rows_per_second, rows, round(self.max_wait_s * 1e6), round(self._horizon_s * 1e6)]
+    def _refused(self, exc: Exception) -> None:
+        if self._redis_retry_at is None:
+            log.warning(
+                "write budget: the fleet's budget cannot be reached (%s: %s); this pod keeps to its share, %g rows/s",
+                type(exc).__name__,
+                exc,
+                self.local_rows_per_second,
+            )
+        self._redis_retry_at = time.monotonic() + _REDIS_RETRY_S
+
+    def _args(self, rows: int, longest_s: float) -> list[float]:
+        return [self.rows_per_second, rows, round(longest_s * 1e6), round(self._horizon_s * 1e6)]
 
     def drain_s(self, backlog: int, measured_rows_per_s: float) -> float:
         """The backlog's estimated drain time: at the budget when there is one, else at the rate measured."""

@@ -188,33 +188,18 @@ class PositionWriter:
 
     @classmethod
     def from_settings(cls, settings: Settings, redis: RedisClient, layout: KeyLayout) -> "PositionWriter":
-        return cls(
-            redis,
-            layout=layout,
-            wait_replicas=settings.redis_wait_replicas,
-            wait_timeout_ms=settings.redis_wait_timeout_ms,
-        )
+        return cls(redis, layout=layout)
 
-    def __init__(
-        self,
-        redis: RedisClient,
-        *,
-        layout: KeyLayout = STANDALONE,
-        wait_replicas: int = 0,
-        wait_timeout_ms: int = 50,
-    ) -> None:
+    def __init__(self, redis: RedisClient, *, layout: KeyLayout = STANDALONE) -> None:
         self._redis = redis
         self.layout = layout
-        self._wait_replicas = wait_replicas
-        self._wait_timeout_ms = wait_timeout_ms
         self._batcher: TurnBatcher[tuple[object, ...]] = TurnBatcher(
             self._send, interrupted=lambda: RedisError("the write was interrupted before Redis answered")
         )
 
-    async def write(
-        self, *, content_type: str, content_id: int, user_id: int, position: float, received_ms: float
-    ) -> None:
-        await self._batcher.submit(write_args(content_type, content_id, user_id, position, received_ms, self.layout))
+    async def write(self, *, content_type: str, content_id: int, user_id: int, position: float) -> None:
+        # stamped here until the write script stamps it with Redis's TIME
+        await self._batcher.submit(write_args(content_type, content_id, user_id, position, receive_ms(), self.layout))
 
     def node_of(self, content_type: str, content_id: int, user_id: int) -> str:
         """The Redis node this heartbeat's write goes to ("" on a standalone server; "?" if none is known)."""
@@ -271,9 +256,7 @@ class PositionWriter:
     async def _execute(self, commands: list[tuple[object, ...]]) -> list[object]:
         # the 4th argument is a key of the command's one slot (a value key, or a batch's pending set): on a
         # cluster, the node of that slot takes the command
-        return await execute_by_node(
-            self._redis, commands, key_index=3, wait_replicas=self._wait_replicas, wait_timeout_ms=self._wait_timeout_ms
-        )
+        return await execute_by_node(self._redis, commands, key_index=3)
 
     async def aclose(self) -> None:
         await self._batcher.aclose()

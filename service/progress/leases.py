@@ -21,18 +21,23 @@ from redis.commands.core import AsyncScript
 from service.progress.keys import Shard
 from service.redis_client import RedisClient
 
-# KEYS: pending set, in-flight zset. ARGV: count, lease score, the shard's latest-position key prefix
-# (it carries the shard's hash tag: the value keys built from it are in the slot of KEYS).
-# Returns {members, values} (a value is false when its TTL expired). Commands take the members in
-# chunks: one ZADD and one MGET per chunk instead of one call per member, within Lua's stack limit.
+# KEYS: pending set, in-flight zset. ARGV: count, lease (ms), the shard's latest-position key prefix
+# (it carries the shard's hash tag: the value keys built from it are in the slot of KEYS), a random
+# fraction (3 digits: two claims in the same millisecond stay distinct). The lease deadline is Redis's
+# TIME plus the lease: no pod's clock scores a lease. Returns {members, values, lease score} (a value is
+# false when its TTL expired). Commands take the members in chunks: one ZADD and one MGET per chunk
+# instead of one call per member, within Lua's stack limit.
 _CLAIM = """
+local clock = redis.call('TIME')
+local score = string.format('%d.%s', tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+  + tonumber(ARGV[2]), ARGV[4])
 local members = redis.call('SPOP', KEYS[1], ARGV[1])
 local values = {}
 for first = 1, #members, 1000 do
   local last = math.min(first + 999, #members)
   local scored, keys = {}, {}
   for i = first, last do
-    scored[#scored + 1] = ARGV[2]
+    scored[#scored + 1] = score
     scored[#scored + 1] = members[i]
     keys[#keys + 1] = ARGV[3] .. members[i]
   end
@@ -40,7 +45,7 @@ for first = 1, #members, 1000 do
   local got = redis.call('MGET', unpack(keys))
   for i = 1, #got do values[first + i - 1] = got[i] end
 end
-return {members, values}
+return {members, values, score}
 """
 
 # KEYS: in-flight zset, pending set. ARGV: lease score, 1 to put back in pending / 0 to drop, the shard's
@@ -89,9 +94,12 @@ end
 return settled
 """
 
-# KEYS: in-flight zset, pending set. ARGV: now (ms), max members. Returns how many were requeued.
+# KEYS: in-flight zset, pending set. ARGV: ms ahead of Redis's TIME (tests), max members. Returns how many
+# were requeued.
 _REQUEUE_EXPIRED = """
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(ARGV[1])
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, ARGV[2])
 for _, member in ipairs(expired) do
   redis.call('ZREM', KEYS[1], member)
   redis.call('SADD', KEYS[2], member)
@@ -122,13 +130,12 @@ class Leases:
         self._settle: AsyncScript = redis.register_script(_SETTLE)
         self._requeue: AsyncScript = redis.register_script(_REQUEUE_EXPIRED)
 
-    async def claim_batch(self, shard: Shard, *, count: int, now_ms: int, lease_ms: int) -> Claim:
-        # the random fraction makes two claims of the same member in the same millisecond distinct
-        lease_score = f"{now_ms + lease_ms}.{secrets.randbelow(1000):03d}"
-        flat = await self._claim(
-            keys=[shard.pending_key, shard.in_flight_key], args=[count, lease_score, shard.value_prefix]
+    async def claim_batch(self, shard: Shard, *, count: int, lease_ms: int) -> Claim:
+        fraction = f"{secrets.randbelow(1000):03d}"
+        members, values, score = await self._claim(
+            keys=[shard.pending_key, shard.in_flight_key], args=[count, lease_ms, shard.value_prefix, fraction]
         )
-        members, values = flat
+        lease_score = score.decode() if isinstance(score, bytes) else str(score)
         entries = [
             (member.decode() if isinstance(member, bytes) else member, value or None)
             for member, value in zip(members, values, strict=True)
@@ -166,11 +173,11 @@ class Leases:
         )
         return settled
 
-    async def requeue_expired(self, shard: Shard, *, now_ms: int, limit: int = 10_000) -> int:
-        """Leases of flushers that died: their members go back to the pending set."""
+    async def requeue_expired(self, shard: Shard, *, limit: int = 10_000, ahead_ms: int = 0) -> int:
+        """Leases of flushers that died (past by Redis's TIME, plus `ahead_ms`): their members go back to pending."""
         total = 0
         while True:
-            moved: int = await self._requeue(keys=[shard.in_flight_key, shard.pending_key], args=[now_ms, limit])
+            moved: int = await self._requeue(keys=[shard.in_flight_key, shard.pending_key], args=[ahead_ms, limit])
             total += moved
             if moved < limit:
                 return total

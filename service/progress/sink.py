@@ -1,17 +1,19 @@
 """Where a heartbeat goes: Redis normally; straight into Postgres while Redis cannot be reached.
 
 Degraded mode keeps the promise of the 201 during a Redis outage. It writes with the flush's own
-statement (monotonic upsert, completion, one event), so a heartbeat written directly and an older
-one still in Redis settle the same way whichever lands last. It is bounded twice: a few statements
-at a time, and a cap on heartbeats queued for a statement (counted until their batch settles, not
-only while their request waits), past which the answer is 503 instead of an exhausted database.
-On a Redis Cluster it is per node: only the heartbeats of an unreachable master's slots go to
-Postgres; the others stay on Redis.
+statement (monotonic upsert, completion, one event), stamped by the database's clock, so a heartbeat
+written directly and an older one still in Redis settle the same way whichever lands last. It draws
+from the fleet's write budget like the flush (service/progress/budget.py): with Redis down, each pod
+keeps to its local share, and a batch that does not fit within its requests' deadline is answered 503
+at once. Its statements take at most DEGRADED_MAX_CONCURRENCY of the pool's connections: the flush,
+the reads and the relay keep theirs. On a Redis Cluster it is per node: only the heartbeats of an
+unreachable master's slots go to Postgres; the others stay on Redis.
 
-A 503 means nothing was written: each heartbeat carries its request's deadline; one whose deadline
-passed before its statement starts is left out of it, and a statement runs with the earliest
-deadline of its heartbeats as its timeout (asyncpg cancels it in the server), so no statement
-writes a heartbeat after its request was told 503.
+A 503 means nothing was written, then or later: each heartbeat carries its request's deadline; one
+whose deadline passed before its statement starts is left out of it, and a statement runs with the
+earliest deadline of its heartbeats as its timeout (asyncpg cancels it in the server), so no statement
+writes a heartbeat after its request was told 503. Nothing of a degraded write is kept to be written
+later by another path.
 """
 
 import asyncio
@@ -25,7 +27,8 @@ import asyncpg
 from service import metrics
 from service.config import Settings
 from service.progress.batching import TurnBatcher, close_all
-from service.progress.buffer import PositionWriter, receive_ms
+from service.progress.budget import FlushBudget
+from service.progress.buffer import PositionWriter
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.keys import pending_member
 from service.progress.store import Heartbeat, persist_batch, report_batch
@@ -46,29 +49,34 @@ class _Queued:
 
 
 def _row_locked() -> Unavailable:
-    return Unavailable("progress buffer unavailable and this progress row is locked by another session, retry later")
+    return Unavailable(
+        "progress buffer unavailable and a row of this heartbeat is locked by another session, retry later"
+    )
 
 
 def _late() -> Unavailable:
     return Unavailable("progress buffer unavailable and the database did not take the write in time, retry later")
 
 
+def _over_budget() -> Unavailable:
+    return Unavailable("progress buffer unavailable and the database's write budget is spent, retry later")
+
+
 class DirectWriter:
     @classmethod
-    def from_settings(cls, settings: Settings, pool: asyncpg.Pool) -> "DirectWriter":
+    def from_settings(cls, settings: Settings, pool: asyncpg.Pool, budget: FlushBudget) -> "DirectWriter":
         return cls(
             pool,
+            budget=budget,
             margin_s=settings.progress_completion_margin_seconds,
             max_concurrency=settings.degraded_max_concurrency,
-            max_waiting=settings.degraded_max_waiting,
         )
 
-    def __init__(self, pool: asyncpg.Pool, *, margin_s: float, max_concurrency: int, max_waiting: int) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, budget: FlushBudget, margin_s: float, max_concurrency: int) -> None:
         self._pool = pool
+        self._budget = budget
         self._margin_s = margin_s
-        self._statements = asyncio.Semaphore(max_concurrency)
-        self._max_waiting = max_waiting
-        self._queued = 0  # heartbeats handed to a batch and not yet settled by it
+        self._statements = asyncio.Semaphore(max_concurrency)  # the pool's share of degraded mode
         self._batchers: dict[str, TurnBatcher[_Queued]] = {
             kind.name: TurnBatcher(partial(self._send, kind), interrupted=lambda: Unavailable("write interrupted"))
             for kind in CONTENT_KINDS
@@ -76,10 +84,7 @@ class DirectWriter:
 
     async def write(self, kind: ContentKind, heartbeat: Heartbeat, *, deadline: float) -> None:
         """Written when this returns; raises Unavailable (or a database error) when it was not, and never will be."""
-        if self._queued >= self._max_waiting:
-            raise Unavailable(f"degraded mode is saturated ({self._queued} writes waiting)")
         entry = _Queued(heartbeat, deadline)
-        self._queued += 1
         try:
             await self._batchers[kind.name].submit(entry)
         except asyncio.CancelledError:
@@ -87,18 +92,30 @@ class DirectWriter:
             raise
 
     async def _send(self, kind: ContentKind, entries: list[_Queued]) -> list[BaseException | None]:
-        try:
-            return await self._send_in_time(kind, entries)
-        finally:
-            self._queued -= len(entries)
+        # a statement writes at most a batch of the budget (a second's worth), like the flush's: a turn of many
+        # requests is not one burst of rows
+        size = self._budget.batch_rows
+        chunks = [entries[first : first + size] for first in range(0, len(entries), size)]
+        return [
+            result
+            for results in await asyncio.gather(*map(partial(self._send_chunk, kind), chunks))
+            for result in results
+        ]
 
-    async def _send_in_time(self, kind: ContentKind, entries: list[_Queued]) -> list[BaseException | None]:
+    async def _send_chunk(self, kind: ContentKind, entries: list[_Queued]) -> list[BaseException | None]:
         loop = asyncio.get_running_loop()
+        deadline = min(entry.deadline for entry in entries)
+        # the budget's rows within the deadline, or 503 at once: what waits is bounded by the budget itself
+        reservation = await self._budget.reserve(len(entries), max_wait_s=deadline - loop.time())
+        if reservation is None:
+            return [_over_budget() for _ in entries]
+        written: set[int] = set()
+        rows_written = 0
         try:
-            # a batch waits for a statement slot only as long as its most patient request
-            async with asyncio.timeout_at(max(entry.deadline for entry in entries)):
+            async with asyncio.timeout_at(deadline):
                 await self._statements.acquire()
         except TimeoutError:
+            await self._budget.refund(reservation, reservation.rows)
             return [_late() for _ in entries]
         try:
             # left out before the statement runs: their requests were (or are being) answered 503
@@ -107,7 +124,6 @@ class DirectWriter:
                 return [_late() for _ in entries]
             # On timeout asyncpg cancels the statement in the server and it rolls back: the whole
             # batch is then answered 503 and nothing of it is written, now or later.
-            deadline = min(entries[i].deadline for i in live)
             # a connection the outage ends after the statement answered: the batch stands as answered
             async with pooled_connection(self._pool, timeout_s=max(deadline - loop.time(), 0.001)) as conn:
                 result = await persist_batch(
@@ -116,17 +132,18 @@ class DirectWriter:
                     [entries[i].heartbeat for i in live],
                     margin_s=self._margin_s,
                     timeout_s=max(deadline - loop.time(), 0.001),
-                    # a row another session holds: that heartbeat alone is refused (503), the rest written
-                    skip_locked=True,
                 )
+            # a row another session holds (the progress row, its user's or content's): that heartbeat alone is
+            # refused (503), the rest written
+            rows_written, locked = result.written, set(result.locked)
+            written = {
+                i
+                for i in live
+                if pending_member(entries[i].heartbeat.content_id, entries[i].heartbeat.user_id) not in locked
+            }
         finally:
             self._statements.release()
-        locked = set(result.locked)
-        written = {
-            i
-            for i in live
-            if pending_member(entries[i].heartbeat.content_id, entries[i].heartbeat.user_id) not in locked
-        }
+            await asyncio.shield(self._budget.refund(reservation, reservation.rows - rows_written))
         metrics.DEGRADED_WRITES.labels(kind.name).inc(len(written))
         report_batch(kind, result)
         results: list[BaseException | None] = [_late() for _ in entries]
@@ -140,11 +157,13 @@ class DirectWriter:
 
 class HeartbeatSink:
     @classmethod
-    def from_settings(cls, settings: Settings, writer: PositionWriter, pool: asyncpg.Pool | None) -> "HeartbeatSink":
+    def from_settings(
+        cls, settings: Settings, writer: PositionWriter, pool: asyncpg.Pool | None, budget: FlushBudget
+    ) -> "HeartbeatSink":
         """Redis through `writer`; without a database (`pool` None), no degraded mode."""
         return cls(
             writer,
-            None if pool is None else DirectWriter.from_settings(settings, pool),
+            None if pool is None else DirectWriter.from_settings(settings, pool, budget),
             redis_retry_s=settings.degraded_redis_retry_seconds,
             direct_timeout_s=settings.degraded_write_timeout_seconds,
         )
@@ -166,10 +185,7 @@ class HeartbeatSink:
         self._redis_down_until: dict[str, float] = {}
         self.degraded = False
 
-    async def write(
-        self, kind: ContentKind, *, content_id: int, user_id: int, position: float, received_ms: float | None = None
-    ) -> None:
-        received_ms = receive_ms() if received_ms is None else received_ms  # until the stores stamp it
+    async def write(self, kind: ContentKind, *, content_id: int, user_id: int, position: float) -> None:
         node = self._redis_writer.node_of(kind.name, content_id, user_id)
         if time.monotonic() >= self._redis_down_until.get(node, 0.0):
             try:
@@ -178,7 +194,6 @@ class HeartbeatSink:
                     content_id=content_id,
                     user_id=user_id,
                     position=position,
-                    received_ms=received_ms,
                 )
                 if self._redis_down_until:
                     self._recovered(node)
@@ -199,7 +214,7 @@ class HeartbeatSink:
         deadline = asyncio.get_running_loop().time() + self._direct_timeout_s
         try:
             await self._direct.write(
-                kind, Heartbeat(content_id, user_id, position, received_ms, peak=position), deadline=deadline
+                kind, Heartbeat(content_id, user_id, position, None, peak=position), deadline=deadline
             )
         except POSTGRES_FAILED as exc:  # TimeoutError (the request's deadline) is among them
             raise Unavailable("progress buffer and database both unavailable, retry later") from exc

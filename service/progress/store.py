@@ -8,6 +8,7 @@ import asyncpg
 from service import metrics
 from service.outbox.outboxes import NOTIFY_CHANNEL
 from service.progress.content import ContentKind
+from service.progress.keys import parse_member
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +18,8 @@ class Heartbeat:
     content_id: int
     user_id: int
     position: float
-    received_ms: float  # with a microsecond fraction (buffer.receive_ms): ties only across pods
+    # stamped by Redis (ms, microsecond fraction); None: by the database's clock_timestamp() (degraded mode)
+    received_ms: float | None
     peak: float  # the furthest position heard since the value was first written: decides completion
     # an offline item's: its completion is dated no earlier (receipt - SYNC_MAX_BACKDATE_HOURS), see buffer.py
     completion_floor_ms: int | None = None
@@ -28,24 +30,22 @@ class BatchResult:
     written: int  # rows inserted or moved forward
     completions: int  # completion events created by this batch
     dropped: list[str]  # "content_id:user_id" of heartbeats for a user or content that does not exist
-    # "content_id:user_id" of rows another session holds locked (skip_locked): neither written nor dropped
+    # "content_id:user_id" left out because another session holds a row they need: neither written nor dropped
     locked: list[str] = field(default_factory=list)
-
-    def __add__(self, other: "BatchResult") -> "BatchResult":
-        return BatchResult(
-            self.written + other.written,
-            self.completions + other.completions,
-            self.dropped + other.dropped,
-            self.locked + other.locked,
-        )
+    held_users: list[int] = field(default_factory=list)  # of those, the users whose row was held
+    held_content: list[int] = field(default_factory=list)  # ... and the content whose row was held
 
 
 # One statement, so the upsert and its completion events commit together or not at all.
+# - A heartbeat stamped by Redis is dated by it; one written straight to Postgres (degraded mode, no
+#   receive time) by clock_timestamp(): only the stores' clocks date a row, never a pod's.
 # - `known` drops heartbeats whose user or content does not exist, instead of failing the batch
 #   (the monolith's foreign keys are deferred: a bad row would only fail at COMMIT, for everyone).
-# - `busy` (skip_locked) leaves out the existing rows another session holds locked (the monolith's
-#   select_for_update, an admin edit, an idle transaction) instead of waiting for them: the rest of
-#   the batch is written, and those keys stay pending. SKIP LOCKED never waits, so it cannot deadlock.
+# - No lock is waited for (SKIP LOCKED never waits, so it cannot deadlock; the rest of the batch is
+#   written and the keys left out stay pending): the existing progress rows another session holds
+#   (the monolith's select_for_update, an admin edit, an idle transaction), and the user and content
+#   rows held FOR UPDATE. Those take FOR KEY SHARE here, the lock the foreign key's check takes at
+#   commit: taken up front, a user held FOR UPDATE holds back that user's keys only, not the batch.
 # - position/updated_at only move forward; completed_at is set by any heartbeat whose peak reached
 #   the margin, even a late one, and never cleared. An offline item's updated_at is when it was heard
 #   (so an older listen never replaces a newer position), its completed_at no earlier than its floor
@@ -55,17 +55,27 @@ class BatchResult:
 #   retries, redeliveries or concurrent pods do.
 _UPSERT_SQL = """
 WITH incoming AS (
-    SELECT content_id, user_id, position, peak, to_timestamp(received_ms / 1000.0) AS received_at,
+    SELECT content_id, user_id, position, peak,
+           COALESCE(to_timestamp(received_ms / 1000.0), clock_timestamp()) AS received_at,
            to_timestamp(floor_ms / 1000.0) AS floor_at
     FROM unnest($1::bigint[], $2::bigint[], $3::float8[], $4::float8[], $7::float8[], $8::float8[])
         AS h(content_id, user_id, position, received_ms, peak, floor_ms)  -- $4: ms, microsecond fraction
-), {busy} known AS (
+), users AS (
+    SELECT u.id FROM users_user u WHERE u.id = ANY($2::bigint[]) FOR KEY SHARE SKIP LOCKED
+), contents AS (
+    SELECT c.id, c.duration FROM {content_table} c WHERE c.id = ANY($1::bigint[]) FOR KEY SHARE SKIP LOCKED
+), lockable AS (
+    SELECT p.user_id, p.{id_column} AS content_id FROM {progress_table} p
+    JOIN incoming h ON p.user_id = h.user_id AND p.{id_column} = h.content_id
+    FOR UPDATE OF p SKIP LOCKED
+), known AS (
     SELECT h.content_id, h.user_id, h.position, h.received_at,
            CASE WHEN h.peak >= c.duration - $5::float8 THEN GREATEST(h.received_at, h.floor_at) END AS completed_at
     FROM incoming h
-    JOIN {content_table} c ON c.id = h.content_id
-    JOIN users_user u ON u.id = h.user_id
-    WHERE NOT EXISTS (SELECT 1 FROM busy b WHERE b.content_id = h.content_id AND b.user_id = h.user_id)
+    JOIN contents c ON c.id = h.content_id
+    JOIN users u ON u.id = h.user_id
+    WHERE EXISTS (SELECT 1 FROM lockable l WHERE l.user_id = h.user_id AND l.content_id = h.content_id)
+       OR NOT EXISTS (SELECT 1 FROM {progress_table} p WHERE p.user_id = h.user_id AND p.{id_column} = h.content_id)
 ), upserted AS (
     INSERT INTO {progress_table} AS p (user_id, {id_column}, position, completed_at, created_at, updated_at)
     SELECT user_id, content_id, position, completed_at, received_at, received_at FROM known
@@ -84,48 +94,36 @@ WITH incoming AS (
     WHERE u.completed_at = k.completed_at  -- set by this heartbeat, not by an earlier writer
     ON CONFLICT (content_type, content_id, user_id) DO NOTHING
     RETURNING 1
+), unknown AS (
+    SELECT h.content_id, h.user_id FROM incoming h
+    WHERE NOT EXISTS (SELECT 1 FROM users_user u WHERE u.id = h.user_id)
+       OR NOT EXISTS (SELECT 1 FROM {content_table} c WHERE c.id = h.content_id)
 )
 SELECT
     (SELECT count(*) FROM upserted) AS written,
     -- wakes the outbox relay (service.outbox) when events were written; delivered at commit only
     (SELECT count(pg_notify('{notify_channel}', 'completion')) FROM (SELECT 1 FROM events LIMIT 1) e) AS notified,
     (SELECT count(*) FROM events) AS completions,
+    ARRAY(SELECT x.content_id || ':' || x.user_id FROM unknown x) AS dropped,
     ARRAY(
         SELECT h.content_id || ':' || h.user_id FROM incoming h
         WHERE NOT EXISTS (SELECT 1 FROM known k WHERE k.content_id = h.content_id AND k.user_id = h.user_id)
-          AND NOT EXISTS (SELECT 1 FROM busy b WHERE b.content_id = h.content_id AND b.user_id = h.user_id)
-    ) AS dropped,
-    ARRAY(SELECT b.content_id || ':' || b.user_id FROM busy b) AS locked
+          AND NOT EXISTS (SELECT 1 FROM unknown x WHERE x.content_id = h.content_id AND x.user_id = h.user_id)
+    ) AS locked,
+    ARRAY(
+        SELECT DISTINCT h.user_id FROM incoming h JOIN users_user u ON u.id = h.user_id
+        WHERE NOT EXISTS (SELECT 1 FROM users l WHERE l.id = h.user_id) ORDER BY 1
+    ) AS held_users,
+    ARRAY(
+        SELECT DISTINCT h.content_id FROM incoming h JOIN {content_table} c ON c.id = h.content_id
+        WHERE NOT EXISTS (SELECT 1 FROM contents l WHERE l.id = h.content_id) ORDER BY 1
+    ) AS held_content
 """
 
-_SKIP_LOCKED = """lockable AS (
-    SELECT p.user_id, p.{id_column} AS content_id FROM {progress_table} p
-    JOIN incoming h ON p.user_id = h.user_id AND p.{id_column} = h.content_id
-    FOR UPDATE OF p SKIP LOCKED
-), busy AS (
-    SELECT h.content_id, h.user_id FROM incoming h
-    WHERE EXISTS (SELECT 1 FROM {progress_table} p WHERE p.user_id = h.user_id AND p.{id_column} = h.content_id)
-      AND NOT EXISTS (SELECT 1 FROM lockable l WHERE l.user_id = h.user_id AND l.content_id = h.content_id)
-),"""
-_NONE_BUSY = "busy AS (SELECT NULL::bigint AS content_id, NULL::bigint AS user_id WHERE false),"
 
-# Taken first in the flush's transaction, as the upsert would take them: a table held by a migration
-# fails here, in lock_timeout, and holds its own content type (POSTGRES_BUSY); a lock timeout after
-# these is a row's, which holds only the keys behind it.
-_TABLE_LOCKS_SQL = (
-    "LOCK TABLE {progress_table}, progress_completion_event IN ROW EXCLUSIVE MODE;"
-    " LOCK TABLE {content_table}, users_user IN ACCESS SHARE MODE"
-)
-
-
-def upsert_sql(kind: ContentKind, *, skip_locked: bool = False) -> str:
+def upsert_sql(kind: ContentKind) -> str:
     tables = {"content_table": kind.content_table, "progress_table": kind.progress_table, "id_column": kind.id_column}
-    busy = (_SKIP_LOCKED if skip_locked else _NONE_BUSY).format(**tables)
-    return _UPSERT_SQL.format(busy=busy, notify_channel=NOTIFY_CHANNEL, **tables)
-
-
-def table_locks_sql(kind: ContentKind) -> str:
-    return _TABLE_LOCKS_SQL.format(progress_table=kind.progress_table, content_table=kind.content_table)
+    return _UPSERT_SQL.format(notify_channel=NOTIFY_CHANNEL, **tables)
 
 
 async def persist_batch(
@@ -135,10 +133,10 @@ async def persist_batch(
     *,
     margin_s: float,
     timeout_s: float | None = None,
-    skip_locked: bool = False,
 ) -> BatchResult:
     # a key may appear twice when a requeue races a claim: keep its newest heartbeat (on an exact
-    # tie the first, as the upsert's strict `<` keeps the stored row and WRITE_SCRIPT the stored value)
+    # tie the first, as the upsert's strict `<` keeps the stored row and WRITE_SCRIPT the stored value);
+    # unstamped ones (degraded mode) in the order they came: the later submitted wins
     latest: dict[tuple[int, int], Heartbeat] = {}
     for hb in heartbeats:
         key = (hb.user_id, hb.content_id)
@@ -146,13 +144,14 @@ async def persist_batch(
         if kept is None:
             latest[key] = hb
         else:
-            newest = hb if kept.received_ms < hb.received_ms else kept
+            later = hb.received_ms is None or (kept.received_ms is not None and kept.received_ms < hb.received_ms)
+            newest = hb if later else kept
             floors = [floor for floor in (kept.completion_floor_ms, hb.completion_floor_ms) if floor is not None]
             latest[key] = replace(newest, peak=max(kept.peak, hb.peak), completion_floor_ms=max(floors, default=None))
     # in the order of the unique index (user_id, content): neighbouring rows share its pages
     rows = [latest[key] for key in sorted(latest)]
     record = await conn.fetchrow(
-        upsert_sql(kind, skip_locked=skip_locked),
+        upsert_sql(kind),
         [hb.content_id for hb in rows],
         [hb.user_id for hb in rows],
         [hb.position for hb in rows],
@@ -164,25 +163,55 @@ async def persist_batch(
         timeout=timeout_s,
     )
     assert record is not None
-    return BatchResult(record["written"], record["completions"], list(record["dropped"]), list(record["locked"]))
+    return BatchResult(
+        record["written"],
+        record["completions"],
+        list(record["dropped"]),
+        list(record["locked"]),
+        list(record["held_users"]),
+        list(record["held_content"]),
+    )
 
 
-# keys named in a batch's drop line: enough to look into, not a line per key (a flood of made-up users
+# keys named in a batch's log lines: enough to look into, not a line per key (a flood of made-up users
 # behind a gateway is thousands of keys a second)
-_DROPPED_SAMPLE = 10
+_SAMPLE = 10
 
 
 def report_batch(kind: ContentKind, result: BatchResult) -> None:
-    """What a persisted batch did, as metrics and one log line for its dropped keys (flusher and degraded mode)."""
+    """What a persisted batch did, as metrics and a log line for its dropped keys and one naming the locks that
+    held keys back: their user's row, their content's, or their own progress row (flusher and degraded mode)."""
     metrics.FLUSH_COMPLETIONS.labels(kind.name).inc(result.completions)
     metrics.FLUSH_DROPPED.labels(kind.name).inc(len(result.dropped))
     if result.dropped:
         log.warning(
             "%d heartbeats dropped: unknown user or content",
             len(result.dropped),
-            extra={
-                "content_type": kind.name,
-                "count": len(result.dropped),
-                "key": " ".join(result.dropped[:_DROPPED_SAMPLE]),
-            },
+            extra={"content_type": kind.name, "count": len(result.dropped), "key": " ".join(result.dropped[:_SAMPLE])},
         )
+    if result.locked:
+        users, content = set(result.held_users), set(result.held_content)
+        rows = []  # the keys held back by neither: their own progress row was held
+        for key in result.locked:
+            content_id, user_id = parse_member(key)
+            if user_id not in users and content_id not in content:
+                rows.append(key)
+        held = [
+            f"{what} locked by another session: {name} {_sample(ids)}"
+            for what, name, ids in (
+                ("user rows", "user ids", result.held_users),
+                (f"{kind.content_table} rows", "ids", result.held_content),
+                ("progress rows", "keys", rows),
+            )
+            if ids
+        ]
+        log.warning(
+            "%d heartbeats not written (the rest of the batch was): %s",
+            len(result.locked),
+            "; ".join(held),
+            extra={"content_type": kind.name, "count": len(result.locked)},
+        )
+
+
+def _sample(items: list[int] | list[str]) -> str:
+    return " ".join(str(item) for item in items[:_SAMPLE]) + (" ..." if len(items) > _SAMPLE else "")

@@ -83,7 +83,7 @@ async def test_a_503_from_degraded_mode_writes_nothing_even_after_postgres_recov
                 "SELECT count(*) FROM pg_stat_activity"
                 " WHERE state = 'active' AND query LIKE '%audios_audioprogress%' AND pid <> pg_backend_pid()"
             )
-            return direct._queued == 0 and running == 0
+            return not any(batcher._sending for batcher in direct._batchers.values()) and running == 0
 
         await wait_for(settled)
         assert await db.fetchval("SELECT count(*) FROM audios_audioprogress") == 0

@@ -183,7 +183,8 @@ async def test_values_the_flush_drops_are_deleted_unless_written_since_the_claim
             )
             assert response.status_code == 201
     real_persist = flusher_module.persist_batch
-    stop = asyncio.Event()  # set once both batches are claimed: the newer write waits for the next cycle
+    # set once both batches are claimed; the newer write waits for the next cycle (the cycle's quota is taken)
+    stop = asyncio.Event()
 
     async def all_claimed() -> bool:  # (or the other batch's persist has seen it so, and written again)
         return stop.is_set() or await redis.scard("progress:pending_flush:live") == 0
@@ -198,7 +199,7 @@ async def test_values_the_flush_drops_are_deleted_unless_written_since_the_claim
     monkeypatch.setattr(flusher_module, "persist_batch", persist_after_a_newer_write)
     flusher = Flusher.from_settings(settings.model_copy(update={"progress_flush_batch_size": 150}), redis, db)
     with caplog.at_level(logging.WARNING):
-        result = await flusher.flush_cycle(stop=stop)
+        result = await flusher.flush_cycle()
     assert (result.written, result.dropped, result.batches) == (1, 200, 2)
     assert sorted(await redis.keys("progress:latest_position:*")) == [
         "progress:latest_position:live:1:1",
@@ -230,11 +231,11 @@ async def test_an_expired_value_is_counted_and_logged(
 async def test_a_late_ack_does_not_remove_another_flushers_lease(redis: Redis) -> None:
     leases = Leases(redis)
     await write(redis, "lesson", 1, 1, 5)
-    now = time.time_ns() // 1_000_000
     (shard,) = STANDALONE.shards_of("lesson")
-    stalled = await leases.claim_batch(shard, count=10, now_ms=now - 10_000, lease_ms=1000)  # already expired
-    assert await leases.requeue_expired(shard, now_ms=now) == 1
-    fresh = await leases.claim_batch(shard, count=10, now_ms=now, lease_ms=60_000)
+    stalled = await leases.claim_batch(shard, count=10, lease_ms=1000)
+    assert await leases.requeue_expired(shard) == 0  # its lease holds, by Redis's clock
+    assert await leases.requeue_expired(shard, ahead_ms=2000) == 1  # two seconds on: expired
+    fresh = await leases.claim_batch(shard, count=10, lease_ms=60_000)
     assert fresh.members == ["1:1"]
     assert await leases.ack(stalled) == 0  # the stalled flusher finally acks: nothing of fresh's is touched
     assert await redis.zrange("progress:in_flight:lesson", 0, -1) == ["1:1"]
@@ -349,7 +350,7 @@ async def test_a_backend_terminated_during_the_upsert_requeues_its_batch(
             for _ in range(200):
                 # asked on another connection: inside `lock`, pg_stat_activity is a frozen snapshot
                 pid = await db.fetchval(
-                    "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%LOCK TABLE%'"
+                    "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%WITH incoming%'"
                 )
                 if pid:
                     break
