@@ -342,7 +342,10 @@ class Flusher:
             if raw is None:  # the TTL passed before any flush: this position is lost, and that must show
                 result.expired += 1
                 metrics.FLUSH_EXPIRED.labels(kind.name).inc()
-                log.error("value expired before it was flushed: position lost", extra={"key": member})
+                log.error(
+                    "value expired before it was flushed: position lost",
+                    extra={"content_type": kind.name, "key": member},
+                )
                 unusable.append((member, raw))
                 continue
             try:
@@ -351,7 +354,10 @@ class Flusher:
             except ValueError:  # not written by this service's script: retrying cannot help
                 result.dropped += 1
                 metrics.FLUSH_DROPPED.labels(kind.name).inc()
-                log.error("unreadable pending entry dropped", extra={"key": member, "error": repr(raw)[:200]})
+                log.error(
+                    "unreadable pending entry dropped",
+                    extra={"content_type": kind.name, "key": member, "error": repr(raw)[:200]},
+                )
                 unusable.append((member, raw))
                 continue
             usable.append((member, raw))
