@@ -19,7 +19,6 @@ from redis.asyncio import RedisCluster as AsyncRedisCluster
 
 from service.config import Settings
 from service.embedded import EmbeddedCluster
-from service.progress.buffer import now_ms
 from service.progress.keys import KeyLayout
 from service.progress.leases import Leases
 
@@ -45,7 +44,7 @@ async def write_and_flush(
     calls, usec = evalsha(nodes)
     leases, flushed = Leases(redis), 0
     for shard in layout.shards_of("lesson"):
-        while (claim := await leases.claim_batch(shard, count=500, now_ms=now_ms(), lease_ms=60_000)).entries:
+        while (claim := await leases.claim_batch(shard, count=500, lease_ms=60_000)).entries:
             flushed += await leases.ack(claim)
     if flushed != keys:
         raise RuntimeError(f"flushed {flushed} of {keys} keys")

@@ -310,7 +310,7 @@ class Flusher:
         try:
             if shard not in cycle.requeued:
                 cycle.requeued.add(shard)
-                moved = await self._leases.requeue_expired(shard, now_ms=now_ms())
+                moved = await self._leases.requeue_expired(shard)
                 cycle.lease_expired += moved  # counted after the await: the drains add up, none overwrites
             return await self._batch(conn, cycle, turn, shard, quota)
         except REDIS_UNAVAILABLE as exc:
@@ -341,7 +341,7 @@ class Flusher:
         try:
             reservation = await self.budget.reserve(rows, cycle.stop)
             if reservation is not None and not turn.failed and not cycle.stopped:
-                claim = await self._leases.claim_batch(shard, count=rows, now_ms=now_ms(), lease_ms=self._lease_ms)
+                claim = await self._leases.claim_batch(shard, count=rows, lease_ms=self._lease_ms)
                 claimed = len(claim.entries)
         finally:
             if claimed < rows:  # the shard had fewer, or the drain stops: later batches may go sooner

@@ -5,6 +5,8 @@ deadline, in the same script that reads its value. It leaves the in-flight set o
 acked (after the Postgres commit; the values of the entries the batch dropped go with the ack) or
 released/requeued back to the pending set. A flusher killed
 at any point leaves its members in flight; once their lease is past, any flusher requeues them.
+Leases are scored and expired by Redis's clock (TIME inside the scripts), never a pod's: a pod whose
+clock is an hour ahead neither takes another's valid lease nor holds its own an hour too long.
 A value has no TTL while its member is pending or in flight (the write script sets none): its TTL starts
 at the ack, so it cleans up what was flushed and nothing else, however slow the drain (a budget, a
 Postgres outage, a dead flusher). A value written again since the claim is pending again and keeps none.
@@ -12,7 +14,6 @@ Every script works on one shard (service/progress/keys.py): its keys share one h
 same scripts run on a Redis Cluster.
 """
 
-import secrets
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -21,18 +22,25 @@ from redis.commands.core import AsyncScript
 from service.progress.keys import Shard
 from service.redis_client import RedisClient
 
-# KEYS: pending set, in-flight zset. ARGV: count, lease score, the shard's latest-position key prefix
+# KEYS: pending set, in-flight zset. ARGV: count, lease (ms), the shard's latest-position key prefix
 # (it carries the shard's hash tag: the value keys built from it are in the slot of KEYS).
-# Returns {members, values} (a value is false when its TTL expired). Commands take the members in
+# The lease score is the deadline, Redis's now + lease, in ms with the microseconds as a fraction (built
+# as a string: a Lua number prints 14 digits). It identifies this claim: a member is claimed again only
+# once this deadline has passed (requeued: the next deadline is later) or once this claim released it.
+# Returns {members, values, score} (a value is false when its TTL expired). Commands take the members in
 # chunks: one ZADD and one MGET per chunk instead of one call per member, within Lua's stack limit.
 _CLAIM = """
+local clock = redis.call('TIME')
+local micros = tonumber(clock[2])
+local deadline_ms = tonumber(clock[1]) * 1000 + (micros - micros % 1000) / 1000 + tonumber(ARGV[2])
+local score = string.format('%d.%03d', deadline_ms, micros % 1000)
 local members = redis.call('SPOP', KEYS[1], ARGV[1])
 local values = {}
 for first = 1, #members, 1000 do
   local last = math.min(first + 999, #members)
   local scored, keys = {}, {}
   for i = first, last do
-    scored[#scored + 1] = ARGV[2]
+    scored[#scored + 1] = score
     scored[#scored + 1] = members[i]
     keys[#keys + 1] = ARGV[3] .. members[i]
   end
@@ -40,7 +48,7 @@ for first = 1, #members, 1000 do
   local got = redis.call('MGET', unpack(keys))
   for i = 1, #got do values[first + i - 1] = got[i] end
 end
-return {members, values}
+return {members, values, score}
 """
 
 # KEYS: in-flight zset, pending set. ARGV: lease score, 1 to put back in pending / 0 to drop, the shard's
@@ -89,9 +97,12 @@ end
 return settled
 """
 
-# KEYS: in-flight zset, pending set. ARGV: now (ms), max members. Returns how many were requeued.
+# KEYS: in-flight zset, pending set. ARGV: max members, ms ahead of Redis's now (0 but in tests).
+# Returns how many were requeued.
 _REQUEUE_EXPIRED = """
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])
+local clock = redis.call('TIME')
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(ARGV[2])
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now_ms), 'LIMIT', 0, ARGV[1])
 for _, member in ipairs(expired) do
   redis.call('ZREM', KEYS[1], member)
   redis.call('SADD', KEYS[2], member)
@@ -103,7 +114,7 @@ return #expired
 @dataclass(frozen=True, slots=True)
 class Claim:
     shard: Shard
-    lease_score: str  # deadline in ms plus a random fraction: identifies this claim
+    lease_score: str  # deadline in Redis's ms, its microseconds as a fraction: identifies this claim
     entries: list[tuple[str, bytes | None]]  # (member, raw value or None if expired)
 
     @property
@@ -122,18 +133,15 @@ class Leases:
         self._settle: AsyncScript = redis.register_script(_SETTLE)
         self._requeue: AsyncScript = redis.register_script(_REQUEUE_EXPIRED)
 
-    async def claim_batch(self, shard: Shard, *, count: int, now_ms: int, lease_ms: int) -> Claim:
-        # the random fraction makes two claims of the same member in the same millisecond distinct
-        lease_score = f"{now_ms + lease_ms}.{secrets.randbelow(1000):03d}"
-        flat = await self._claim(
-            keys=[shard.pending_key, shard.in_flight_key], args=[count, lease_score, shard.value_prefix]
+    async def claim_batch(self, shard: Shard, *, count: int, lease_ms: int) -> Claim:
+        members, values, lease_score = await self._claim(
+            keys=[shard.pending_key, shard.in_flight_key], args=[count, lease_ms, shard.value_prefix]
         )
-        members, values = flat
         entries = [
             (member.decode() if isinstance(member, bytes) else member, value or None)
             for member, value in zip(members, values, strict=True)
         ]
-        return Claim(shard, lease_score, entries)
+        return Claim(shard, lease_score.decode() if isinstance(lease_score, bytes) else lease_score, entries)
 
     async def ack(self, claim: Claim, *, dropped: Collection[str] = ()) -> int:
         """The batch is committed: forget it, and the values of its `dropped` members unless written since."""
@@ -166,11 +174,12 @@ class Leases:
         )
         return settled
 
-    async def requeue_expired(self, shard: Shard, *, now_ms: int, limit: int = 10_000) -> int:
-        """Leases of flushers that died: their members go back to the pending set."""
+    async def requeue_expired(self, shard: Shard, *, limit: int = 10_000, ahead_ms: int = 0) -> int:
+        """Leases of flushers that died: their members go back to the pending set. `ahead_ms`: also the leases
+        that end within that much of Redis's now (a test's way to move time forward)."""
         total = 0
         while True:
-            moved: int = await self._requeue(keys=[shard.in_flight_key, shard.pending_key], args=[now_ms, limit])
+            moved: int = await self._requeue(keys=[shard.in_flight_key, shard.pending_key], args=[limit, ahead_ms])
             total += moved
             if moved < limit:
                 return total

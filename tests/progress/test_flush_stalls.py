@@ -21,7 +21,7 @@ from redis.exceptions import OutOfMemoryError
 
 from service.config import Settings
 from service.progress.budget import FlushBudget
-from service.progress.buffer import WRITE_SCRIPT, decode_value, now_ms
+from service.progress.buffer import WRITE_SCRIPT, decode_value
 from service.progress.concurrency import AdaptiveLimit
 from service.progress.flusher import Flusher
 from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, KeyLayout
@@ -297,7 +297,7 @@ async def test_a_value_written_again_after_its_claim_keeps_no_ttl(redis: Redis, 
     await write(redis, "lesson", 1, 1, 10)
     leases = Leases(redis, value_ttl_s=60)
     (shard,) = STANDALONE.shards_of("lesson")
-    claim = await leases.claim_batch(shard, count=10, now_ms=now_ms(), lease_ms=5000)
+    claim = await leases.claim_batch(shard, count=10, lease_ms=5000)
     await write(redis, "lesson", 1, 1, 20)  # pending again, while the first is being persisted
     assert await leases.ack(claim) == 1
     assert await redis.ttl("progress:latest_position:lesson:1:1") == -1
@@ -333,7 +333,7 @@ async def test_expired_leases_are_counted_whatever_the_drains(
     """A flusher died holding 500 entries: the next one requeues them, and the count says so."""
     last = await fill(redis, db, 500)
     (shard,) = STANDALONE.shards_of("lesson")
-    await Leases(redis).claim_batch(shard, count=500, now_ms=now_ms() - 60_000, lease_ms=1000)  # long expired
+    await Leases(redis).claim_batch(shard, count=500, lease_ms=-60_000)  # its deadline a minute ago: long expired
     flusher = flusher_with(settings, redis, db, progress_flush_concurrency=4, progress_flush_max_rows_per_second=0)
     requeued_before = metric("progress_flush_requeued_total")
     # the pool's four connections open already: the drains start together, as in a pod that has run a while

@@ -230,11 +230,10 @@ async def test_an_expired_value_is_counted_and_logged(
 async def test_a_late_ack_does_not_remove_another_flushers_lease(redis: Redis) -> None:
     leases = Leases(redis)
     await write(redis, "lesson", 1, 1, 5)
-    now = time.time_ns() // 1_000_000
     (shard,) = STANDALONE.shards_of("lesson")
-    stalled = await leases.claim_batch(shard, count=10, now_ms=now - 10_000, lease_ms=1000)  # already expired
-    assert await leases.requeue_expired(shard, now_ms=now) == 1
-    fresh = await leases.claim_batch(shard, count=10, now_ms=now, lease_ms=60_000)
+    stalled = await leases.claim_batch(shard, count=10, lease_ms=1000)
+    assert await leases.requeue_expired(shard, ahead_ms=2000) == 1  # 2 s later: its lease is over
+    fresh = await leases.claim_batch(shard, count=10, lease_ms=60_000)
     assert fresh.members == ["1:1"]
     assert await leases.ack(stalled) == 0  # the stalled flusher finally acks: nothing of fresh's is touched
     assert await redis.zrange("progress:in_flight:lesson", 0, -1) == ["1:1"]
