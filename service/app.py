@@ -1,7 +1,6 @@
 """The ASGI application: the route table (service/api/routes.py) over the parts the lifespan builds."""
 
 import asyncio
-import contextlib
 import gc
 import logging
 import time
@@ -31,7 +30,6 @@ from service.outbox.outboxes import publish_budget_s
 from service.outbox.relay import Relay
 from service.postgres import create_db_pool
 from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
-from service.progress.clock import ClockCheck
 from service.progress.flusher import Flusher
 from service.progress.keys import KeyLayout
 from service.progress.reads import ProgressReader
@@ -91,8 +89,6 @@ class Services:
     deferred: DeferredHeartbeats | None
     reader: ProgressReader | None
     offline: OfflineSync | None
-    # heartbeats are ordered by the receive time each pod stamps: a pod whose clock is off takes none
-    clock_check: ClockCheck
 
 
 async def start_redis(settings: Settings, lifecycle: Lifecycle) -> RedisClient:
@@ -175,16 +171,12 @@ async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock 
         background.start("deferred-heartbeats", deferred.run(sink, background.stop, catalog=catalog))
         lifecycle.started_part("deferred heartbeats", deferred.drain, sink, catalog)  # before the catalog, the sink
     start_samplers(settings, redis, background)
-    clock_check = ClockCheck(redis, max_skew_s=settings.progress_max_clock_skew_seconds)
-    with contextlib.suppress(*REDIS_FAILED):
-        await clock_check.sample()  # before the first request; Redis down at start is readiness' to say
-    background.start("clock-check", clock_check.run(background.stop))
     reader = offline = None
     if pool is not None:
         reader = ProgressReader.from_settings(settings, redis, pool, layout)
         lifecycle.started_part("progress reader", reader.aclose)
         offline = OfflineSync.from_settings(settings, redis, pool, layout)
-    return Services(settings, redis, pool, checks, background, sink, catalog, deferred, reader, offline, clock_check)
+    return Services(settings, redis, pool, checks, background, sink, catalog, deferred, reader, offline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +213,6 @@ class Door:
             limiter=self.limiter,
             deferred=services.deferred,
             catalog=services.catalog,
-            clock_check=services.clock_check,
         )
         reads = ProgressReads(services.reader, authenticator=self.authenticator, limiter=self.reads_limiter)
         sync = ProgressSync(
@@ -231,7 +222,6 @@ class Door:
             body_read_timeout_s=settings.body_read_timeout_seconds,
             limiter=self.reads_limiter,
             items_limiter=self.items_limiter,
-            clock_check=services.clock_check,
         )
         return Handlers(ingest, reads, sync)
 

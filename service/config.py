@@ -83,8 +83,6 @@ class Settings(BaseSettings):
     rate_limit_per_user_per_second: float = Field(2.0, ge=0)  # 0: no limit
     rate_limit_burst: int = Field(60, ge=1)
     progress_position_ttl_seconds: int = Field(3600, ge=60)
-    # a pod whose clock is further than this from Redis's takes no heartbeats (service/progress/clock.py); 0: no check
-    progress_max_clock_skew_seconds: float = Field(1.0, ge=0)
     progress_flusher_enabled: bool = True
     progress_flush_interval_seconds: float = Field(60.0, gt=0)
     progress_flush_batch_size: int = Field(500, ge=1, le=10_000)

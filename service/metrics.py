@@ -124,11 +124,6 @@ FLUSH_LAG_SECONDS = Histogram(
 FLUSH_BUDGET_WAIT_SECONDS = Counter(
     "progress_flush_budget_wait_seconds_total", "Seconds the flush drains spent waiting for the fleet's write budget."
 )
-CLOCK_SKEW_SECONDS = Gauge(
-    "progress_clock_skew_seconds",
-    "This pod's clock minus the Redis server's, at the last sample (past PROGRESS_MAX_CLOCK_SKEW_SECONDS: not ready).",
-    multiprocess_mode="max",
-)
 FLUSH_BUDGET_FALLBACK = Counter(
     "progress_flush_budget_fallback_total",
     "Batches paced by the pod's own budget because Redis refused the fleet's (at maxmemory, its master down).",

@@ -187,9 +187,6 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
               "paced on its own because Redis refused the fleet's budget (at maxmemory).", "s",
               (f"sum(rate(progress_flush_budget_wait_seconds_total[{RATE}]))", "waiting"),
               (f"sum(rate(progress_flush_budget_fallback_total[{RATE}]))", "paced locally (batches/s)")),
-        graph("Clock skew", "Each pod's clock minus the Redis server's. Heartbeats are ordered by the receive time a pod "
-              "stamps: past PROGRESS_MAX_CLOCK_SKEW_SECONDS (1 s) the pod takes no heartbeats and is not ready.", "s",
-              ("max(progress_clock_skew_seconds)", "most ahead"), ("min(progress_clock_skew_seconds)", "most behind")),
         graph("Concurrency limit", "Flush statements allowed at once per pod; halves when their latency doubles "
               "over its recent baseline or Postgres refuses one (lock_timeout, statement_timeout).", "short",
               ("min(progress_flush_concurrency_limit > 0)", "lowest"),

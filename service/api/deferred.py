@@ -202,12 +202,8 @@ class DeferredHeartbeats:
         _, content_id, user_id = key
         if entry.peak > entry.position:
             # the furthest first, received earlier: the latest written after it stands, and the peak stays
-            await sink.write(
-                entry.kind, content_id=content_id, user_id=user_id, position=entry.peak, received_ms=entry.peak_ms
-            )
-        await sink.write(
-            entry.kind, content_id=content_id, user_id=user_id, position=entry.position, received_ms=entry.received_ms
-        )
+            await sink.write(entry.kind, content_id=content_id, user_id=user_id, position=entry.peak)
+        await sink.write(entry.kind, content_id=content_id, user_id=user_id, position=entry.position)
 
     async def run(
         self,

@@ -18,14 +18,11 @@ from service.api.http import (
     identify,
     rate_limited,
     read_json,
-    refuse_if_clock_off,
     send_error,
 )
 from service.api.ratelimit import RateLimiter
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
-from service.progress.buffer import receive_ms
-from service.progress.clock import ClockCheck
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.sink import HeartbeatSink, Unavailable
 
@@ -52,10 +49,8 @@ class ProgressIngest:
         limiter: RateLimiter | None = None,
         deferred: DeferredHeartbeats | None = None,
         catalog: ContentCatalog | None = None,
-        clock_check: ClockCheck | None = None,
     ) -> None:
         self.sink = sink
-        self.clock_check = clock_check  # a pod whose clock is off takes no heartbeat
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
@@ -91,9 +86,6 @@ class ProgressIngest:
         if scope["method"] != "POST":
             raise HttpError(405, "method not allowed: use POST", _ALLOW_POST)
         user_id, declared_length = identify(self.authenticator, scope["headers"])
-        # before the limit: a refused heartbeat is kept with its receive time and written later, and a 503 costs
-        # the user none of the limit
-        refuse_if_clock_off(self.clock_check)
         # counted now, answered once the body is read: a refused heartbeat's position is kept for later
         retry_after_s = self.limiter.allow(user_id) if self.limiter is not None else None
         heartbeat = await read_json(
@@ -113,9 +105,7 @@ class ProgressIngest:
                 metrics.REFUSED.labels("unknown_content").inc()
                 raise HttpError(404, f"unknown {kind.id_column} {content_id}")
         try:
-            await self.sink.write(
-                kind, content_id=content_id, user_id=user_id, position=heartbeat.position, received_ms=receive_ms()
-            )
+            await self.sink.write(kind, content_id=content_id, user_id=user_id, position=heartbeat.position)
         except Unavailable as exc:
             self._log_refusal(kind, exc)
             raise HttpError(503, str(exc)) from None
@@ -129,8 +119,10 @@ class ProgressIngest:
         if self.deferred is not None:
             catalog = self.catalog
             known = True if catalog is None else catalog.known_in_memory(kind, content_id)
+            # the refusals of one key in the order this pod took them (the writes are stamped by Redis)
+            received_ms = time.monotonic() * 1000
             self.deferred.keep(
-                kind, content_id=content_id, user_id=user_id, position=position, received_ms=receive_ms(), known=known
+                kind, content_id=content_id, user_id=user_id, position=position, received_ms=received_ms, known=known
             )
         raise rate_limited("too many heartbeats from this user, retry later", retry_after_s)
 

@@ -164,11 +164,10 @@ class HeartbeatSink:
         # per Redis node ("" for a standalone server), monotonic; while in the future, skip that node
         # instead of waiting on it
         self._redis_down_until: dict[str, float] = {}
+        self._last_direct_ms = 0.0
         self.degraded = False
 
-    async def write(
-        self, kind: ContentKind, *, content_id: int, user_id: int, position: float, received_ms: float
-    ) -> None:
+    async def write(self, kind: ContentKind, *, content_id: int, user_id: int, position: float) -> None:
         node = self._redis_writer.node_of(kind.name, content_id, user_id)
         if time.monotonic() >= self._redis_down_until.get(node, 0.0):
             try:
@@ -177,7 +176,6 @@ class HeartbeatSink:
                     content_id=content_id,
                     user_id=user_id,
                     position=position,
-                    received_ms=received_ms,
                 )
                 if self._redis_down_until:
                     self._recovered(node)
@@ -197,6 +195,8 @@ class HeartbeatSink:
         # a deadline: a slow database must not hold the app's requests (and their sockets) open
         deadline = asyncio.get_running_loop().time() + self._direct_timeout_s
         try:
+            # this pod's clock (strictly increasing) until degraded writes are stamped by Postgres (clock_timestamp())
+            received_ms = self._last_direct_ms = max(time.time_ns() / 1_000_000, self._last_direct_ms + 0.001)
             await self._direct.write(
                 kind, Heartbeat(content_id, user_id, position, received_ms, peak=position), deadline=deadline
             )

@@ -16,7 +16,7 @@ from service.api.deferred import DEFER_INTERVAL_S, DeferredHeartbeats
 from service.api.ratelimit import RateLimiter
 from service.auth import make_token
 from service.config import Settings
-from service.progress.buffer import PositionWriter, decode_value, receive_ms
+from service.progress.buffer import PositionWriter, decode_value
 from service.progress.content import KIND_BY_PATH
 from service.progress.flusher import Flusher
 from service.progress.known_content import load_ids
@@ -311,7 +311,7 @@ async def test_an_id_the_catalog_cannot_check_now_waits_for_the_next_drain(db: a
     await seed(db, users=7, contents=1)
     await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (50, 'new', 600)")
     deferred = DeferredHeartbeats()
-    deferred.keep(LESSON, content_id=50, user_id=7, position=595, received_ms=receive_ms(), known=None)
+    deferred.keep(LESSON, content_id=50, user_id=7, position=595, received_ms=time.monotonic() * 1000, known=None)
     sink = HeartbeatSink(PositionWriter(redis), None, redis_retry_s=0.1, direct_timeout_s=0.5)
     saturated = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=10, max_lookups=0)
     assert await deferred.drain(sink, saturated) is False and len(deferred) == 1  # kept, not shed
@@ -385,8 +385,8 @@ async def test_a_pod_started_with_postgres_unreachable_still_writes_the_refused_
 async def test_refused_positions_neither_store_took_are_kept_for_the_next_drain(redis: Redis) -> None:
     unreachable = Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
     deferred = DeferredHeartbeats()
-    deferred.keep(LESSON, content_id=1, user_id=7, position=590, received_ms=receive_ms())
-    deferred.keep(LESSON, content_id=1, user_id=7, position=5, received_ms=receive_ms())
+    deferred.keep(LESSON, content_id=1, user_id=7, position=590, received_ms=time.monotonic() * 1000)
+    deferred.keep(LESSON, content_id=1, user_id=7, position=5, received_ms=time.monotonic() * 1000)
     down = HeartbeatSink(PositionWriter(unreachable), None, redis_retry_s=0.1, direct_timeout_s=0.5)
     assert await deferred.drain(down) is False and len(deferred) == 1
     await unreachable.aclose()
