@@ -286,7 +286,7 @@ class OfflineSync:
             return SyncOutcome(False, f"listened_at is more than {self._max_skew_ms / 1000:g} s in the future")
         if latest[(a.kind.name, a.content_id)] is not a:
             return _SUPERSEDED
-        if answer == 0 or (updated_at is not None and as_ms(updated_at) > a.listened_ms):
+        if answer == 0 or (updated_at is not None and as_ms(updated_at) > a.listened_ms):  # 0: a later value stands
             return _OLDER
         if previous_us and previous_us.get((a.kind.name, a.content_id), -1) > round(a.listened_ms * 1000):
             return _OLDER  # a pod still on the previous shard count buffered a later one
