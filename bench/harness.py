@@ -30,7 +30,7 @@ from service import embedded
 from service.auth import make_token
 from service.config import Settings
 from service.progress.backlog import measure_backlog
-from service.progress.buffer import WRITE_SCRIPT, now_ms, write_args
+from service.progress.buffer import WRITE_SCRIPT, write_args
 from service.progress.content import CONTENT_KINDS
 from service.progress.keys import STANDALONE, KeyLayout
 
@@ -323,7 +323,7 @@ async def fill(
         async with redis.pipeline(transaction=False) as pipe:
             for i in range(first, min(first + 1000, keys)):
                 pipe.execute_command(
-                    *write_args("lesson", i % lessons + 1, i // lessons + 1, position(i), now_ms(), layout)
+                    *write_args("lesson", i % lessons + 1, i // lessons + 1, position(i), layout=layout)
                 )
             await pipe.execute()
 

@@ -1,7 +1,6 @@
 """The ASGI application: the route table (service/api/routes.py) over the parts the lifespan builds."""
 
 import asyncio
-import contextlib
 import gc
 import logging
 import time
@@ -31,7 +30,6 @@ from service.outbox.relay import Relay
 from service.postgres import create_db_pool
 from service.progress.budget import FlushBudget
 from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
-from service.progress.clock import ClockCheck
 from service.progress.flusher import Flusher
 from service.progress.keys import KeyLayout
 from service.progress.reads import ProgressReader
@@ -89,8 +87,6 @@ class Services:
     catalog: ContentCatalog | None
     reader: ProgressReader | None
     offline: OfflineSync | None
-    # heartbeats are ordered by the receive time each pod stamps: a pod whose clock is off takes none
-    clock_check: ClockCheck
 
 
 async def start_redis(settings: Settings, lifecycle: Lifecycle) -> RedisClient:
@@ -172,20 +168,16 @@ async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock 
     # the final flush must see every write acknowledged before shutdown: the loops stop after the writes
     lifecycle.started_part("background loops", background.aclose, settings.progress_shutdown_timeout_seconds + 5)
     layout = KeyLayout.from_settings(settings)
-    sink = HeartbeatSink.from_settings(settings, PositionWriter.from_settings(settings, redis, layout), pool, budget)
+    sink = HeartbeatSink.from_settings(settings, PositionWriter(redis, layout=layout), pool, budget)
     lifecycle.started_part("heartbeat sink", sink.aclose)
     catalog = await start_door(settings, pool, background, lifecycle, clock)
     start_samplers(settings, redis, background)
-    clock_check = ClockCheck(redis, max_skew_s=settings.progress_max_clock_skew_seconds)
-    with contextlib.suppress(*REDIS_FAILED):
-        await clock_check.sample()  # before the first request; Redis down at start is readiness' to say
-    background.start("clock-check", clock_check.run(background.stop))
     reader = offline = None
     if pool is not None:
         reader = ProgressReader.from_settings(settings, redis, pool, layout)
         lifecycle.started_part("progress reader", reader.aclose)
         offline = OfflineSync.from_settings(settings, redis, pool, layout)
-    return Services(settings, redis, pool, checks, background, sink, catalog, reader, offline, clock_check)
+    return Services(settings, redis, pool, checks, background, sink, catalog, reader, offline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +205,6 @@ class Door:
             authenticator=self.authenticator,
             max_body_bytes=settings.sync_max_body_bytes,
             body_read_timeout_s=settings.body_read_timeout_seconds,
-            clock_check=services.clock_check,
         )
         return Handlers(ingest, reads, sync)
 

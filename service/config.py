@@ -23,6 +23,7 @@ REMOVED_SETTINGS: dict[str, str] = {
     "SYNC_ITEMS_BURST": "a per-user or per-IP limit at the API gateway (docs/deploy.md)",
     "REDIS_WAIT_REPLICAS": "nothing: Redis durability is the deployment's (AOF on each master; docs/deploy.md)",
     "REDIS_WAIT_TIMEOUT_MS": "nothing: Redis durability is the deployment's (AOF on each master; docs/deploy.md)",
+    "PROGRESS_MAX_CLOCK_SKEW_SECONDS": "nothing: Redis's TIME stamps heartbeats and leases, no pod's clock",
     "DEGRADED_MAX_WAITING": (
         "the write budget's per-pod share (PROGRESS_FLEET_MAX_PODS) within DEGRADED_WRITE_TIMEOUT_SECONDS"
     ),
@@ -101,8 +102,6 @@ class Settings(BaseSettings):
     content_catalog_lookup_timeout_seconds: float = Field(1.0, gt=0)
     content_catalog_cache_seconds: float = Field(10.0, gt=0)
     progress_position_ttl_seconds: int = Field(3600, ge=60)
-    # a pod whose clock is further than this from Redis's takes no heartbeats (service/progress/clock.py); 0: no check
-    progress_max_clock_skew_seconds: float = Field(1.0, ge=0)
     progress_flusher_enabled: bool = True
     progress_flush_interval_seconds: float = Field(60.0, gt=0)
     progress_flush_batch_size: int = Field(500, ge=1, le=10_000)

@@ -2,7 +2,7 @@
 
 every              a step every interval until a stop event: the flusher, the relay, the trial-journey
                    sweep, the catalog refresh (sleep_unless_stopped: its one wait); sample_every, the same
-                   for the samplers (Redis memory and persistence, the clock check)
+                   for the samplers (Redis memory and persistence)
 run_until_stopped  a long-running command (flush, relay, trial-emails run-once) until SIGTERM or Ctrl-C
 """
 

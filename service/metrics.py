@@ -125,11 +125,6 @@ FLUSH_BUDGET_WAIT_SECONDS = Counter(
     "progress_flush_budget_wait_seconds_total",
     "Seconds the flush and degraded mode spent waiting for the fleet's write budget.",
 )
-CLOCK_SKEW_SECONDS = Gauge(
-    "progress_clock_skew_seconds",
-    "This pod's clock minus the Redis server's, at the last sample (past PROGRESS_MAX_CLOCK_SKEW_SECONDS: not ready).",
-    multiprocess_mode="max",
-)
 FLUSH_BUDGET_FALLBACK = Counter(
     "progress_flush_budget_fallback_total",
     "Batches (flush or degraded mode) kept to the pod's share of the budget: Redis could not take the fleet's.",

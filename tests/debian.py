@@ -1,4 +1,4 @@
-"""Programs from Debian's packages without installing them: Prometheus and promtool, HAProxy.
+"""Programs from Debian's packages without installing them: Prometheus and promtool, HAProxy, libfaketime.
 
 `apt-get download` of the package (and of the packages of the shared libraries it links that a bare host may lack),
 then `dpkg-deb -x` of each into `.cache/<package>/` under the repository (gitignored), once; later sessions reuse
@@ -38,7 +38,9 @@ PROMETHEUS = Package("prometheus", "usr/bin")  # Debian 12: 2.42, with promtool;
 HAPROXY = Package(  # Debian 12: 2.6
     "haproxy", "usr/sbin", libraries=("liblua5.3-0", "libopentracing-c-wrapper0", "libopentracing1")
 )
-PACKAGES = {package.name: package for package in (PROMETHEUS, HAPROXY)}
+# not a program: the library a process is started with (LD_PRELOAD) to run on a shifted clock (FAKETIME=+1h)
+LIBFAKETIME = Package("libfaketime", "usr/lib/x86_64-linux-gnu/faketime")  # Debian 12: 0.9.10
+PACKAGES = {package.name: package for package in (PROMETHEUS, HAPROXY, LIBFAKETIME)}
 
 
 class Unavailable(RuntimeError):

@@ -30,7 +30,7 @@ from service.api.routes import Routes
 from service.app import create_app
 from service.auth import make_token
 from service.config import Settings
-from service.progress.buffer import WRITE_SCRIPT, receive_ms, write_args
+from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.flusher import Flusher
 from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, KeyLayout
@@ -184,11 +184,11 @@ async def write(
     received_ms: float | None = None,
     layout: KeyLayout = STANDALONE,
 ) -> float:
-    """What the request path writes, through the same script (receive times strictly increasing, as there)."""
-    received_ms = received_ms if received_ms is not None else receive_ms()
+    """What the request path writes, through the same script (stamped by Redis, as there; `received_ms`: a write
+    of that time instead); returns the value's receive time."""
     await redis.script_load(WRITE_SCRIPT)
     await redis.execute_command(*write_args(content_type, content_id, user_id, position, received_ms, layout))  # type: ignore[arg-type]
-    return received_ms
+    return decode_value(await redis.get(layout.value_key(content_type, content_id, user_id))).received_ms
 
 
 async def lesson_rows(db: asyncpg.Pool) -> dict[tuple[int, int], asyncpg.Record]:
@@ -299,7 +299,7 @@ async def fill(
 
 
 def _args(content_id: int, user_id: int, position: float, layout: KeyLayout = STANDALONE) -> tuple[object, ...]:
-    return write_args("lesson", content_id, user_id, position, time.time_ns() // 1_000_000, layout)
+    return write_args("lesson", content_id, user_id, position, layout=layout)
 
 
 async def backlog(redis: RedisClient, layout: KeyLayout = STANDALONE) -> tuple[int, int]:

@@ -187,9 +187,6 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
               "kept to budget / PROGRESS_FLEET_MAX_PODS because Redis could not take the fleet's budget.", "s",
               (f"sum(rate(progress_flush_budget_wait_seconds_total[{RATE}]))", "waiting"),
               (f"sum(rate(progress_flush_budget_fallback_total[{RATE}]))", "local share (batches/s)")),
-        graph("Clock skew", "Each pod's clock minus the Redis server's. Heartbeats are ordered by the receive time a pod "
-              "stamps: past PROGRESS_MAX_CLOCK_SKEW_SECONDS (1 s) the pod takes no heartbeats and is not ready.", "s",
-              ("max(progress_clock_skew_seconds)", "most ahead"), ("min(progress_clock_skew_seconds)", "most behind")),
     ]),
     ("Outbox", [
         graph("Owed and parked", "Messages committed and not yet published (owed), and those refused "

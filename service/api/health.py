@@ -12,7 +12,6 @@ from pydantic import BaseModel, Field
 
 from service import metrics
 from service.asgi import draining
-from service.progress.clock import ClockCheck
 from service.progress.sink import HeartbeatSink
 from service.redis_client import RedisClient, ping
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
@@ -31,8 +30,6 @@ class ProbedParts(Protocol):
     def pool(self) -> asyncpg.Pool | None: ...
     @property
     def sink(self) -> HeartbeatSink: ...
-    @property
-    def clock_check(self) -> ClockCheck: ...
     @property
     def readiness_checks(self) -> dict[str, "asyncio.Task[object]"]: ...
 
@@ -88,11 +85,6 @@ async def ready(request: Request) -> JSONResponse:
         readiness = Readiness(status="ready", mode="degraded", checks=checks)
     else:
         readiness = Readiness(status="unavailable", mode="unavailable", checks=checks)
-    clock = _parts(request).clock_check
-    if not clock.ok and readiness.status == "ready":
-        # its heartbeats would be ordered by a wrong clock (service/progress/clock.py): out of the load balancer
-        checks["clock"] = clock.why()
-        readiness = Readiness(status="unavailable", mode=readiness.mode, checks=checks)
     if draining(request.scope) and readiness.status == "ready":
         # SIGTERM came (service/serving.py): the load balancer must take the pod out while it still answers
         checks["shutdown"] = "draining: SIGTERM received, the pod stops once the drain is over"

@@ -17,7 +17,6 @@ from pydantic import BaseModel, ValidationError
 from service import metrics
 from service.asgi import Receive, Send
 from service.auth import Authenticator, AuthError
-from service.progress.clock import ClockCheck
 
 Headers = list[tuple[bytes, bytes]]
 Body = TypeVar("Body", bound=BaseModel)
@@ -100,13 +99,6 @@ def identify(authenticator: Authenticator, headers: Headers) -> tuple[int, int]:
 def retry_soon(detail: str) -> HttpError:
     """A 503 to retry in a second: a store down, or too slow for the requests waiting; nothing was written."""
     return HttpError(503, detail, [(b"retry-after", b"1")])
-
-
-def refuse_if_clock_off(clock_check: ClockCheck | None) -> None:
-    """A 503 while this pod's clock is off from Redis's: what it would stamp (a heartbeat's receive time, the sync's
-    "now" that bounds `listened_at`, a refused heartbeat's deferred write) would misorder the user's positions."""
-    if clock_check is not None and not clock_check.ok:
-        raise retry_soon(f"{clock_check.why()}, retry later")
 
 
 async def read_json(receive: Receive, model: type[Body], declared_length: int, *, limit: int, timeout_s: float) -> Body:

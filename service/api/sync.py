@@ -19,15 +19,12 @@ from service.api.http import (
     invalid_body,
     json_body,
     read_body,
-    refuse_if_clock_off,
     retry_soon,
     send_error,
     send_json,
 )
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
-from service.progress.buffer import now_ms
-from service.progress.clock import ClockCheck
 from service.progress.sync import OfflineSync, SyncOutcome, SyncsWaiting, parse_request
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
@@ -51,13 +48,11 @@ class ProgressSync:
         authenticator: Authenticator,
         max_body_bytes: int,
         body_read_timeout_s: float = 10.0,
-        clock_check: ClockCheck | None = None,
     ) -> None:
         self.offline = offline  # None: no database (DATABASE_URL), every sync is a 503
         self.authenticator = authenticator
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_s = body_read_timeout_s
-        self.clock_check = clock_check  # a pod whose clock is off takes no sync
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -76,8 +71,6 @@ class ProgressSync:
         if scope["method"] != "POST":
             raise HttpError(405, "method not allowed: use POST", [(b"allow", b"POST")])
         user_id, declared_length = identify(self.authenticator, scope["headers"])
-        # its `now` bounds listened_at, and its items' receive times order them against the heartbeats
-        refuse_if_clock_off(self.clock_check)
         body = await read_body(receive, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s)
         try:
             items = parse_request(body)
@@ -88,7 +81,7 @@ class ProgressSync:
             raise retry_soon("offline sync needs the database (DATABASE_URL)")
         try:
             with tracing.span("progress sync", items=len(items)):
-                outcomes = await offline.apply(user_id, items, now_ms=now_ms())
+                outcomes = await offline.apply(user_id, items)
         except SyncsWaiting as exc:  # the syncs' connections are held (a table locked, a slow database): shed
             raise retry_soon("progress store too slow for the syncs waiting, retry later") from exc
         except (*REDIS_FAILED, *POSTGRES_FAILED) as exc:

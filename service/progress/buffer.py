@@ -4,6 +4,9 @@ Every heartbeat is one call of WRITE_SCRIPT, so the value and the pending-set me
 or not at all: a flusher can never pop a member whose value is not written yet. The heartbeats of
 concurrent requests that arrive in the same event-loop turn travel in one pipeline (TurnBatcher),
 so under load a Redis round trip carries many heartbeats instead of one.
+
+Redis keeps the time, never a pod: the script stamps each heartbeat with the server's clock (TIME),
+so two pods whose clocks differ by minutes still order one listener's heartbeats as Redis received them.
 """
 
 import hashlib
@@ -14,7 +17,6 @@ from typing import NamedTuple
 from redis.exceptions import NoScriptError, RedisError
 
 from service import metrics
-from service.config import Settings
 from service.progress.batching import TurnBatcher
 from service.progress.keys import STANDALONE, KeyLayout, Shard, pending_member
 from service.redis_client import RedisClient, execute_by_node, get_many, node_name
@@ -30,74 +32,103 @@ from service.stores import REDIS_UNAVAILABLE
 # only then a fifth field, its completion floor (whole ms): the earliest date a completion of this
 # value may carry (its receipt minus SYNC_MAX_BACKDATE_HOURS); the flush and the reads date a
 # completion max(receive time, floor). No heartbeat writes one, and a value newer than its floor has none.
-# KEYS: latest-position key, pending set. ARGV: position, receive time (ms), pending member,
-# microseconds, and a sync item's completion floor (ms; a heartbeat sends none). A write received earlier
-# than the stored one (two pods, a retried request, an older offline listen) never replaces its position,
-# only raises its peak (and then the floor, so the completion it brings is dated no earlier than its own
-# floor); the member is added either way: the flusher reads the newest value. Receive times are strictly
-# increasing per process (receive_ms), so two heartbeats of one connection never tie; an exact tie (two
-# pods, same microsecond) keeps what is stored: the same rule as persist_batch's dedupe and the upsert's
-# strict `<`. A write that stands drops the stored floor: its own time (or floor) is later.
+# write(): `now` is Redis's TIME (µs); `us` the write's own time (µs), nil for a heartbeat. A heartbeat is
+# the newest write of its key: stamped max(now, stored time + 1 µs), so the last heartbeat Redis receives
+# stands whichever pod sent it, and two in one microsecond never tie. A write with its own time received
+# earlier than the stored one (an older offline listen) never replaces its position, only raises its peak
+# (and then the floor, so the completion it brings is dated no earlier than its own floor); the member is
+# added either way: the flusher reads the newest value. An exact tie keeps what is stored: the same rule
+# as persist_batch's dedupe and the upsert's strict `<`. A write that stands drops the stored floor: its
+# own time (or floor) is later.
 # No TTL: a value whose member is pending never expires before the flush has written it, however slow
 # the drain; SET drops the TTL a flushed value had (service/progress/leases.py: the ack sets it).
 # Returns 1 when this write is now the stored position, 2 when the stored one is this very write
 # already (same time and position: a retried offline sync), 0 when a later one stands.
-WRITE_SCRIPT = """
-local current = redis.call('GET', KEYS[1])
-local peak = ARGV[1]
-local us = tonumber(ARGV[2]) * 1000 + tonumber(ARGV[4])
-local floor = ARGV[5]
-if current then
-  local position, ms, stored_peak, frac, stored_floor =
-    string.match(current, '^([^:]*):(%d+):?([^:]*):?(%d*):?(%d*)$')
-  if stored_peak == '' then stored_peak = position end
-  if ms then
-    local stored_us = tonumber(ms) * 1000 + (tonumber(frac) or 0)
-    if stored_us >= us then
-      if tonumber(ARGV[1]) > tonumber(stored_peak) then
-        if floor and tonumber(floor) * 1000 > stored_us
-           and (stored_floor == '' or tonumber(floor) > tonumber(stored_floor)) then
-          stored_floor = floor
-        end
-        local kept = position .. ':' .. ms .. ':' .. ARGV[1] .. ':' .. (tonumber(frac) or 0)
-        if stored_floor ~= '' then kept = kept .. ':' .. stored_floor end
-        redis.call('SET', KEYS[1], kept)
-      end
-      redis.call('SADD', KEYS[2], ARGV[3])
-      if stored_us == us and tonumber(position) == tonumber(ARGV[1]) then return 2 end
-      return 0
-    end
-    if tonumber(stored_peak) > tonumber(peak) then peak = stored_peak end
-  end
+_WRITE_FUNCTION = """
+local function now_us()
+  local clock = redis.call('TIME')
+  return tonumber(clock[1]) * 1000000 + tonumber(clock[2])
 end
-local value = ARGV[1] .. ':' .. ARGV[2] .. ':' .. peak .. ':' .. ARGV[4]
-if floor then value = value .. ':' .. floor end
-redis.call('SET', KEYS[1], value)
-redis.call('SADD', KEYS[2], ARGV[3])
-return 1
+local function write(key, pending, member, position, peak, now, us, floor)
+  local current = redis.call('GET', key)
+  if current then
+    local stored, ms, stored_peak, frac, stored_floor =
+      string.match(current, '^([^:]*):(%d+):?([^:]*):?(%d*):?(%d*)$')
+    if stored_peak == '' then stored_peak = stored end
+    if ms then
+      local stored_us = tonumber(ms) * 1000 + (tonumber(frac) or 0)
+      if not us then
+        us = math.max(now, stored_us + 1)
+      elseif stored_us >= us then
+        if tonumber(peak) > tonumber(stored_peak) then
+          if floor and tonumber(floor) * 1000 > stored_us
+             and (stored_floor == '' or tonumber(floor) > tonumber(stored_floor)) then
+            stored_floor = floor
+          end
+          local kept = stored .. ':' .. ms .. ':' .. peak .. ':' .. (tonumber(frac) or 0)
+          if stored_floor ~= '' then kept = kept .. ':' .. stored_floor end
+          redis.call('SET', key, kept)
+        end
+        redis.call('SADD', pending, member)
+        if stored_us == us and tonumber(stored) == tonumber(position) then return 2 end
+        return 0
+      end
+      if tonumber(stored_peak) > tonumber(peak) then peak = stored_peak end
+    end
+  end
+  us = us or now
+  local micros = us % 1000
+  local value = position .. ':' .. string.format('%d', (us - micros) / 1000) .. ':' .. peak .. ':' .. micros
+  if floor then value = value .. ':' .. floor end
+  redis.call('SET', key, value)
+  redis.call('SADD', pending, member)
+  return 1
+end
 """
+
+# KEYS: latest-position key, pending set. ARGV: position, pending member; a heartbeat sends nothing more.
+# A write with a time of its own (tests place a value in the past with it) adds that time: whole ms, µs.
+WRITE_SCRIPT = (
+    _WRITE_FUNCTION
+    + """local us = nil
+if ARGV[3] then us = tonumber(ARGV[3]) * 1000 + tonumber(ARGV[4]) end
+return write(KEYS[1], KEYS[2], ARGV[2], ARGV[1], ARGV[1], now_us(), us, nil)
+"""
+)
 WRITE_SCRIPT_SHA = hashlib.sha1(WRITE_SCRIPT.encode()).hexdigest()
 
-# Many writes to one shard in one call (an offline sync): WRITE_SCRIPT's own text, run once per write
-# in the order given, so the writes settle exactly as the same calls one after the other would.
+# Many offline items of one shard in one call (a sync), written in the order given, each bounded
+# against Redis's clock, never the pod's or the device's: an item heard more than the skew (ARGV[2], ms)
+# after Redis's now is refused (-1, nothing written); one heard after now, within the skew (a device
+# clock a little ahead), is written as a heartbeat is, so it is never dated in the future; one heard
+# longer ago than the backdate window (ARGV[3], ms) carries the floor now - window.
 # KEYS: the shard's pending set. ARGV: the shard's value key prefix (it carries the shard's hash tag:
-# the value keys built from it are in the slot of KEYS), then one line per write:
-# "{pending member} {position} {receive time ms} {microseconds}[ {completion floor ms}]" (one argument:
-# 500 writes cost the client one string to send, not 2,000 arguments to encode). Returns WRITE_SCRIPT's
-# answer per write.
+# the value keys built from it are in the slot of KEYS), the skew, the window, then one line per write:
+# "{pending member} {position} {heard ms} {microseconds} {peak}" (one argument: 500 writes cost the
+# client one string to send, not 2,500 arguments to encode). Returns write()'s answer (or -1) per write.
 WRITE_MANY_SCRIPT = (
-    "local function write(KEYS, ARGV)\n"
-    + WRITE_SCRIPT
-    + """end
+    _WRITE_FUNCTION
+    + """local now = now_us()
+local floor_ms = (now - now % 1000) / 1000 - tonumber(ARGV[3])
+local latest = now + tonumber(ARGV[2]) * 1000
 local results = {}
-for member, position, ms, us, floor in string.gmatch(ARGV[2], '(%S+) (%S+) (%S+) (%d+) ?(%d*)') do
-  if floor == '' then floor = nil end
-  results[#results + 1] = write({ARGV[1] .. member, KEYS[1]}, {position, ms, member, us, floor})
+for member, position, ms, us, peak in string.gmatch(ARGV[4], '(%S+) (%S+) (%d+) (%d+) (%S+)') do
+  local heard = tonumber(ms) * 1000 + tonumber(us)
+  local result = -1
+  if heard <= latest then
+    local floor = nil
+    if heard < floor_ms * 1000 then floor = string.format('%d', floor_ms) end
+    if heard > now then heard = nil end
+    result = write(ARGV[1] .. member, KEYS[1], member, position, peak, now, heard, floor)
+  end
+  results[#results + 1] = result
 end
 return results
 """
 )
 WRITE_MANY_SCRIPT_SHA = hashlib.sha1(WRITE_MANY_SCRIPT.encode()).hexdigest()
+# WRITE_MANY_SCRIPT's answer of an item heard too far in the future: refused, nothing written
+TOO_FAR_AHEAD = -1
 
 
 class StoredPosition(NamedTuple):  # a tuple: a read of 100 ids decodes 100 of them
@@ -130,23 +161,8 @@ def split_ms(received_ms: float) -> tuple[int, int]:
 
 
 def now_ms() -> int:
+    """This pod's clock, for metrics only (how old a flushed heartbeat is): nothing is ordered or dated by it."""
     return time.time_ns() // 1_000_000
-
-
-_last_receive_us = 0
-
-
-def receive_ms() -> float:
-    """A heartbeat's receive time: ms with a microsecond fraction, strictly increasing in this process.
-
-    Two heartbeats of one keep-alive connection can arrive in the same millisecond; the later must
-    win in Redis, in a batch's dedupe and in the upsert, so no two receive times of a process are
-    equal. A microsecond is exact through a float8 and Postgres's timestamptz.
-    """
-    global _last_receive_us
-    now_us = time.time_ns() // 1000
-    _last_receive_us = now_us if now_us > _last_receive_us else _last_receive_us + 1
-    return _last_receive_us / 1000
 
 
 def write_args(
@@ -154,11 +170,12 @@ def write_args(
     content_id: int,
     user_id: int,
     position: float,
-    received_ms: float,
+    received_ms: float | None = None,
     layout: KeyLayout = STANDALONE,
 ) -> tuple[object, ...]:
+    """A heartbeat's WRITE_SCRIPT call (Redis stamps it); with `received_ms`, a write of that time instead."""
     shard = layout.shard(content_type, content_id, user_id)  # both keys in the shard's one slot
-    ms, us = split_ms(received_ms)
+    at = () if received_ms is None else split_ms(received_ms)
     return (
         "EVALSHA",
         WRITE_SCRIPT_SHA,
@@ -166,29 +183,33 @@ def write_args(
         shard.value_key(content_id, user_id),
         shard.pending_key,
         repr(position),
-        ms,
         pending_member(content_id, user_id),
-        us,
+        *at,
     )
 
 
-def write_many_args(shard: Shard, writes: Sequence[tuple[int, int, float, float, int | None]]) -> tuple[object, ...]:
-    """One WRITE_MANY_SCRIPT call for (content id, user id, position, receive time ms, completion floor ms or
-    None) writes of one shard."""
+def write_many_args(
+    shard: Shard, writes: Sequence[tuple[int, int, float, float, float]], *, max_skew_ms: int, max_backdate_ms: int
+) -> tuple[object, ...]:
+    """One WRITE_MANY_SCRIPT call for (content id, user id, position, heard ms, peak) writes of one shard."""
     lines = []
-    for content_id, user_id, position, received_ms, floor_ms in writes:
-        ms, us = split_ms(received_ms)
-        line = f"{content_id}:{user_id} {position!r} {ms} {us}"
-        lines.append(line if floor_ms is None else f"{line} {floor_ms}")
-    return ("EVALSHA", WRITE_MANY_SCRIPT_SHA, 1, shard.pending_key, shard.value_prefix, "\n".join(lines))
+    for content_id, user_id, position, heard_ms, peak in writes:
+        ms, us = split_ms(heard_ms)
+        lines.append(f"{content_id}:{user_id} {position!r} {ms} {us} {peak!r}")
+    return (
+        "EVALSHA",
+        WRITE_MANY_SCRIPT_SHA,
+        1,
+        shard.pending_key,
+        shard.value_prefix,
+        max_skew_ms,
+        max_backdate_ms,
+        "\n".join(lines),
+    )
 
 
 class PositionWriter:
     """The request path's Redis writes, one pipeline per event-loop turn."""
-
-    @classmethod
-    def from_settings(cls, settings: Settings, redis: RedisClient, layout: KeyLayout) -> "PositionWriter":
-        return cls(redis, layout=layout)
 
     def __init__(self, redis: RedisClient, *, layout: KeyLayout = STANDALONE) -> None:
         self._redis = redis
@@ -198,8 +219,7 @@ class PositionWriter:
         )
 
     async def write(self, *, content_type: str, content_id: int, user_id: int, position: float) -> None:
-        # stamped here until the write script stamps it with Redis's TIME
-        await self._batcher.submit(write_args(content_type, content_id, user_id, position, receive_ms(), self.layout))
+        await self._batcher.submit(write_args(content_type, content_id, user_id, position, layout=self.layout))
 
     def node_of(self, content_type: str, content_id: int, user_id: int) -> str:
         """The Redis node this heartbeat's write goes to ("" on a standalone server; "?" if none is known)."""
@@ -210,28 +230,33 @@ class PositionWriter:
         except REDIS_UNAVAILABLE:
             return "?"
 
-    async def write_all(self, writes: Sequence[tuple[str, int, int, float, float, int | None]]) -> list[bool]:
-        """(content type, content id, user id, position, receive time ms, completion floor ms or None) writes,
-        in order, in one round trip of their own (one script call per shard); for each, whether its value
-        was stored.
-
-        False: the stored value was received later, so it stays (only its peak may rise). True also
-        when the stored value is this very write (a repeat). An error of any call raises: the
-        caller answers for the whole set, which is safe to send again.
+    async def write_all(
+        self, writes: Sequence[tuple[str, int, int, float, float, float]], *, max_skew_ms: int, max_backdate_ms: int
+    ) -> list[int]:
+        """(content type, content id, user id, position, heard ms, peak) writes, in order, in one round trip of
+        their own (one script call per shard), bounded against Redis's clock (WRITE_MANY_SCRIPT); for each,
+        write()'s answer: 1 stored, 2 stored already (a repeat), 0 a later value stands (only its peak may
+        rise), or TOO_FAR_AHEAD. An error of any call raises: the caller answers for the whole set, which is
+        safe to send again.
         """
         by_shard: dict[Shard, list[int]] = {}
         for i, (content_type, content_id, user_id, _, _, _) in enumerate(writes):
             by_shard.setdefault(self.layout.shard(content_type, content_id, user_id), []).append(i)
-        commands = [write_many_args(shard, [writes[i][1:] for i in indexes]) for shard, indexes in by_shard.items()]
+        commands = [
+            write_many_args(
+                shard, [writes[i][1:] for i in indexes], max_skew_ms=max_skew_ms, max_backdate_ms=max_backdate_ms
+            )
+            for shard, indexes in by_shard.items()
+        ]
         results = await self._send_pipeline(commands, len(writes))
-        stored: list[bool] = [False] * len(writes)
+        answers = [0] * len(writes)
         for indexes, result in zip(by_shard.values(), results, strict=True):
             if isinstance(result, Exception):
                 raise result
             assert isinstance(result, list) and len(result) == len(indexes), f"one answer per write: {result!r}"
             for i, answer in zip(indexes, result, strict=True):
-                stored[i] = answer in (1, 2)
-        return stored
+                answers[i] = answer
+        return answers
 
     async def read_values(self, keys: Sequence[str]) -> list[bytes | str | None]:
         """The values of `keys`, in order, in one round trip (the sync's look at the previous shard layout)."""

@@ -5,6 +5,8 @@ deadline, in the same script that reads its value. It leaves the in-flight set o
 acked (after the Postgres commit; the values of the entries the batch dropped go with the ack) or
 released/requeued back to the pending set. A flusher killed
 at any point leaves its members in flight; once their lease is past, any flusher requeues them.
+Leases are scored and expired by Redis's clock (TIME inside the scripts), never a pod's: a pod whose
+clock is an hour ahead neither takes another's valid lease nor holds its own an hour too long.
 A value has no TTL while its member is pending or in flight (the write script sets none): its TTL starts
 at the ack, so it cleans up what was flushed and nothing else, however slow the drain (a budget, a
 Postgres outage, a dead flusher). A value written again since the claim is pending again and keeps none.
@@ -12,7 +14,6 @@ Every script works on one shard (service/progress/keys.py): its keys share one h
 same scripts run on a Redis Cluster.
 """
 
-import secrets
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -22,15 +23,17 @@ from service.progress.keys import Shard
 from service.redis_client import RedisClient
 
 # KEYS: pending set, in-flight zset. ARGV: count, lease (ms), the shard's latest-position key prefix
-# (it carries the shard's hash tag: the value keys built from it are in the slot of KEYS), a random
-# fraction (3 digits: two claims in the same millisecond stay distinct). The lease deadline is Redis's
-# TIME plus the lease: no pod's clock scores a lease. Returns {members, values, lease score} (a value is
-# false when its TTL expired). Commands take the members in chunks: one ZADD and one MGET per chunk
-# instead of one call per member, within Lua's stack limit.
+# (it carries the shard's hash tag: the value keys built from it are in the slot of KEYS).
+# The lease score is the deadline, Redis's now + lease, in ms with the microseconds as a fraction (built
+# as a string: a Lua number prints 14 digits). It identifies this claim: a member is claimed again only
+# once this deadline has passed (requeued: the next deadline is later) or once this claim released it.
+# Returns {members, values, score} (a value is false when its TTL expired). Commands take the members in
+# chunks: one ZADD and one MGET per chunk instead of one call per member, within Lua's stack limit.
 _CLAIM = """
 local clock = redis.call('TIME')
-local score = string.format('%d.%s', tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-  + tonumber(ARGV[2]), ARGV[4])
+local micros = tonumber(clock[2])
+local deadline_ms = tonumber(clock[1]) * 1000 + (micros - micros % 1000) / 1000 + tonumber(ARGV[2])
+local score = string.format('%d.%03d', deadline_ms, micros % 1000)
 local members = redis.call('SPOP', KEYS[1], ARGV[1])
 local values = {}
 for first = 1, #members, 1000 do
@@ -94,12 +97,12 @@ end
 return settled
 """
 
-# KEYS: in-flight zset, pending set. ARGV: ms ahead of Redis's TIME (tests), max members. Returns how many
-# were requeued.
+# KEYS: in-flight zset, pending set. ARGV: max members, ms ahead of Redis's now (0 but in tests).
+# Returns how many were requeued.
 _REQUEUE_EXPIRED = """
 local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(ARGV[1])
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, ARGV[2])
+local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000) + tonumber(ARGV[2])
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now_ms), 'LIMIT', 0, ARGV[1])
 for _, member in ipairs(expired) do
   redis.call('ZREM', KEYS[1], member)
   redis.call('SADD', KEYS[2], member)
@@ -111,7 +114,7 @@ return #expired
 @dataclass(frozen=True, slots=True)
 class Claim:
     shard: Shard
-    lease_score: str  # deadline in ms plus a random fraction: identifies this claim
+    lease_score: str  # deadline in Redis's ms, its microseconds as a fraction: identifies this claim
     entries: list[tuple[str, bytes | None]]  # (member, raw value or None if expired)
 
     @property
@@ -131,16 +134,14 @@ class Leases:
         self._requeue: AsyncScript = redis.register_script(_REQUEUE_EXPIRED)
 
     async def claim_batch(self, shard: Shard, *, count: int, lease_ms: int) -> Claim:
-        fraction = f"{secrets.randbelow(1000):03d}"
-        members, values, score = await self._claim(
-            keys=[shard.pending_key, shard.in_flight_key], args=[count, lease_ms, shard.value_prefix, fraction]
+        members, values, lease_score = await self._claim(
+            keys=[shard.pending_key, shard.in_flight_key], args=[count, lease_ms, shard.value_prefix]
         )
-        lease_score = score.decode() if isinstance(score, bytes) else str(score)
         entries = [
             (member.decode() if isinstance(member, bytes) else member, value or None)
             for member, value in zip(members, values, strict=True)
         ]
-        return Claim(shard, lease_score, entries)
+        return Claim(shard, lease_score.decode() if isinstance(lease_score, bytes) else lease_score, entries)
 
     async def ack(self, claim: Claim, *, dropped: Collection[str] = ()) -> int:
         """The batch is committed: forget it, and the values of its `dropped` members unless written since."""
@@ -174,10 +175,11 @@ class Leases:
         return settled
 
     async def requeue_expired(self, shard: Shard, *, limit: int = 10_000, ahead_ms: int = 0) -> int:
-        """Leases of flushers that died (past by Redis's TIME, plus `ahead_ms`): their members go back to pending."""
+        """Leases of flushers that died: their members go back to the pending set. `ahead_ms`: also the leases
+        that end within that much of Redis's now (a test's way to move time forward)."""
         total = 0
         while True:
-            moved: int = await self._requeue(keys=[shard.in_flight_key, shard.pending_key], args=[ahead_ms, limit])
+            moved: int = await self._requeue(keys=[shard.in_flight_key, shard.pending_key], args=[limit, ahead_ms])
             total += moved
             if moved < limit:
                 return total

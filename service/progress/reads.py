@@ -74,7 +74,7 @@ def as_us(moment: datetime) -> int:
 
 
 def as_ms(moment: datetime) -> float:
-    # with the microseconds: receive times are ms with a microsecond fraction (buffer.receive_ms); an
+    # with the microseconds: receive times are ms with a microsecond fraction (Redis's TIME, buffer.py); an
     # int's true division is correctly rounded, as timedelta's was, in a third of its time
     return as_us(moment) / 1000
 

@@ -18,7 +18,9 @@ of them is still written, so its peak can complete the content, but reported `ap
 A client's clock is not evidence of a completion's date: an item heard more than `max_backdate_s`
 before its receipt carries a completion floor (receipt - max_backdate_s, see buffer.py), and a
 completion it brings is dated no earlier than that, so one request cannot fill a month of the
-monolith's journey. The floor bounds that date only; the order stays the listen's.
+monolith's journey. The floor bounds that date only; the order stays the listen's. The receipt is
+Redis's clock, read by the write script, as is the bound on items heard in the future: no pod's
+clock decides what is refused, stored as now or floored.
 """
 
 import asyncio
@@ -34,7 +36,7 @@ import msgspec
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
 from service.config import Settings
-from service.progress.buffer import PositionWriter
+from service.progress.buffer import TOO_FAR_AHEAD, PositionWriter
 from service.progress.content import (
     CONTENT_KINDS,
     KIND_BY_NAME,
@@ -45,7 +47,7 @@ from service.progress.content import (
     Position,
 )
 from service.progress.keys import KeyLayout
-from service.progress.reads import MAX_WAIT_S, StoredRows, as_ms, decode_values, fetch_rows
+from service.progress.reads import MAX_WAIT_S, StoredRow, StoredRows, as_ms, decode_values, fetch_rows
 from service.redis_client import RedisClient
 
 SYNC_MAX_ITEMS = 500
@@ -174,6 +176,7 @@ _APPLIED = SyncOutcome(True)
 _SUPERSEDED = SyncOutcome(False, SUPERSEDED)
 _OLDER = SyncOutcome(False, OLDER_THAN_STORED)
 _UNKNOWN = SyncOutcome(False, UNKNOWN_CONTENT)
+_TOO_EARLY = SyncOutcome(False, "listened_at is before 2000-01-01T00:00:00Z")
 
 
 class _Accepted(NamedTuple):  # a tuple: 500 of them per request cost less to build than dataclasses
@@ -181,25 +184,7 @@ class _Accepted(NamedTuple):  # a tuple: 500 of them per request cost less to bu
     kind: ContentKind
     content_id: int
     position: float
-    listened_ms: float  # the time it is written with: listened_at, at most now (listened_ms())
-    told_ms: float  # listened_at as the device said it: orders items clamped to now
-    floor_ms: int | None  # the completion floor it is written with, if any (completion_floor_ms())
-
-
-def listened_ms(told_ms: float, now_ms: int) -> float:
-    """The receive time an item is written with: its `listened_at`, however old, so it is ordered as heard.
-
-    A clock a little ahead (within the skew) is stored as now, so it cannot hold off the live heartbeats
-    that follow. Items clamped to now are ordered by `told_ms` (see apply).
-    """
-    return told_ms if told_ms < now_ms else now_ms
-
-
-def completion_floor_ms(told_ms: float, now_ms: int, max_backdate_ms: int) -> int | None:
-    """The earliest date a completion this item brings may carry: receipt - window, for an item older than
-    that (None for the others: their own time is within the window)."""
-    floor_ms = now_ms - max_backdate_ms
-    return floor_ms if told_ms < floor_ms else None
+    listened_ms: float  # listened_at, as the device told it
 
 
 def _all_set(outcomes: list[SyncOutcome | None]) -> list[SyncOutcome]:
@@ -223,7 +208,7 @@ class OfflineSync:
     ) -> "OfflineSync":
         # its own writer: a sync's pipeline is its own, not shared with the heartbeats of the turn
         return cls(
-            PositionWriter.from_settings(settings, redis, layout),
+            PositionWriter(redis, layout=layout),
             pool,
             max_skew_s=settings.sync_max_clock_skew_seconds,
             max_backdate_s=settings.sync_max_backdate_hours * 3600,
@@ -246,69 +231,66 @@ class OfflineSync:
         self._max_skew_ms = int(max_skew_s * 1000)
         self._max_backdate_ms = int(max_backdate_s * 1000)
 
-    def _check_ms(self, listened_ms: float, now_ms: int) -> str | None:
-        if listened_ms < EARLIEST_LISTEN_MS:
-            return "listened_at is before 2000-01-01T00:00:00Z"
-        if listened_ms > now_ms + self._max_skew_ms:
-            return f"listened_at is more than {self._max_skew_ms / 1000:g} s in the future"
-        return None
-
-    async def apply(self, user_id: int, items: Sequence[OfflineItem | SyncItem], *, now_ms: int) -> list[SyncOutcome]:
+    async def apply(self, user_id: int, items: Sequence[OfflineItem | SyncItem]) -> list[SyncOutcome]:
         outcomes: list[SyncOutcome | None] = [None] * len(items)
         accepted: list[_Accepted] = []
         for index, item in enumerate(items):
             if not isinstance(item, OfflineItem):
                 item = OfflineItem.of(item)
-            told_ms = item.listened_ms
-            refusal = self._check_ms(told_ms, now_ms)
-            if refusal is not None:
-                outcomes[index] = SyncOutcome(False, refusal)
+            if item.listened_ms < EARLIEST_LISTEN_MS:
+                outcomes[index] = _TOO_EARLY
                 continue
             accepted.append(
-                _Accepted(
-                    index,
-                    KIND_BY_NAME[item.content_type],
-                    item.content_id,
-                    item.position,
-                    listened_ms(told_ms, now_ms),
-                    told_ms,
-                    completion_floor_ms(told_ms, now_ms, self._max_backdate_ms),
-                )
+                _Accepted(index, KIND_BY_NAME[item.content_type], item.content_id, item.position, item.listened_ms)
             )
         if not accepted:
             return _all_set(outcomes)
         rows, previous_us = await self._rows_and_previous(user_id, accepted)
-        known: list[_Accepted] = []
-        for a in accepted:
+        # Oldest first: for one content the later item is written last and stands, the script keeps the
+        # furthest position of all of them as the peak (an offline listen to the end completes). Items of
+        # one content heard at the same time are one write: the last in the request, with the furthest
+        # position of them as its peak.
+        writes: dict[tuple[str, int, float], list[_Accepted]] = {}
+        for a in sorted(accepted, key=lambda a: (a.listened_ms, a.at)):
             if (user_id, a.content_id) in rows[a.kind]:
-                known.append(a)
+                writes.setdefault((a.kind.name, a.content_id, a.listened_ms), []).append(a)
             else:
                 outcomes[a.at] = _UNKNOWN  # the flush would drop it
-        # oldest first: for one content the later item is written last and stands, the script keeps
-        # the furthest position of all of them as the peak (an offline listen to the end completes).
-        # Items of one time (or clamped to now): the one that stands (latest as the device told it, then
-        # last in the request) is written first, as the script keeps the first of equal times, so the
-        # item reported as standing is the one stored.
-        known.sort(key=lambda a: (a.listened_ms, -a.told_ms, -a.at))
-        latest: dict[tuple[str, int], _Accepted] = {}
-        for a in known:
-            kept = latest.get((a.kind.name, a.content_id))
-            if kept is None or (a.listened_ms, a.told_ms, a.at) > (kept.listened_ms, kept.told_ms, kept.at):
-                latest[(a.kind.name, a.content_id)] = a
-        written = await self._writer.write_all(
-            [(a.kind.name, a.content_id, user_id, a.position, a.listened_ms, a.floor_ms) for a in known]
+        answers = await self._writer.write_all(
+            [
+                (content_type, content_id, user_id, group[-1].position, heard_ms, max(a.position for a in group))
+                for (content_type, content_id, heard_ms), group in writes.items()
+            ],
+            max_skew_ms=self._max_skew_ms,
+            max_backdate_ms=self._max_backdate_ms,
         )
-        for a, stored in zip(known, written, strict=True):
-            updated_at = rows[a.kind][(user_id, a.content_id)][2]
-            if latest[(a.kind.name, a.content_id)] is not a:
-                outcomes[a.at] = _SUPERSEDED
-            elif not stored or (updated_at is not None and as_ms(updated_at) > a.listened_ms):
-                outcomes[a.at] = _OLDER
-            elif previous_us and previous_us.get((a.kind.name, a.content_id), -1) > round(a.listened_ms * 1000):
-                outcomes[a.at] = _OLDER  # a pod still on the previous shard count buffered a later one
-            else:
-                outcomes[a.at] = _APPLIED
+        latest: dict[tuple[str, int], _Accepted] = {}  # per content, the item that stands: the last written
+        for group, answer in zip(writes.values(), answers, strict=True):
+            if answer != TOO_FAR_AHEAD:
+                latest[(group[-1].kind.name, group[-1].content_id)] = group[-1]
+        for group, answer in zip(writes.values(), answers, strict=True):
+            for a in group:
+                outcomes[a.at] = self._outcome(a, answer, latest, rows[a.kind][(user_id, a.content_id)], previous_us)
         return _all_set(outcomes)
+
+    def _outcome(
+        self,
+        a: _Accepted,
+        answer: int,
+        latest: dict[tuple[str, int], _Accepted],
+        row: StoredRow,
+        previous_us: dict[tuple[str, int], int] | None,
+    ) -> SyncOutcome:
+        updated_at = row[2]
+        if answer == TOO_FAR_AHEAD:
+            return SyncOutcome(False, f"listened_at is more than {self._max_skew_ms / 1000:g} s in the future")
+        if latest[(a.kind.name, a.content_id)] is not a:
+            return _SUPERSEDED
+        if answer == 0 or (updated_at is not None and as_ms(updated_at) > a.listened_ms):  # 0: a later value stands
+            return _OLDER
+        if previous_us and previous_us.get((a.kind.name, a.content_id), -1) > round(a.listened_ms * 1000):
+            return _OLDER  # a pod still on the previous shard count buffered a later one
+        return _APPLIED
 
     async def _rows_and_previous(
         self, user_id: int, accepted: list[_Accepted]

@@ -27,8 +27,8 @@ async def sync(client: httpx.AsyncClient, token: str, *items: dict[str, object])
     return [(outcome["applied"], outcome["reason"]) for outcome in response.json()["items"]]
 
 
-async def live_heartbeat(redis: Redis, content_id: int, position: float, received_ms: int) -> None:
-    """A heartbeat the request path stored at `received_ms`, through its own script."""
+async def live_heartbeat(redis: Redis, content_id: int, position: float, received_ms: float | None = None) -> None:
+    """A heartbeat through the request path's script: stamped by Redis, or stored at `received_ms` when given."""
     await redis.script_load(WRITE_SCRIPT)
     await redis.execute_command(*write_args("audio", content_id, 7, position, received_ms))
 
@@ -240,23 +240,38 @@ async def test_a_completion_heard_30_hours_ago_is_dated_within_the_window_and_it
     assert await db.fetchval("SELECT completed_at FROM progress_completion_event") == row["completed_at"]
 
 
+async def redis_ms(redis: Redis) -> int:
+    seconds, micros = await redis.time()
+    return seconds * 1000 + micros // 1000
+
+
 async def test_a_completion_floor_rises_with_the_peak_and_goes_with_a_later_write(redis: Redis) -> None:
     """The buffer keeps the floor of the write that brought the peak, and drops it when a later write stands
-    (whose own time is later than any floor before it)."""
+    (whose own time is later than any floor before it). The floor is Redis's now minus the window."""
     key = VALUE.format("audio", 1)
     writer = PositionWriter(redis)
     heard_ms = 1_700_000_000_000.25  # long ago
-    assert await writer.write_all([("audio", 1, 7, 10.0, heard_ms, 1_700_100_000_000)]) == [True]
-    assert await redis.get(key) == "10.0:1700000000000:10.0:250:1700100000000"
-    # older, further, and received later (a later floor): the peak rises, and so does the floor
-    assert await writer.write_all([("audio", 1, 7, 590.0, heard_ms - 5, 1_700_200_000_000)]) == [False]
-    assert await redis.get(key) == "10.0:1700000000000:590.0:250:1700200000000"
-    assert decode_value(await redis.get(key)).completion_floor_ms == 1_700_200_000_000
+    day, hour = 86_400_000, 3_600_000
+    before = await redis_ms(redis)
+    assert await writer.write_all([("audio", 1, 7, 10.0, heard_ms, 10.0)], max_skew_ms=0, max_backdate_ms=day) == [1]
+    first = decode_value(await redis.get(key))
+    assert (await redis.get(key)).startswith("10.0:1700000000000:10.0:250:")
+    assert first.completion_floor_ms is not None and before - day <= first.completion_floor_ms <= before - day + 1000
+    # older, further, and received with a later floor (a narrower window): the peak rises, and so does the floor
+    written = await writer.write_all([("audio", 1, 7, 590.0, heard_ms - 5, 590.0)], max_skew_ms=0, max_backdate_ms=hour)
+    assert written == [0]
+    raised = decode_value(await redis.get(key))
+    assert (raised.position, raised.received_ms, raised.peak) == (10.0, heard_ms, 590.0)
+    assert raised.completion_floor_ms is not None and raised.completion_floor_ms >= before - hour
     # not further: nothing changes, floor included
-    assert await writer.write_all([("audio", 1, 7, 5.0, heard_ms - 9, 1_700_300_000_000)]) == [False]
-    assert await redis.get(key) == "10.0:1700000000000:590.0:250:1700200000000"
-    await live_heartbeat(redis, 1, 20.0, 1_800_000_000_000)  # a live heartbeat: later than any floor
-    assert await redis.get(key) == "20.0:1800000000000:590.0:0"
+    stored = await redis.get(key)
+    written = await writer.write_all([("audio", 1, 7, 5.0, heard_ms - 9, 5.0)], max_skew_ms=0, max_backdate_ms=60_000)
+    assert written == [0]
+    assert await redis.get(key) == stored
+    await live_heartbeat(redis, 1, 20.0)  # a live heartbeat: later than any floor
+    live = decode_value(await redis.get(key))
+    assert (live.position, live.peak, live.completion_floor_ms) == (20.0, 590.0, None)
+    assert len((await redis.get(key)).split(":")) == 4
 
 
 @pytest.mark.parametrize(("body", "status", "named"), BAD_SYNCS)

@@ -121,7 +121,7 @@ class Cluster:
     """Valkey, Postgres and N `progress-service serve` processes on loopback; with `size.rolls`, HAProxy in front;
     with `broker`, a Valkey of its own as the monolith's Celery broker and the outbox relay on in every process.
 
-    `env` is added to (and overrides) the settings every process starts with.
+    `env` is added to (and overrides) the settings every process starts with; `pod_env[i]`, to process i's alone.
     """
 
     def __init__(
@@ -131,6 +131,7 @@ class Cluster:
         *,
         size: Size | None = None,
         env: Mapping[str, str] | None = None,
+        pod_env: Sequence[Mapping[str, str]] = (),
         broker: bool = False,
     ) -> None:
         self.base = base
@@ -139,6 +140,7 @@ class Cluster:
         self.postgres = embedded.EmbeddedPostgres(base / "postgres", None, durable=False)
         self.broker = embedded.EmbeddedRedis(base / "broker", None) if broker else None
         self.env = dict(env or {})
+        self.pod_env = [dict(extra) for extra in pod_env]
         self.ports = [embedded.free_port() for _ in range(processes)]
         self.services: list[subprocess.Popen[bytes] | None] = [None] * processes
         self.balancer: subprocess.Popen[bytes] | None = None
@@ -231,6 +233,7 @@ class Cluster:
         if self.broker is not None:
             env.update(RELAY_ENABLED="true", CELERY_BROKER_URL=self.broker.url)
         env.update(self.env)
+        env.update(self.pod_env[i] if i < len(self.pod_env) else {})
         log = open(self.base / f"service-{i}.log", "ab")  # the child process keeps it open
         self.services[i] = subprocess.Popen(
             [sys.executable, "-m", "service", "serve", "--port", str(self.ports[i])], env=env, stdout=log, stderr=log

@@ -2,6 +2,7 @@
 process, and syncs stalled on a locked table leave the reads, the flush and degraded mode their connections."""
 
 import asyncio
+import time
 
 import asyncpg
 import pytest
@@ -10,7 +11,6 @@ from redis.asyncio import Redis
 from service.app import create_app
 from service.auth import make_token
 from service.config import READ_LANES, ConfigError, Settings
-from service.progress.buffer import receive_ms
 from service.progress.content import CONTENT_KINDS, KIND_BY_NAME
 from service.progress.flusher import Flusher
 from service.progress.store import Heartbeat
@@ -69,7 +69,9 @@ async def test_60_live_syncs_behind_a_locked_table_leave_the_reads_the_flush_and
             meditation = KIND_BY_NAME["meditation"]
             direct = app.api.state.services.sink._direct  # degraded mode's writer, on the app's pool
             async with asyncio.timeout(5):
-                await direct.write(meditation, Heartbeat(1, 3, 30.0, receive_ms(), peak=30.0), deadline=loop.time() + 3)
+                await direct.write(
+                    meditation, Heartbeat(1, 3, 30.0, time.time_ns() / 1e6, peak=30.0), deadline=loop.time() + 3
+                )
             assert await waiting_on_lock(db, "lives_live") == SYNC_SHARE  # the syncs hold their share, no more
 
             async def the_rest_refused() -> bool:

@@ -84,9 +84,7 @@ async def test_a_batch_read_of_100_ids_is_one_redis_round_trip_and_one_query(
     await seed(db, users=7, contents=100)
     writer = PositionWriter(counted.redis)
     for content_id in range(1, 51):
-        await writer.write(
-            content_type="audio", content_id=content_id, user_id=7, position=content_id, received_ms=1_700_000_000_000
-        )
+        await writer.write(content_type="audio", content_id=content_id, user_id=7, position=content_id)
     reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=2)
     await counted.reset()
     mgets = await calls(redis, "mget")
@@ -135,7 +133,7 @@ async def test_reads_that_come_while_two_batches_are_out_go_together_in_the_next
     await seed(db, users=30, contents=3)
     writer = PositionWriter(counted.redis)
     for user_id in range(1, 30):
-        await writer.write(content_type="lesson", content_id=1, user_id=user_id, position=user_id, received_ms=10**12)
+        await writer.write(content_type="lesson", content_id=1, user_id=user_id, position=user_id)
     reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=2)
     await counted.reset()
     mgets = await calls(redis, "mget")
@@ -274,7 +272,7 @@ async def test_500_items_in_one_sync_are_one_redis_round_trip(counted: Counted, 
     await counted.reset()
     scripts = await calls(redis, "evalsha")
 
-    outcomes = await sync.apply(7, items, now_ms=int(datetime.now(UTC).timestamp() * 1000))
+    outcomes = await sync.apply(7, items)
 
     assert all(outcome.applied for outcome in outcomes) and len(outcomes) == 500
     sends, statements = await counted.round_trips()
