@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from service import checkpoints, metrics
+from service import checkpoints, metrics, tracing
 from service.config import Settings
 from service.loops import Backoff, every
 from service.outbox.messages import Publisher, PublishResult
@@ -156,25 +156,29 @@ class Relay:
                 leased_at = time.monotonic()
                 rows, claimed_at = await self._claim(route.outbox), None
                 continue
-            publishing = asyncio.ensure_future(
-                route.publisher.publish([route.outbox.to_message(row, route.task_name, route.queue) for row in rows])
-            )
-            more = len(rows) == self._batch_size and (stop is None or not stop.is_set())
-            claim_started = time.monotonic()  # the next batch's lease runs from about now
-            claiming = asyncio.ensure_future(self._claim(route.outbox)) if more else None
-            claim_error: BaseException | None = None
-            try:
-                sent = await publishing
-            finally:
-                # the next claim is awaited whatever happens: never left running unowned (a claim
-                # cancelled after it committed only delays its rows until their lease runs out)
+            # open before the publish task is made (it copies the context): its publish spans are this one's children
+            with tracing.span("relay batch", outbox=route.outbox.name, rows=len(rows)):
+                publishing = asyncio.ensure_future(
+                    route.publisher.publish(
+                        [route.outbox.to_message(row, route.task_name, route.queue) for row in rows]
+                    )
+                )
+                more = len(rows) == self._batch_size and (stop is None or not stop.is_set())
+                claim_started = time.monotonic()  # the next batch's lease runs from about now
+                claiming = asyncio.ensure_future(self._claim(route.outbox)) if more else None
+                claim_error: BaseException | None = None
                 try:
-                    next_rows = await claiming if claiming is not None else []
-                except POSTGRES_FAILED as exc:
-                    # the broker has this batch: it is marked below before the claim's error goes up,
-                    # or it would all go out again once its lease ran out
-                    next_rows, claim_error = [], exc
-            await self._record(route.outbox, rows, sent, result, lease_ends=leased_at + self._lease_s)
+                    sent = await publishing
+                finally:
+                    # the next claim is awaited whatever happens: never left running unowned (a claim
+                    # cancelled after it committed only delays its rows until their lease runs out)
+                    try:
+                        next_rows = await claiming if claiming is not None else []
+                    except POSTGRES_FAILED as exc:
+                        # the broker has this batch: it is marked below before the claim's error goes up,
+                        # or it would all go out again once its lease ran out
+                        next_rows, claim_error = [], exc
+                await self._record(route.outbox, rows, sent, result, lease_ends=leased_at + self._lease_s)
             if claim_error is not None:
                 raise claim_error
             if sent.unavailable is not None:

@@ -23,7 +23,7 @@ from functools import partial
 
 import asyncpg
 
-from service import checkpoints, metrics
+from service import checkpoints, metrics, tracing
 from service.config import Settings
 from service.loops import Backoff, every
 from service.postgres import local_timeouts_sql
@@ -308,10 +308,12 @@ class Flusher:
         """One statement, then the ack; the keys a lock held go back to pending. None: all settled."""
         started = time.perf_counter()
         # the pool's acquire deadline; the timeouts for this transaction only (behind PgBouncer too)
-        async with pooled_connection(self._pool) as conn, conn.transaction():
-            if self._timeouts_sql:
-                await conn.execute(self._timeouts_sql)
-            batch = await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s)
+        with tracing.span("flush batch", content_type=kind.name, rows=len(heartbeats)) as span:
+            async with pooled_connection(self._pool) as conn, conn.transaction():
+                if self._timeouts_sql:
+                    await conn.execute(self._timeouts_sql)
+                batch = await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s)
+            span.set_attribute("completions", batch.completions)
         checkpoints.reached("flush.after_commit")
         held = set(batch.locked)
         if held:

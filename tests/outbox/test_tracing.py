@@ -65,6 +65,10 @@ async def test_the_monolith_task_gets_the_traceparent_of_the_publish_span_the_co
     assert publish.service_name == "progress-service"
     # the heartbeat made no span: only the flush's, the relay's and the publish's came
     assert {span.name for span in receiver.spans} <= {"flush batch", "relay batch", f"publish {TASK}"}
+    [flush] = receiver.named("flush batch")
+    assert flush.attributes == {"content_type": "lesson", "rows": 1, "completions": 1}
+    [batch] = [span for span in receiver.named("relay batch") if span.span_id == publish.parent_span_id]
+    assert batch.attributes == {"outbox": "completion", "rows": 1}
 
 
 @pytest.mark.parametrize("asked", ["no OTEL variable", "OTEL_TRACES_EXPORTER=none beside an endpoint"])
