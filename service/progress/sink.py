@@ -11,9 +11,10 @@ unreachable master's slots go to Postgres; the others stay on Redis.
 
 A 503 means nothing was written, then or later: each heartbeat carries its request's deadline; one
 whose deadline passed before its statement starts is left out of it, and a statement runs with the
-earliest deadline of its heartbeats as its timeout (asyncpg cancels it in the server), so no statement
-writes a heartbeat after its request was told 503. Nothing of a degraded write is kept to be written
-later by another path.
+earliest deadline of its heartbeats as its server-side statement_timeout, so Postgres rolls it back
+past it. Once a statement runs, its answer is its commit's outcome: a commit that finishes late (a
+synchronous standby slow to confirm) answers 201 late, never 503. Nothing of a degraded write is kept
+to be written later by another path.
 """
 
 import asyncio
@@ -35,6 +36,12 @@ from service.progress.store import Heartbeat, persist_batch, report_batch
 from service.stores import POSTGRES_FAILED, REDIS_FAILED, pooled_connection
 
 log = logging.getLogger(__name__)
+
+
+# how long the client waits for a statement the server bounds itself (statement_timeout), and for its commit, which
+# the server does not bound (a synchronous standby's confirmation): asyncpg's own command timeout would cancel the wait
+# from here and answer "not written" for a commit already under way
+_WAIT_S = 24 * 3600.0
 
 
 class Unavailable(Exception):
@@ -122,17 +129,20 @@ class DirectWriter:
             live = [i for i, entry in enumerate(entries) if not entry.abandoned and entry.deadline > loop.time()]
             if not live:
                 return [_late() for _ in entries]
-            # On timeout asyncpg cancels the statement in the server and it rolls back: the whole
-            # batch is then answered 503 and nothing of it is written, now or later.
+            # The deadline is the server's (statement_timeout): a statement past it is rolled back there, so a 503
+            # means nothing was written. No client-side timeout: cancelling from here cannot undo a commit already
+            # under way (a synchronous standby's wait), so the answer waits for the commit's own outcome.
             # a connection the outage ends after the statement answered: the batch stands as answered
             async with pooled_connection(self._pool, timeout_s=max(deadline - loop.time(), 0.001)) as conn:
-                result = await persist_batch(
-                    conn,
-                    kind,
-                    [entries[i].heartbeat for i in live],
-                    margin_s=self._margin_s,
-                    timeout_s=max(deadline - loop.time(), 0.001),
-                )
+                timeout_ms = max(1, round((deadline - loop.time()) * 1000))
+                await conn.execute(f"BEGIN; SET LOCAL statement_timeout = {timeout_ms}")
+                try:
+                    heartbeats = [entries[i].heartbeat for i in live]
+                    result = await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s, timeout_s=_WAIT_S)
+                except BaseException:
+                    await asyncio.shield(conn.execute("ROLLBACK"))
+                    raise
+                await conn.execute("COMMIT", timeout=_WAIT_S)
             # a row another session holds (the progress row, its user's or content's): that heartbeat alone is
             # refused (503), the rest written
             rows_written, locked = result.written, set(result.locked)

@@ -181,3 +181,36 @@ async def test_a_pod_whose_clock_is_ahead_dates_no_degraded_write_in_the_future(
         assert await db.fetchval("SELECT bool_and(completed_at <= clock_timestamp()) FROM progress_completion_event")
         assert await _send(client, 1, 120.0) == 201  # the user seeks back: the last one sent wins
     assert await db.fetchval("SELECT position FROM audios_meditationprogress WHERE user_id = 1") == 120.0
+
+
+@pytest.mark.slow
+async def test_a_degraded_write_whose_commit_is_slow_is_answered_by_its_outcome_never_503_once_written(
+    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool
+) -> None:
+    """Found by an attack: a commit waiting for a synchronous standby outlived the request's deadline; the client-side
+    timeout answered 503 while the commit went through, completion event included (a 503 that was written)."""
+    await seed(db, users=1, contents=1, duration_s=600)
+    database = await db.fetchval("SELECT current_database()")
+    # every commit waits for a standby that does not come, until the setting is taken back
+    await db.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
+    await db.execute(f'ALTER DATABASE "{database}" SET synchronous_commit = on')
+    await db.execute("SELECT pg_reload_conf()")
+    try:
+        pod = degraded_settings(settings, own_redis, auth_mode="gateway", degraded_write_timeout_seconds=1.0)
+        async with running_app(pod) as (_, client):  # its pool's connections are new: synchronous commits
+            own_redis.stop()
+            sent = asyncio.ensure_future(_send(client, 1, 595.0))
+            # the commit waits past the request's deadline (1 s)
+            await wait_for(lambda: db.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"))
+            await asyncio.sleep(1.5)
+            assert not sent.done()  # no answer while the commit's outcome is not known
+            await db.execute("ALTER SYSTEM RESET synchronous_standby_names")
+            await db.execute("SELECT pg_reload_conf()")
+            status = await sent
+    finally:
+        await db.execute("ALTER SYSTEM RESET synchronous_standby_names")
+        await db.execute(f'ALTER DATABASE "{database}" RESET synchronous_commit')
+        await db.execute("SELECT pg_reload_conf()")
+    written = await db.fetchval("SELECT count(*) FROM audios_meditationprogress WHERE user_id = 1")
+    events = await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE user_id = 1")
+    assert (status, written, events) == (201, 1, 1)
