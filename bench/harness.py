@@ -29,9 +29,9 @@ import asyncpg
 from service import embedded
 from service.auth import make_token
 from service.config import Settings
-from service.progress.backlog import measure_backlog
-from service.progress.buffer import WRITE_SCRIPT, write_args
 from service.progress.content import CONTENT_KINDS
+from service.progress.flush.backlog import measure_backlog
+from service.progress.ingest.buffer import WRITE_SCRIPT, write_args
 from service.progress.keys import STANDALONE, KeyLayout
 
 BENCH = Path(__file__).resolve().parent

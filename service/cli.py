@@ -19,7 +19,7 @@ from service import tracing
 from service.compose import relay_routes, start_publisher
 from service.config import ConfigError, Settings, load_settings
 from service.console import Progress
-from service.embedded import EmbeddedServerError
+from service.dev.embedded import EmbeddedServerError
 from service.lifecycle import Lifecycle
 from service.logs import configure_logging
 from service.loops import run_until_stopped
@@ -27,7 +27,7 @@ from service.outbox.celery_publisher import CeleryPublisher
 from service.outbox.outboxes import Outbox
 from service.outbox.relay import counts_text
 from service.postgres import create_db_pool
-from service.progress.backlog import measure_backlog
+from service.progress.flush.backlog import measure_backlog
 from service.redis_client import RedisClient, connect_redis
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 from service.trial_emails.batch import BatchResult
@@ -100,9 +100,9 @@ def _dev_banner(args: argparse.Namespace, settings: Settings, token: str) -> str
 def _dev(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from service import embedded
     from service.app import create_app
     from service.auth import make_token
+    from service.dev import embedded
 
     data_dir = Path(os.environ.get("DEV_DATA_DIR", ".progress-service")).resolve()
     os.environ.setdefault("JWT_SECRET", DEV_JWT_SECRET)
@@ -201,7 +201,7 @@ def _flush(args: argparse.Namespace) -> int:
 
 
 async def _run_flusher(parts: _Parts, *, once: bool) -> int:
-    from service.progress.flusher import Flusher
+    from service.progress.flush.flusher import Flusher
     from service.progress.keys import KeyLayout
 
     flusher = Flusher.from_settings(parts.settings, parts.redis, parts.pool)

@@ -14,10 +14,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service import embedded
 from service.api.routes import Routes
 from service.auth import make_token
 from service.config import Settings
+from service.dev import embedded
 from tests.helpers import TEST_JWT_SECRET, RunningApp, Servers, running_app
 
 # the monolith stand-in (broker, real Celery worker), started only by the tests that ask for it

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from service import embedded
+from service.dev import embedded
 
 
 @pytest.mark.regression

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service import embedded
 from service.api.routes import not_serving
 from service.config import Settings
+from service.dev import embedded
 from tests.helpers import auth, running_app, wait_for
 
 

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from service.compose import completion_route
 from service.config import Settings
-from service.embedded import free_port
+from service.dev.embedded import free_port
 from service.logs import JsonFormatter, RequestIdMiddleware
 from service.outbox.messages import Message, PublishResult
 from service.outbox.relay import Relay
@@ -56,7 +56,7 @@ async def test_flusher_logs_lost_and_dropped_heartbeats_with_their_key(
 
     assert returncode == 0
     expired = next(line for line in lines if line["level"] == "ERROR")
-    assert expired["logger"] == "service.progress.flusher"
+    assert expired["logger"] == "service.progress.flush.flusher"
     assert (expired["content_type"], expired["key"]) == ("audio", "2:3")
     dropped = next(line for line in lines if line["level"] == "WARNING")
     assert (dropped["content_type"], dropped["key"]) == ("lesson", "1:7")

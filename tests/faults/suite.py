@@ -33,8 +33,8 @@ import asyncpg
 import httpx
 from redis.asyncio import Redis
 
-from service import embedded
-from service.progress.backlog import measure_backlog
+from service.dev import embedded
+from service.progress.flush.backlog import measure_backlog
 from service.progress.keys import STANDALONE
 from tests import debian
 from tests.faults.loadgen import DURATION_S, position

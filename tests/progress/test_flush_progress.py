@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 
 from service import cli, console
 from service.config import Settings
-from service.progress.buffer import WRITE_SCRIPT
+from service.progress.ingest.buffer import WRITE_SCRIPT
 from service.redis_client import connect_redis
 from tests.helpers import assert_all_persisted, fill
 

@@ -15,10 +15,10 @@ import pytest
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 
-from service import embedded
 from service.auth import make_token
 from service.config import Settings
-from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
+from service.dev import embedded
+from service.progress.ingest.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.keys import STANDALONE, KeyLayout
 from service.redis_client import RedisClient, connect_redis, execute_by_node
 from service.stores import REDIS_UNAVAILABLE

@@ -27,13 +27,13 @@ from service import checkpoints, metrics
 from service.config import Settings
 from service.loops import Backoff, every
 from service.postgres import local_timeouts_sql
-from service.progress.backlog import Backlog, measure_backlog
-from service.progress.budget import FlushBudget, Reservation
-from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS, ContentKind
+from service.progress.flush.backlog import Backlog, measure_backlog
+from service.progress.flush.budget import FlushBudget, Reservation
+from service.progress.flush.leases import Claim, Leases
+from service.progress.flush.store import Heartbeat, persist_batch, report_batch
+from service.progress.ingest.buffer import decode_value
 from service.progress.keys import KeyLayout, Shard, parse_member
-from service.progress.leases import Claim, Leases
-from service.progress.store import Heartbeat, persist_batch, report_batch
 from service.redis_client import RedisClient, node_name
 from service.stores import (
     POSTGRES_BUSY,
