@@ -29,7 +29,7 @@ from service.api.routes import Routes
 from service.app import create_app
 from service.auth import make_token
 from service.config import Settings
-from service.dev import embedded
+from service.dev import database, embedded
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.flush.flusher import Flusher
 from service.progress.ingest.buffer import WRITE_SCRIPT, decode_value, write_args
@@ -50,7 +50,7 @@ class Servers:
     redis_url: str
     database_url: str
     redis: embedded.EmbeddedRedis | None
-    postgres: embedded.EmbeddedPostgres | None
+    postgres: database.EmbeddedPostgres | None
 
 
 # --- the app, as uvicorn runs it --------------------------------------------------------------------------
