@@ -18,9 +18,9 @@ from redis.asyncio import Redis as AsyncRedis
 from redis.asyncio import RedisCluster as AsyncRedisCluster
 
 from service.config import Settings
-from service.embedded import EmbeddedCluster
+from service.dev.embedded import EmbeddedCluster
+from service.progress.flush.leases import Leases
 from service.progress.keys import KeyLayout
-from service.progress.leases import Leases
 
 HEARTBEAT_EVERY_S, FLUSH_INTERVAL_S, MASTER_BUSY = 5.0, 60.0, 0.5
 

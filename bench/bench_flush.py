@@ -21,9 +21,9 @@ import harness
 from redis.asyncio import Redis
 
 from service.postgres import create_db_pool
-from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS
-from service.progress.flusher import Flusher
+from service.progress.flush.flusher import Flusher
+from service.progress.ingest.buffer import decode_value
 from service.progress.keys import latest_position_key, parse_member, pending_flush_key
 from service.redis_client import connect_redis
 

@@ -42,7 +42,7 @@ def check_writes(redis: Redis, name: str) -> None:
         if isinstance(member, bytes):
             found += 1
             value = redis.get(f"progress:latest_position:{kind}:{member.decode()}")
-            # "{position}:{ms}", then ":{peak}" and ":{microseconds}" (service.progress.buffer)
+            # "{position}:{ms}", then ":{peak}" and ":{microseconds}" (service.progress.ingest.buffer)
             if not isinstance(value, bytes) or not re.fullmatch(rb"[\d.]+:\d{13}(:[\d.]+)?(:\d{1,3})?", value):
                 raise RuntimeError(f"{name}: pending member {kind} {member!r} has value {value!r}")
     if not found:

@@ -23,7 +23,7 @@ from service.config import Settings
 from service.outbox.celery_publisher import publisher_from_settings
 from service.outbox.relay import Relay
 from service.progress.content import CONTENT_KINDS
-from service.progress.store import Heartbeat, persist_batch
+from service.progress.flush.store import Heartbeat, persist_batch
 
 LESSON = next(kind for kind in CONTENT_KINDS if kind.name == "lesson")
 # `$1` completion events in the outbox, as the flush leaves them

@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from service import embedded
 from service.auth import make_token
 from service.config import Settings
-from service.progress.backlog import measure_backlog
-from service.progress.buffer import WRITE_SCRIPT, write_args
+from service.dev import database, embedded
 from service.progress.content import CONTENT_KINDS
+from service.progress.flush.backlog import measure_backlog
+from service.progress.ingest.buffer import WRITE_SCRIPT, write_args
 from service.progress.keys import STANDALONE, KeyLayout
 
 BENCH = Path(__file__).resolve().parent
@@ -272,13 +272,13 @@ def servers(name: str, *, redis: bool = True, postgres: bool = False, durable: b
             stack.callback(valkey.stop)
             s.redis_url, s.redis_pid = valkey.url, valkey.process.pid if valkey.process else None
         if postgres:
-            pg = embedded.EmbeddedPostgres(work / "postgres", None, durable=durable)
+            pg = database.EmbeddedPostgres(work / "postgres", None, durable=durable)
             say(f"starting embedded Postgres on 127.0.0.1:{pg.port} (fsync {'on' if durable else 'off'})")
             pg.start()
             stack.callback(pg.stop)
             pg.create_database("bench")
             s.database_url, s.postgres_pid = pg.url("bench"), pg.process.pid if pg.process else None
-            asyncio.run(embedded.prepare_database(s.database_url, seed=False))
+            asyncio.run(database.prepare_database(s.database_url, seed=False))
         yield s
 
 

@@ -28,15 +28,15 @@ from service.logs import RequestIdMiddleware, configure_logging
 from service.outbox.outboxes import publish_budget_s
 from service.outbox.relay import Relay
 from service.postgres import create_db_pool
-from service.progress.budget import FlushBudget
-from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
-from service.progress.flusher import Flusher
+from service.progress.flush.budget import FlushBudget
+from service.progress.flush.flusher import Flusher
+from service.progress.flush.redis_persistence import run_redis_persistence_sampler
+from service.progress.ingest.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
+from service.progress.ingest.redis_memory import run_redis_memory_sampler
+from service.progress.ingest.sink import HeartbeatSink
 from service.progress.keys import KeyLayout
-from service.progress.reads import ProgressReader
-from service.progress.redis_memory import run_redis_memory_sampler
-from service.progress.redis_persistence import run_redis_persistence_sampler
-from service.progress.sink import HeartbeatSink
-from service.progress.sync import OfflineSync
+from service.progress.read.reads import ProgressReader
+from service.progress.read.sync import OfflineSync
 from service.redis_client import RedisClient, connect_redis
 from service.stores import REDIS_FAILED
 

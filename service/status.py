@@ -20,12 +20,12 @@ import asyncpg
 from service.config import Settings
 from service.outbox.outboxes import COMPLETIONS, EMAILS, outbox_counts
 from service.postgres import create_db_pool, local_timeouts_sql
-from service.progress.backlog import measure_backlog
 from service.progress.content import CONTENT_KINDS
+from service.progress.flush.backlog import measure_backlog
+from service.progress.flush.redis_persistence import age_text, read_persistence, weakest
+from service.progress.ingest.known_content import count_ids
+from service.progress.ingest.redis_memory import memory_by_node, used_and_max
 from service.progress.keys import KeyLayout
-from service.progress.known_content import count_ids
-from service.progress.redis_memory import memory_by_node, used_and_max
-from service.progress.redis_persistence import age_text, read_persistence, weakest
 from service.redis_client import connect_redis
 from service.stores import POSTGRES_BUSY, POSTGRES_FAILED, REDIS_FAILED
 

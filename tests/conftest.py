@@ -14,10 +14,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service import embedded
 from service.api.routes import Routes
 from service.auth import make_token
 from service.config import Settings
+from service.dev import database, embedded
 from tests.helpers import TEST_JWT_SECRET, RunningApp, Servers, running_app
 
 # the monolith stand-in (broker, real Celery worker), started only by the tests that ask for it
@@ -43,7 +43,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
             redis_server.start()
             redis_url = redis_server.url.replace("/0", "/1")
         if not database_url:
-            pg = embedded.EmbeddedPostgres(base / "postgres", None, durable=False)
+            pg = database.EmbeddedPostgres(base / "postgres", None, durable=False)
             pg.start()
             pg.create_database("progress_test")
             database_url = pg.url("progress_test")
@@ -57,7 +57,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
 
 @pytest.fixture(scope="session")
 async def migrated(servers: Servers) -> str:
-    await embedded.prepare_database(servers.database_url, seed=False)
+    await database.prepare_database(servers.database_url, seed=False)
     return servers.database_url
 
 

@@ -25,14 +25,14 @@ import pytest
 from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
-from service import embedded
 from service.api.routes import Routes
 from service.app import create_app
 from service.auth import make_token
 from service.config import Settings
-from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
+from service.dev import database, embedded
 from service.progress.content import CONTENT_KINDS, ContentKind
-from service.progress.flusher import Flusher
+from service.progress.flush.flusher import Flusher
+from service.progress.ingest.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, KeyLayout
 from service.redis_client import RedisClient
 
@@ -50,7 +50,7 @@ class Servers:
     redis_url: str
     database_url: str
     redis: embedded.EmbeddedRedis | None
-    postgres: embedded.EmbeddedPostgres | None
+    postgres: database.EmbeddedPostgres | None
 
 
 # --- the app, as uvicorn runs it --------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def flusher_with(settings: Settings, redis: RedisClient, db: asyncpg.Pool, **upd
 
 
 async def push_budget_key(redis: RedisClient, ahead_s: float) -> None:
-    """The budget's key set `ahead_s` past the Redis server's time, in service/progress/budget.py's format (the
+    """The budget's key set `ahead_s` past the Redis server's time, in service/progress/flush/budget.py's format (the
     server's µs when the reservations end): a Redis clock stepped back, or a failover to a lagging replica."""
     seconds, micros = await redis.time()
     ends_us = seconds * 1_000_000 + micros + int(ahead_s * 1_000_000)

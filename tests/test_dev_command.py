@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.embedded import free_port
+from service.dev.embedded import free_port
 
 
 async def _fetchval(url: str, query: str) -> object:

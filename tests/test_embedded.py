@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from service import embedded
+from service.dev import database, embedded
 
 
 @pytest.mark.regression
-@pytest.mark.parametrize("server", [embedded.EmbeddedRedis, embedded.EmbeddedPostgres])
+@pytest.mark.parametrize("server", [embedded.EmbeddedRedis, database.EmbeddedPostgres])
 def test_a_port_another_server_holds_is_refused_not_silently_shared(server: type, tmp_path: Path) -> None:
     """Found by an outside attack: `dev` printed "ready" on top of a foreign Valkey that held its port."""
     with socket.socket() as other:

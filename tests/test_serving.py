@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 
 from service.auth import make_token
 from service.config import ConfigError, Settings, load_settings
-from service.embedded import free_port
+from service.dev.embedded import free_port
 from tests.helpers import TEST_JWT_SECRET, Servers, auth, seed, service_env, start_service_command, wait_for
 
 DRAIN_S = 3.0

@@ -9,7 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from service.config import Settings
-from service.embedded import free_port
+from service.dev.embedded import free_port
 from service.status import gather_status
 from tests.helpers import FLUSH_LEASE_S, Servers, flusher_env, run_status, seed, start_service_command, write
 

@@ -22,7 +22,7 @@ from service import metrics
 from service.config import Settings
 from service.loops import every
 from service.progress.content import CONTENT_KINDS, ContentKind
-from service.progress.known_content import exists, load_ids
+from service.progress.ingest.known_content import exists, load_ids
 from service.stores import POSTGRES_FAILED
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 
 from service import metrics
 from service.asgi import draining
-from service.progress.sink import HeartbeatSink
+from service.progress.ingest.sink import HeartbeatSink
 from service.redis_client import RedisClient, ping
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 

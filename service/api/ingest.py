@@ -14,7 +14,7 @@ from service.api.http import ClientGone, HttpError, as_http_error, identify, rea
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.content import CONTENT_KINDS, ContentKind
-from service.progress.sink import HeartbeatSink, Unavailable
+from service.progress.ingest.sink import HeartbeatSink, Unavailable
 
 log = logging.getLogger(__name__)
 

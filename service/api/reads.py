@@ -19,7 +19,7 @@ from service.api.http import HttpError, as_http_error, identify, retry_soon, sen
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.content import EPOCH, KIND_BY_NAME, MAX_ID, ContentKind
-from service.progress.reads import Progress, ProgressReader, ReadsWaiting
+from service.progress.read.reads import Progress, ProgressReader, ReadsWaiting
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The offline sync, POST /progress/sync, served as plain ASGI like the heartbeats (`routes.py`).
 
-One request carries up to SYNC_MAX_ITEMS positions heard offline (`service/progress/sync.py` settles
+One request carries up to SYNC_MAX_ITEMS positions heard offline (`service/progress/read/sync.py` settles
 them). Request rates are the API gateway's to limit, as for the heartbeats (docs/deploy.md); what a
 sync costs the database is bounded here by SYNC_MAX_CONCURRENCY.
 """
@@ -25,7 +25,7 @@ from service.api.http import (
 )
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
-from service.progress.sync import OfflineSync, SyncOutcome, SyncsWaiting, parse_request
+from service.progress.read.sync import OfflineSync, SyncOutcome, SyncsWaiting, parse_request
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
 
 log = logging.getLogger(__name__)

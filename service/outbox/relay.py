@@ -20,9 +20,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import asyncpg
 
@@ -31,17 +30,13 @@ from service.config import Settings
 from service.loops import Backoff, every
 from service.outbox.messages import Publisher, PublishResult
 from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, outbox_counts, publish_budget_s
-from service.stores import POSTGRES_FAILED, POSTGRES_UNAVAILABLE
+from service.outbox.settle import RelayResult, Settler
+from service.stores import POSTGRES_FAILED
 
 log = logging.getLogger(__name__)
 
 # how stale the owed/parked/oldest gauges may be while no row moves (the lag alert waits minutes)
 COUNTS_INTERVAL_S = 5.0
-# a published batch's mark that failed is tried again after these pauses (doubling), while its lease lasts
-_SETTLE_FIRST_PAUSE_S = 0.2
-_SETTLE_MAX_PAUSE_S = 2.0
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,18 +47,6 @@ class Route:
     publisher: Publisher
     task_name: str
     queue: str
-
-
-@dataclass(slots=True)
-class RelayResult:
-    published: dict[str, int] = field(default_factory=dict)  # by outbox
-    republished: dict[str, int] = field(default_factory=dict)
-    parked: dict[str, int] = field(default_factory=dict)  # refused for the last time
-    broker_unavailable: str | None = None
-    retried: dict[str, int] = field(default_factory=dict)  # refused, retried after a backoff
-
-    def did_something(self) -> bool:
-        return any(self.published.values()) or any(self.parked.values()) or any(self.retried.values())
 
 
 class Relay:
@@ -107,12 +90,16 @@ class Relay:
         has had `max_attempts`.
         """
         self._pool = pool
-        self._max_attempts = max_attempts
-        self._retry_backoff_s = retry_backoff_s
+        self._settler = Settler(
+            pool=pool,
+            lease_s=lease_s,
+            statement_timeout_s=statement_timeout_s,
+            max_attempts=max_attempts,
+            retry_backoff_s=retry_backoff_s,
+        )
         self._routes = list(routes)
         self._batch_size = batch_size
         self._lease_s = lease_s
-        self._statement_s = statement_timeout_s  # how long a statement may take (0: unbounded, no retry near the end)
         # A batch claimed ahead is published only while enough of its lease is left to publish and mark it;
         # started later, it could still be going out when another relay claims and sends it again.
         self._fresh_for_s = max(lease_s - publish_budget_s(publish_timeout_s), lease_s / 2)
@@ -178,7 +165,7 @@ class Relay:
                         # the broker has this batch: it is marked below before the claim's error goes up,
                         # or it would all go out again once its lease ran out
                         next_rows, claim_error = [], exc
-                await self._record(route.outbox, rows, sent, result, lease_ends=leased_at + self._lease_s)
+                await self._settler.record(route.outbox, rows, sent, result, lease_ends=leased_at + self._lease_s)
             if claim_error is not None:
                 raise claim_error
             if sent.unavailable is not None:
@@ -193,51 +180,6 @@ class Relay:
             checkpoints.reached("relay.after_claim")
         return rows
 
-    async def _record(
-        self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult, result: RelayResult, *, lease_ends: float
-    ) -> None:
-        if sent.sent:
-            checkpoints.reached("relay.after_publish")
-        # One statement for the batch's marks, one for its refusals. Shielded: once the broker has the
-        # messages, a cancelled relay must still record it, or they would all go out again.
-        parked = await asyncio.shield(self._settle(outbox, sent.sent, sent.refused, lease_ends))
-        first_time = {row["id"] for row in rows if row["publish_attempts"] == 1 or row["refused_before"]}
-        republished = sum(1 for row_id in sent.sent if row_id not in first_time)
-        name = outbox.name
-        retried = len(sent.refused) - len(parked)
-        result.published[name] += len(sent.sent)
-        result.republished[name] += republished
-        result.parked[name] += len(parked)
-        result.retried[name] += retried
-        metrics.OUTBOX_PUBLISHED.labels(name).inc(len(sent.sent))
-        metrics.OUTBOX_REPUBLISHED.labels(name).inc(republished)
-        metrics.OUTBOX_FAILED.labels(name).inc(len(parked))
-        metrics.OUTBOX_RETRIED.labels(name).inc(retried)
-        attempts = {row["id"]: row["publish_attempts"] for row in rows}
-        for row_id, error in sent.refused.items():
-            if row_id in parked:
-                log.error(
-                    "%s outbox row %d refused by the broker %d times, parked (publish_failed_at set): %s",
-                    name,
-                    row_id,
-                    attempts[row_id],
-                    error,
-                    extra={"outbox": name, "row_id": row_id},
-                )
-            else:
-                log.warning(
-                    "%s outbox row %d refused by the broker (attempt %d of %d), retried later: %s",
-                    name,
-                    row_id,
-                    attempts[row_id],
-                    self._max_attempts,
-                    error,
-                    extra={"outbox": name, "row_id": row_id},
-                )
-        if sent.unavailable is not None:
-            result.broker_unavailable = sent.unavailable
-            metrics.OUTBOX_BROKER_UNAVAILABLE.labels(name).inc()
-
     async def _release(
         self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult, next_rows: list[asyncpg.Record]
     ) -> None:
@@ -248,50 +190,6 @@ class Relay:
         unsent += [row["id"] for row in next_rows]
         if unsent:
             await self._pool.execute(outbox.release_sql, unsent)
-
-    async def _settle(self, outbox: Outbox, sent: list[int], refused: dict[int, str], lease_ends: float) -> set[int]:
-        """Mark what the broker took; lease the refused rows for their backoff, or park them. Returns the parked.
-
-        Each statement is tried again while the batch's lease lasts: the broker has these messages, and a mark
-        lost to a lock, a statement timeout or a blip of the database would send them all again once the lease
-        ran out, with every process up. Past the lease another relay may have them: the error goes up.
-        """
-        if sent:
-            await self._while_leased(outbox, "mark", len(sent), lease_ends, self._pool.execute, outbox.mark_sql, sent)
-        if not refused:
-            return set()
-        args = (list(refused), list(refused.values()), self._max_attempts, self._retry_backoff_s)
-        rows = await self._while_leased(
-            outbox, "refusals", len(refused), lease_ends, self._pool.fetch, outbox.refuse_sql, *args
-        )
-        return {row["id"] for row in rows if row["parked"]}
-
-    async def _while_leased(
-        self, outbox: Outbox, what: str, count: int, lease_ends: float, run: Callable[..., Awaitable[T]], *args: Any
-    ) -> T:
-        pause_s = _SETTLE_FIRST_PAUSE_S
-        while True:
-            try:
-                return await run(*args)
-            # "not now" (a lock, a timeout) or no answer; a bug or a schema drift goes up at once
-            except POSTGRES_UNAVAILABLE as exc:
-                # the next try ends before the lease does, or not at all: past it, another relay may publish them
-                next_ends = time.monotonic() + pause_s + (self._statement_s or self._lease_s)
-                if next_ends >= lease_ends or self._pool.is_closing():
-                    raise
-                log.warning(
-                    "%s outbox: the %s of %d rows the broker has answered failed (%s: %s); again in %.1f s, "
-                    "while their lease lasts",
-                    outbox.name,
-                    what,
-                    count,
-                    type(exc).__name__,
-                    exc,
-                    pause_s,
-                    extra={"outbox": outbox.name, "count": count},
-                )
-                await asyncio.sleep(pause_s)
-                pause_s = min(2 * pause_s, _SETTLE_MAX_PAUSE_S)
 
     async def _report_counts(self, outbox: Outbox, *, changed: bool) -> None:
         # two indexed counts after a pass that moved rows; otherwise (idle, or the broker down while the

@@ -25,7 +25,7 @@ from service.config import Settings
 LATEST_POSITION_PREFIX = "progress:latest_position:"
 PENDING_FLUSH_PREFIX = "progress:pending_flush:"
 IN_FLIGHT_PREFIX = "progress:in_flight:"
-# the fleet's write budget (service/progress/budget.py): one key, its own hash tag, so one slot on a cluster
+# the fleet's write budget (service/progress/flush/budget.py): one key, its own hash tag, so one slot on a cluster
 FLUSH_BUDGET_KEY = "progress:flush_budget:{flush_budget}"
 
 # 60 shards divide evenly over 3, 4, 5, 6, 10 and 12 masters (and within 7 % over 7-11): see _shard_tag

@@ -16,7 +16,7 @@ from service.trial_emails.journey import GRACE
 
 log = logging.getLogger(__name__)
 
-# pg advisory lock key of the periodic sweep; 7431001 guards the migrations (service.embedded)
+# pg advisory lock key of the periodic sweep; 7431001 guards the migrations (service.dev.embedded)
 SWEEP_LOCK_KEY = 7431004
 
 # Same window as journey.in_journey: started, and less than GRACE past ends_at.

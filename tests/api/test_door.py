@@ -11,15 +11,16 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
-from service import embedded, metrics
+from service import metrics
 from service.api import catalog as catalog_module
 from service.api.catalog import ContentCatalog, LookupsSaturated
 from service.auth import make_token
 from service.config import Settings
-from service.progress.buffer import decode_value
+from service.dev import embedded
 from service.progress.content import KIND_BY_PATH
-from service.progress.flusher import Flusher
-from service.progress.known_content import load_ids
+from service.progress.flush.flusher import Flusher
+from service.progress.ingest.buffer import decode_value
+from service.progress.ingest.known_content import load_ids
 from tests.helpers import MovedClock, auth, degraded_settings, events, running_app, seed
 
 LESSON = KIND_BY_PATH["/engagements/progress/lesson"]

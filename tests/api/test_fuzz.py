@@ -32,7 +32,7 @@ from redis import Redis
 
 from service.auth import make_token
 from service.config import Settings
-from service.embedded import free_port
+from service.dev.embedded import free_port
 from service.progress.content import CONTENT_KINDS, KIND_BY_PATH
 from service.progress.keys import latest_position_key, pending_flush_key, pending_member
 from tests.helpers import TEST_JWT_SECRET, Servers, wait_ready

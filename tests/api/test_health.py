@@ -10,9 +10,9 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service import embedded
 from service.api.routes import not_serving
 from service.config import Settings
+from service.dev import database, embedded
 from tests.helpers import auth, running_app, wait_for
 
 
@@ -77,7 +77,7 @@ async def test_metrics_count_requests_by_route_and_status(client: httpx.AsyncCli
 async def test_a_hung_postgres_does_not_hold_readiness_past_its_probe(settings: Settings, tmp_path: Path) -> None:
     """Found by an outside attack: with Postgres frozen (SIGSTOP), /health/ready took 31 s, so the load
     balancer's 2 s probe would have pulled every pod while Redis still took every heartbeat."""
-    pg = embedded.EmbeddedPostgres(tmp_path / "postgres", None, durable=False)
+    pg = database.EmbeddedPostgres(tmp_path / "postgres", None, durable=False)
     pg.start()
     frozen: list[int] = []
     try:

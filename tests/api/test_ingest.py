@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from service.api.routes import Routes
 from service.app import create_app
 from service.config import ConfigError, Settings
-from service.progress.buffer import decode_value
+from service.progress.ingest.buffer import decode_value
 from tests.helpers import TEST_JWT_SECRET, MovedClock, auth, running_app
 
 ROUTES = [

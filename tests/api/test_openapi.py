@@ -9,7 +9,7 @@ from service.api.openapi import DOCUMENT
 from service.api.reads import MANY_ROUTE, MAX_IDS, ONE_ROUTE
 from service.api.routes import OPENAPI_ROUTE, Routes
 from service.progress.content import CONTENT_KINDS, MAX_ID
-from service.progress.sync import SYNC_MAX_ITEMS, SyncRequest
+from service.progress.read.sync import SYNC_MAX_ITEMS, SyncRequest
 
 REF = "#/components/schemas/{model}"
 

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from service.api.http import HttpError
 from service.api.reads import iso_utc, read_ids, read_ids_the_long_way
-from service.progress.buffer import decode_value
 from service.progress.content import EPOCH, MAX_ID
+from service.progress.ingest.buffer import decode_value
 from service.progress.keys import key_layout
-from service.progress.reads import decode_values
+from service.progress.read.reads import decode_values
 
 
 def outcome(parse: Callable[[bytes], list[int]], query: bytes) -> list[int] | tuple[int, object]:

@@ -12,10 +12,10 @@ from service.api.http import json_body
 from service.api.reads import progress_json
 from service.auth import make_token
 from service.config import Settings
-from service.progress.buffer import decode_value
-from service.progress.flusher import Flusher
+from service.progress.flush.flusher import Flusher
+from service.progress.ingest.buffer import decode_value
 from service.progress.keys import KeyLayout
-from service.progress.reads import Progress, as_us, from_ms
+from service.progress.read.reads import Progress, as_us, from_ms
 from tests.helpers import auth, running_app, seed, wait_for, write
 
 
@@ -235,7 +235,7 @@ async def test_a_store_that_fails_is_503_not_500(
 
 
 async def test_an_unreachable_redis_is_503_for_reads_and_sync(settings: Settings, db: asyncpg.Pool, token: str) -> None:
-    from service.embedded import free_port
+    from service.dev.embedded import free_port
 
     await seed(db, users=7)
     unreachable = settings.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}/0"})

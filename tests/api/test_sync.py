@@ -11,10 +11,10 @@ from redis.asyncio import Redis
 
 from service.api.routes import Routes
 from service.config import Settings
-from service.progress.buffer import WRITE_SCRIPT, PositionWriter, decode_value, write_args
-from service.progress.flusher import Flusher
-from service.progress.reads import as_ms
-from service.progress.sync import OLDER_THAN_STORED, SUPERSEDED, UNKNOWN_CONTENT
+from service.progress.flush.flusher import Flusher
+from service.progress.ingest.buffer import WRITE_SCRIPT, PositionWriter, decode_value, write_args
+from service.progress.read.reads import as_ms
+from service.progress.read.sync import OLDER_THAN_STORED, SUPERSEDED, UNKNOWN_CONTENT
 from tests.helpers import BAD_SYNCS, ago, auth, metric, running_app, seed, sync_body
 from tests.helpers import sync_item as item
 

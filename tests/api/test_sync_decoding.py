@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from service.api.http import invalid_body
-from service.progress.sync import OfflineItem, SyncRequest, parse_request, plain_items
+from service.progress.read.sync import OfflineItem, SyncRequest, parse_request, plain_items
 from tests.helpers import BAD_SYNCS, auth
 
 

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from service.embedded import _die_with_parent, free_port
+from service.dev.embedded import _die_with_parent, free_port
 from tests import debian
 from tests.helpers import PgBouncer, Servers, Tls
 

@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 
 from service.auth import make_token
 from service.config import Settings
-from service.embedded import free_port
+from service.dev.embedded import free_port
 from tests.deploy.files import VENV_BIN, image
 from tests.helpers import TEST_JWT_SECRET, Servers, auth, clean_environment, seed, wait_ready
 

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from service.compose import completion_route
 from service.config import Settings
-from service.embedded import free_port
+from service.dev.embedded import free_port
 from service.logs import JsonFormatter, RequestIdMiddleware
 from service.outbox.messages import Message, PublishResult
 from service.outbox.relay import Relay
@@ -56,7 +56,7 @@ async def test_flusher_logs_lost_and_dropped_heartbeats_with_their_key(
 
     assert returncode == 0
     expired = next(line for line in lines if line["level"] == "ERROR")
-    assert expired["logger"] == "service.progress.flusher"
+    assert expired["logger"] == "service.progress.flush.batch"
     assert (expired["content_type"], expired["key"]) == ("audio", "2:3")
     dropped = next(line for line in lines if line["level"] == "WARNING")
     assert (dropped["content_type"], dropped["key"]) == ("lesson", "1:7")
@@ -147,6 +147,6 @@ async def test_a_parked_outbox_row_is_logged_with_its_outbox_and_row_id(
 
     assert result.parked == {"completion": 1}
     lines = [json.loads(line) for line in captured.getvalue().splitlines()]
-    (parked,) = [line for line in lines if line["logger"] == "service.outbox.relay" and line["level"] == "ERROR"]
+    (parked,) = [line for line in lines if line["logger"] == "service.outbox.settle" and line["level"] == "ERROR"]
     assert (parked["outbox"], parked["row_id"]) == ("completion", row_id)
     assert DOCUMENTED_FIELDS <= parked.keys()

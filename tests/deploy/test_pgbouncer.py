@@ -16,7 +16,7 @@ from service.outbox.celery_publisher import publisher_from_settings
 from service.outbox.relay import Relay
 from service.postgres import create_db_pool, local_timeouts_sql
 from service.progress.content import CONTENT_KINDS
-from service.progress.flusher import Flusher
+from service.progress.flush.flusher import Flusher
 from service.redis_client import connect_redis
 from tests.helpers import PgBouncer, Tls, auth, seed
 from tests.monolith.fixtures import Broker, Executions

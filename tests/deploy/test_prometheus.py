@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 
 from service.auth import make_token
 from service.config import Settings
-from service.embedded import _die_with_parent, free_port
+from service.dev.embedded import _die_with_parent, free_port
 from tests.deploy.files import ALERTS_FILE, VENV_BIN, alert_rules, dashboard_queries
 from tests.helpers import TEST_JWT_SECRET, Servers, auth, clean_environment, seed
 

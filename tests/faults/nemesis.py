@@ -44,8 +44,8 @@ from pathlib import Path
 import asyncpg
 from redis.asyncio import Redis
 
-from service.progress.backlog import measure_backlog
 from service.progress.content import CONTENT_KINDS
+from service.progress.flush.backlog import measure_backlog
 from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, parse_member, pending_flush_key
 from tests.faults.loadgen import DURATION_S
 from tests.faults.nemesis_load import KIND, Key, Load

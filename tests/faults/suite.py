@@ -33,8 +33,8 @@ import asyncpg
 import httpx
 from redis.asyncio import Redis
 
-from service import embedded
-from service.progress.backlog import measure_backlog
+from service.dev import database, embedded
+from service.progress.flush.backlog import measure_backlog
 from service.progress.keys import STANDALONE
 from tests import debian
 from tests.faults.loadgen import DURATION_S, position
@@ -137,7 +137,7 @@ class Cluster:
         self.base = base
         self.size = size
         self.redis = embedded.EmbeddedRedis(base / "valkey", None)
-        self.postgres = embedded.EmbeddedPostgres(base / "postgres", None, durable=False)
+        self.postgres = database.EmbeddedPostgres(base / "postgres", None, durable=False)
         self.broker = embedded.EmbeddedRedis(base / "broker", None) if broker else None
         self.env = dict(env or {})
         self.pod_env = [dict(extra) for extra in pod_env]
@@ -204,7 +204,7 @@ class Cluster:
         raise RuntimeError(f"HAProxy never took pod {i + 1} back; see {self.base}/haproxy.log")
 
     async def _prepare(self, users: int, contents: int, setup_sql: Sequence[str]) -> None:
-        await embedded.prepare_database(self.database_url, seed=False)
+        await database.prepare_database(self.database_url, seed=False)
         pool = await asyncpg.create_pool(self.database_url, min_size=1, max_size=1)
         try:
             await seed(pool, users=users, contents=contents, duration_s=DURATION_S)
@@ -300,7 +300,7 @@ def _inject(cluster: Cluster, scenario: str, size: Size, load: subprocess.Popen[
             cluster.start_service(victim)
             time.sleep(size.kill_every_s)
     elif scenario in ("redis_outage", "postgres_outage"):
-        server: embedded.EmbeddedRedis | embedded.EmbeddedPostgres = (
+        server: embedded.EmbeddedRedis | database.EmbeddedPostgres = (
             cluster.redis if scenario == "redis_outage" else cluster.postgres
         )
         server.stop()

@@ -21,7 +21,7 @@ import asyncpg
 import pytest
 import redis
 
-from service import embedded
+from service.dev import embedded
 from tests.monolith.worker import CREATE_TABLE_SQL
 
 ROOT = Path(__file__).resolve().parents[2]

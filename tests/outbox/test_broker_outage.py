@@ -9,7 +9,7 @@ import pytest
 from redis.asyncio import Redis
 
 from service.config import Settings
-from service.progress.flusher import Flusher
+from service.progress.flush.flusher import Flusher
 from service.trial_emails.batch import BatchOptions, send_trial_journey_emails_batch
 from tests.helpers import add_trials, post_near_end, running_app, seed
 from tests.monolith.fixtures import Broker, Executions

@@ -10,7 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from service.config import Settings
-from service.progress.flusher import Flusher
+from service.progress.flush.flusher import Flusher
 from tests.helpers import flushed_since, post_near_end, running_app, seed, wait_for
 from tests.monolith.fixtures import Executions, kwargs_of
 

@@ -11,7 +11,7 @@ from service.compose import completion_route
 from service.config import Settings
 from service.outbox.celery_publisher import _broker_reply, publisher_from_settings
 from service.outbox.relay import Relay
-from service.progress.flusher import Flusher
+from service.progress.flush.flusher import Flusher
 from tests.helpers import add_events, limited_broker_user, metric, post_near_end, running_app, seed
 from tests.monolith.fixtures import Broker, BusyBroker, Executions
 

@@ -9,7 +9,7 @@ import pytest
 
 from service.compose import completion_route
 from service.config import Settings
-from service.embedded import free_port
+from service.dev.embedded import free_port
 from service.outbox.celery_publisher import publisher_from_settings
 from service.outbox.messages import Message, Publisher, PublishResult
 from service.outbox.relay import Relay

@@ -10,8 +10,8 @@ from moto.server import ThreadedMotoServer
 from redis.asyncio import Redis
 
 from service.config import Settings
-from service.embedded import free_port
-from service.progress.flusher import Flusher
+from service.dev.embedded import free_port
+from service.progress.flush.flusher import Flusher
 from tests.helpers import post_near_end, running_app, seed, with_broker
 from tests.monolith.fixtures import Executions, kwargs_of, start_worker, stop_worker, wait_worker_ready
 

@@ -15,7 +15,7 @@ import pytest
 
 from service.compose import email_route
 from service.config import Settings
-from service.embedded import free_port
+from service.dev.embedded import free_port
 from service.outbox.celery_publisher import publisher_from_settings
 from service.outbox.outboxes import email_task_id
 from service.outbox.relay import Relay

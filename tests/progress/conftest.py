@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from redis.asyncio import RedisCluster
 
-from service import embedded
 from service.config import Settings
-from service.embedded import EmbeddedCluster
-from service.progress.buffer import WRITE_SCRIPT
+from service.dev import embedded
+from service.dev.embedded import EmbeddedCluster
+from service.progress.ingest.buffer import WRITE_SCRIPT
 from service.progress.keys import KeyLayout
 
 

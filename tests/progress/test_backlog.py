@@ -6,7 +6,7 @@ import pytest
 from redis.asyncio import Redis, RedisCluster
 
 from service.config import Settings
-from service.progress.backlog import measure_backlog
+from service.progress.flush.backlog import measure_backlog
 from service.progress.keys import KeyLayout
 from service.redis_client import connect_redis
 from tests.helpers import Servers, run_status, write

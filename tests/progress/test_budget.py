@@ -17,8 +17,8 @@ import pytest
 from redis.asyncio import Redis
 
 from service.config import Settings
-from service.progress.budget import FlushBudget, Reservation
-from service.progress.buffer import WRITE_SCRIPT
+from service.progress.flush.budget import FlushBudget, Reservation
+from service.progress.ingest.buffer import WRITE_SCRIPT
 from service.progress.keys import FLUSH_BUDGET_KEY
 from tests.helpers import Servers, assert_all_persisted, backlog, fill, flusher_env, flusher_with, metric
 

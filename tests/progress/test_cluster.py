@@ -17,12 +17,12 @@ from redis.crc import key_slot
 from service.app import create_app
 from service.auth import make_token
 from service.config import ConfigError, Settings
-from service.embedded import EmbeddedCluster
+from service.dev.embedded import EmbeddedCluster
 from service.outbox.messages import Message
 from service.outbox.stream_publisher import StreamPublisher, publish_guard_key
-from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS
-from service.progress.flusher import Flusher
+from service.progress.flush.flusher import Flusher
+from service.progress.ingest.buffer import decode_value
 from service.progress.keys import KeyLayout, latest_position_key
 from tests.helpers import FLUSH_LEASE_S as LEASE_S
 from tests.helpers import (

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow  # flusher processes killed and raced
 
 
 async def test_sigkill_after_claim_loses_nothing(servers: Servers, redis: Redis, db: asyncpg.Pool) -> None:
-    await redis.script_load(__import__("service.progress.buffer", fromlist=["WRITE_SCRIPT"]).WRITE_SCRIPT)
+    await redis.script_load(__import__("service.progress.ingest.buffer", fromlist=["WRITE_SCRIPT"]).WRITE_SCRIPT)
     last = await fill(redis, db, 1000)
     killed = flush_once(servers, die_at="flush.after_claim")
     assert killed.returncode == -signal.SIGKILL
@@ -49,7 +49,7 @@ async def test_sigkill_after_claim_loses_nothing(servers: Servers, redis: Redis,
 async def test_no_setting_of_a_pod_makes_it_kill_itself(servers: Servers, redis: Redis, db: asyncpg.Pool) -> None:
     """The crash tests' checkpoints are installed by their own entry point (tests/crash.py), never by the
     environment: the variables the previous releases read are ignored."""
-    await redis.script_load(__import__("service.progress.buffer", fromlist=["WRITE_SCRIPT"]).WRITE_SCRIPT)
+    await redis.script_load(__import__("service.progress.ingest.buffer", fromlist=["WRITE_SCRIPT"]).WRITE_SCRIPT)
     last = await fill(redis, db, 300)
     run = flush_once(servers, PROGRESS_FLUSH_FAILPOINT="after_claim", PROGRESS_RELAY_FAILPOINT="after_claim")
     assert run.returncode == 0, run.stderr
@@ -60,7 +60,7 @@ async def test_sigkill_after_commit_before_ack_loses_nothing_and_adds_no_event(
     servers: Servers, redis: Redis, db: asyncpg.Pool
 ) -> None:
     await seed(db, users=300, contents=1, duration_s=100)
-    await redis.script_load(__import__("service.progress.buffer", fromlist=["WRITE_SCRIPT"]).WRITE_SCRIPT)
+    await redis.script_load(__import__("service.progress.ingest.buffer", fromlist=["WRITE_SCRIPT"]).WRITE_SCRIPT)
     last = {}
     for user_id in range(1, 301):
         await write(redis, "lesson", 1, user_id, 95.0)  # all complete (margin 10)
@@ -78,7 +78,7 @@ async def test_sigkill_after_commit_before_ack_loses_nothing_and_adds_no_event(
 
 
 async def test_sigkill_at_random_moments_loses_nothing(servers: Servers, redis: Redis, db: asyncpg.Pool) -> None:
-    from service.progress.buffer import WRITE_SCRIPT
+    from service.progress.ingest.buffer import WRITE_SCRIPT
 
     await redis.script_load(WRITE_SCRIPT)
     last = await fill(redis, db, 50_000)

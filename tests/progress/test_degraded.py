@@ -8,10 +8,10 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service import embedded
 from service.auth import make_token
 from service.config import Settings
-from service.progress.flusher import Flusher
+from service.dev import embedded
+from service.progress.flush.flusher import Flusher
 from tests.helpers import auth, degraded_settings, running_app, seed
 
 

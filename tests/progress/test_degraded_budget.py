@@ -17,9 +17,9 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service import embedded
 from service.config import Settings
-from service.progress.flusher import Flusher
+from service.dev import embedded
+from service.progress.flush.flusher import Flusher
 from tests.helpers import degraded_settings, metric, running_app, seed, wait_for
 
 pytestmark = pytest.mark.regression

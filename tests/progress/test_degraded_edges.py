@@ -9,10 +9,11 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from service import embedded, metrics
+from service import metrics
 from service.auth import make_token
 from service.config import Settings
-from service.progress.redis_memory import sample_redis_memory
+from service.dev import embedded
+from service.progress.ingest.redis_memory import sample_redis_memory
 from tests.helpers import auth, degraded_settings, running_app, seed, wait_for
 
 

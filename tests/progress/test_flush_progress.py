@@ -8,9 +8,9 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
-from service import cli, console
+from service import commands, console
 from service.config import Settings
-from service.progress.buffer import WRITE_SCRIPT
+from service.progress.ingest.buffer import WRITE_SCRIPT
 from service.redis_client import connect_redis
 from tests.helpers import assert_all_persisted, fill
 
@@ -30,7 +30,7 @@ async def test_flush_once_logs_its_progress_against_the_pending_count_and_a_summ
     client = connect_redis(settings)
     try:
         with caplog.at_level(logging.INFO, logger="service.console"):
-            code = await cli._run_flusher(cli._Parts(settings, client, db, None, asyncio.Event()), once=True)
+            code = await commands._run_flusher(commands._Parts(settings, client, db, None, asyncio.Event()), once=True)
     finally:
         await client.aclose()
 

@@ -20,11 +20,11 @@ from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError
 
 from service.config import Settings
-from service.progress.budget import FlushBudget
-from service.progress.buffer import WRITE_SCRIPT, decode_value
-from service.progress.flusher import Flusher
+from service.progress.flush.budget import FlushBudget
+from service.progress.flush.flusher import Flusher
+from service.progress.flush.leases import Leases
+from service.progress.ingest.buffer import WRITE_SCRIPT, decode_value
 from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, KeyLayout
-from service.progress.leases import Leases
 from tests.helpers import (
     Servers,
     assert_all_persisted,
@@ -146,7 +146,7 @@ async def test_a_full_redis_does_not_stop_the_budgeted_flush(
     flusher = flusher_with(settings, redis, db, progress_flush_max_rows_per_second=20_000)
     fallback_before = metric("progress_flush_budget_fallback_total")
     async with full(redis):
-        with caplog.at_level(logging.WARNING, logger="service.progress.budget"):
+        with caplog.at_level(logging.WARNING, logger="service.progress.flush.budget"):
             result = await asyncio.wait_for(flusher.flush_cycle(), 30)
     assert result.written == 2000 and result.failed_batches == 0
     await assert_all_persisted(redis, db, last)
@@ -300,7 +300,7 @@ async def test_a_shutdown_during_a_paced_backlog_runs_the_final_flush_in_time(
         settings, redis, db, progress_flush_max_rows_per_second=500, progress_shutdown_timeout_seconds=1.5
     )
     stop = asyncio.Event()
-    with caplog.at_level(logging.INFO, logger="service.progress.flusher"):
+    with caplog.at_level(logging.INFO, logger="service.progress.flush.flusher"):
         running = asyncio.create_task(flusher.run(stop))
         await wait_for(lambda: db.fetchval("SELECT count(*) FROM engagements_lessonprogress"))
         stop.set()
@@ -328,7 +328,7 @@ async def test_expired_leases_are_counted_whatever_the_drains(
     held = [await db.acquire() for _ in range(4)]
     for conn in held:
         await db.release(conn)
-    with caplog.at_level(logging.WARNING, logger="service.progress.flusher"):
+    with caplog.at_level(logging.WARNING, logger="service.progress.flush.flusher"):
         result = await flusher.flush_cycle()
     assert (result.requeued, result.written) == (500, 500)
     assert metric("progress_flush_requeued_total") - requeued_before == 500
@@ -429,7 +429,7 @@ async def test_twenty_users_held_for_update_hold_back_only_their_own_keys(
     flusher = flusher_with(settings, redis, db, database_lock_timeout_seconds=0.5, progress_flush_max_rows_per_second=0)
     async with locker.transaction():
         await locker.execute("SELECT 1 FROM users_user WHERE id = ANY($1::bigint[]) FOR UPDATE", sorted(held))
-        with caplog.at_level(logging.WARNING, logger="service.progress.store"):
+        with caplog.at_level(logging.WARNING, logger="service.progress.flush.store"):
             for _ in range(2):
                 await asyncio.wait_for(flusher.flush_cycle(), 30)
         rows = await lesson_rows(db)

@@ -11,12 +11,12 @@ from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
 from service.config import Settings
-from service.progress import flusher as flusher_module
-from service.progress.buffer import StoredPosition, decode_value
 from service.progress.content import CONTENT_KINDS
-from service.progress.flusher import Flusher
+from service.progress.flush import batch as batch_module
+from service.progress.flush.flusher import Flusher
+from service.progress.flush.leases import Leases
+from service.progress.ingest.buffer import StoredPosition, decode_value
 from service.progress.keys import STANDALONE
-from service.progress.leases import Leases
 from tests.helpers import Servers, auth, events, flushed_since, lesson_rows, running_app, seed, wait_for, write
 
 
@@ -148,7 +148,7 @@ async def test_one_unknown_content_does_not_block_its_batch(
     for user_id in range(1, 501):
         await write(redis, "lesson", 1, user_id, 42)
     await write(redis, "lesson", 999_999, 1, 42)  # no such lesson
-    with caplog.at_level(logging.WARNING, logger="service.progress.flusher"):
+    with caplog.at_level(logging.WARNING, logger="service.progress.flush.flusher"):
         result = await flusher.flush_cycle()
     assert (result.written, result.dropped) == (500, 1)
     assert len(await lesson_rows(db)) == 500
@@ -182,7 +182,7 @@ async def test_values_the_flush_drops_are_deleted_unless_written_since_the_claim
                 "/lives/progress", json={"live_id": 1, "position": 5}, headers={"X-User-Id": str(user_id)}
             )
             assert response.status_code == 201
-    real_persist = flusher_module.persist_batch
+    real_persist = batch_module.persist_batch
     # set once both batches are claimed; the newer write waits for the next cycle (the cycle's quota is taken)
     stop = asyncio.Event()
 
@@ -196,7 +196,7 @@ async def test_values_the_flush_drops_are_deleted_unless_written_since_the_claim
             stop.set()
         return await real_persist(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(flusher_module, "persist_batch", persist_after_a_newer_write)
+    monkeypatch.setattr(batch_module, "persist_batch", persist_after_a_newer_write)
     flusher = Flusher.from_settings(settings.model_copy(update={"progress_flush_batch_size": 150}), redis, db)
     with caplog.at_level(logging.WARNING):
         result = await flusher.flush_cycle()
@@ -221,7 +221,7 @@ async def test_an_expired_value_is_counted_and_logged(
     await seed(db)
     await write(redis, "meditation", 1, 1, 5)
     await redis.sadd("progress:pending_flush:meditation", "2:1")  # its value's TTL already passed
-    with caplog.at_level(logging.ERROR, logger="service.progress.flusher"):
+    with caplog.at_level(logging.ERROR, logger="service.progress.flush.batch"):
         result = await flusher.flush_cycle()
     assert (result.written, result.expired) == (1, 1)
     assert any(getattr(r, "key", None) == "2:1" for r in caplog.records)
@@ -321,7 +321,7 @@ async def test_an_unreadable_value_is_dropped_and_logged_not_fatal(
     await redis.set("progress:latest_position:live:3:1", "42.5")  # one field: written by someone else
     await redis.set("progress:latest_position:live:1:2", "1:2:3:4:5:6")
     await redis.sadd("progress:pending_flush:live", "2:1", "3:1", "1:2", "not-a-member")
-    with caplog.at_level(logging.ERROR, logger="service.progress.flusher"):
+    with caplog.at_level(logging.ERROR, logger="service.progress.flush.batch"):
         result = await flusher.flush_cycle()
     assert (result.written, result.dropped, result.expired) == (1, 3, 1)  # no value at all reads as expired
     assert {getattr(r, "key", None) for r in caplog.records} >= {"2:1", "3:1", "1:2", "not-a-member"}
@@ -344,7 +344,7 @@ async def test_a_backend_terminated_during_the_upsert_requeues_its_batch(
         await lock.start()
         # hold the table so the flusher's transaction is caught in flight, then kill its backend
         await locker.execute("LOCK TABLE engagements_lessonprogress IN EXCLUSIVE MODE")
-        with caplog.at_level(logging.WARNING, logger="service.progress.flusher"):
+        with caplog.at_level(logging.WARNING, logger="service.progress.flush.batch"):
             cycle = asyncio.create_task(flusher.flush_cycle())
             pid = None
             for _ in range(200):

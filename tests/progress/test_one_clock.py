@@ -22,10 +22,10 @@ from redis.asyncio import Redis
 
 from service.auth import make_token
 from service.config import Settings
-from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
-from service.progress.flusher import Flusher
+from service.progress.flush.flusher import Flusher
+from service.progress.flush.leases import Leases
+from service.progress.ingest.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.keys import STANDALONE
-from service.progress.leases import Leases
 from tests import debian
 from tests.faults.loadgen import DURATION_S
 from tests.faults.suite import SECRET, Cluster

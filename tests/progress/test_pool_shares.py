@@ -12,8 +12,8 @@ from service.app import create_app
 from service.auth import make_token
 from service.config import READ_LANES, ConfigError, Settings
 from service.progress.content import CONTENT_KINDS, KIND_BY_NAME
-from service.progress.flusher import Flusher
-from service.progress.store import Heartbeat
+from service.progress.flush.flusher import Flusher
+from service.progress.flush.store import Heartbeat
 from tests.helpers import ago, auth, running_app, seed, sync_item, table_locked, wait_for, waiting_on_lock
 
 SYNC_SHARE = 2  # SYNC_MAX_CONCURRENCY's default

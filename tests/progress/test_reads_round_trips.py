@@ -14,10 +14,17 @@ from redis.asyncio.connection import Connection
 
 from service.config import Settings
 from service.postgres import create_db_pool, fetch_stateless
-from service.progress.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
 from service.progress.content import CONTENT_KINDS
-from service.progress.reads import MAX_WAIT_S, MAX_WAITING_LOOKUPS, Progress, ProgressReader, ReadsWaiting, rows_sql
-from service.progress.sync import OfflineSync, SyncItem
+from service.progress.ingest.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
+from service.progress.read.reads import (
+    MAX_WAIT_S,
+    MAX_WAITING_LOOKUPS,
+    Progress,
+    ProgressReader,
+    ReadsWaiting,
+    rows_sql,
+)
+from service.progress.read.sync import OfflineSync, SyncItem
 from service.redis_client import connect_redis
 from tests.helpers import Servers, seed
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis, RedisCluster
 
-from service import embedded
 from service.config import Settings
-from service.progress.redis_persistence import read_persistence, run_redis_persistence_sampler, weakest
+from service.dev import embedded
+from service.progress.flush.redis_persistence import read_persistence, run_redis_persistence_sampler, weakest
 from tests.helpers import Servers, metric, run_status, running_app, wait_for
 
-LOGGER = "service.progress.redis_persistence"
+LOGGER = "service.progress.flush.redis_persistence"
 
 
 @asynccontextmanager

@@ -15,10 +15,10 @@ import pytest
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 
-from service import embedded
 from service.auth import make_token
 from service.config import Settings
-from service.progress.buffer import WRITE_SCRIPT, decode_value, write_args
+from service.dev import database, embedded
+from service.progress.ingest.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.keys import STANDALONE, KeyLayout
 from service.redis_client import RedisClient, connect_redis, execute_by_node
 from service.stores import REDIS_UNAVAILABLE
@@ -167,14 +167,14 @@ async def test_idle_cluster_connections_killed_by_the_servers_between_two_heartb
 
 
 @pytest.fixture
-async def own_stores(tmp_path: Path) -> AsyncIterator[tuple[embedded.EmbeddedRedis, embedded.EmbeddedPostgres]]:
+async def own_stores(tmp_path: Path) -> AsyncIterator[tuple[embedded.EmbeddedRedis, database.EmbeddedPostgres]]:
     """A Redis and a Postgres of this test's own, to stop without disturbing the session's."""
     valkey = embedded.EmbeddedRedis(tmp_path / "valkey", None)
-    postgres = embedded.EmbeddedPostgres(tmp_path / "postgres", None, durable=False)
+    postgres = database.EmbeddedPostgres(tmp_path / "postgres", None, durable=False)
     try:
         valkey.start()
         postgres.start()
-        await embedded.prepare_database(postgres.url(), seed=False)
+        await database.prepare_database(postgres.url(), seed=False)
         yield valkey, postgres
     finally:
         postgres.stop()
@@ -184,7 +184,7 @@ async def own_stores(tmp_path: Path) -> AsyncIterator[tuple[embedded.EmbeddedRed
 @pytest.mark.slow  # servers of its own, stopped under load
 @pytest.mark.regression
 async def test_redis_and_postgres_stopped_together_under_load_answer_201_or_503_never_500(
-    settings: Settings, own_stores: tuple[embedded.EmbeddedRedis, embedded.EmbeddedPostgres]
+    settings: Settings, own_stores: tuple[embedded.EmbeddedRedis, database.EmbeddedPostgres]
 ) -> None:
     """The outside attack: two pods, 48 connections, both stores stopped. A stopping Postgres sends
     its FATAL to every connection, idle ones in the pool too, which asyncpg's protocol takes for an

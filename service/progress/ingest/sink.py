@@ -3,7 +3,7 @@
 Degraded mode keeps the promise of the 201 during a Redis outage. It writes with the flush's own
 statement (monotonic upsert, completion, one event), stamped by the database's clock, so a heartbeat
 written directly and an older one still in Redis settle the same way whichever lands last. It draws
-from the fleet's write budget like the flush (service/progress/budget.py): with Redis down, each pod
+from the fleet's write budget like the flush (service/progress/flush/budget.py): with Redis down, each pod
 keeps to its local share, and a batch that does not fit within its requests' deadline is answered 503
 at once. Its statements take at most DEGRADED_MAX_CONCURRENCY of the pool's connections: the flush,
 the reads and the relay keep theirs. On a Redis Cluster it is per node: only the heartbeats of an
@@ -28,11 +28,11 @@ import asyncpg
 from service import metrics
 from service.config import Settings
 from service.progress.batching import TurnBatcher, close_all
-from service.progress.budget import FlushBudget
-from service.progress.buffer import PositionWriter
 from service.progress.content import CONTENT_KINDS, ContentKind
+from service.progress.flush.budget import FlushBudget
+from service.progress.flush.store import Heartbeat, persist_batch, report_batch
+from service.progress.ingest.buffer import PositionWriter
 from service.progress.keys import pending_member
-from service.progress.store import Heartbeat, persist_batch, report_batch
 from service.stores import POSTGRES_FAILED, REDIS_FAILED, pooled_connection
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from redis.exceptions import RedisError
 from service.config import Settings
 from service.postgres import fetch_stateless
 from service.progress.batching import TurnBatcher, close_all
-from service.progress.buffer import decode_value
 from service.progress.content import CONTENT_KINDS, EPOCH, ContentKind
+from service.progress.ingest.buffer import decode_value
 from service.progress.keys import STANDALONE, KeyLayout
 from service.redis_client import RedisClient, get_many
 

@@ -36,7 +36,6 @@ import msgspec
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
 from service.config import Settings
-from service.progress.buffer import TOO_FAR_AHEAD, PositionWriter
 from service.progress.content import (
     CONTENT_KINDS,
     KIND_BY_NAME,
@@ -46,8 +45,9 @@ from service.progress.content import (
     ContentKind,
     Position,
 )
+from service.progress.ingest.buffer import TOO_FAR_AHEAD, PositionWriter
 from service.progress.keys import KeyLayout
-from service.progress.reads import MAX_WAIT_S, StoredRow, StoredRows, as_ms, decode_values, fetch_rows
+from service.progress.read.reads import MAX_WAIT_S, StoredRow, StoredRows, as_ms, decode_values, fetch_rows
 from service.redis_client import RedisClient
 
 SYNC_MAX_ITEMS = 500

@@ -28,7 +28,7 @@ from service.stores import REDIS_UNAVAILABLE
 # The receive time is whole milliseconds, as the monolith's readers and the previous release parse it;
 # the microseconds within it (0-999) come last, where those readers ignore them, so a rolling deploy
 # never makes a value unreadable. Values of two or three fields (older releases) still read.
-# An offline item is written with the time it was heard, however old (service/progress/sync.py), and
+# An offline item is written with the time it was heard, however old (service/progress/read/sync.py), and
 # only then a fifth field, its completion floor (whole ms): the earliest date a completion of this
 # value may carry (its receipt minus SYNC_MAX_BACKDATE_HOURS); the flush and the reads date a
 # completion max(receive time, floor). No heartbeat writes one, and a value newer than its floor has none.
@@ -41,7 +41,7 @@ from service.stores import REDIS_UNAVAILABLE
 # as persist_batch's dedupe and the upsert's strict `<`. A write that stands drops the stored floor: its
 # own time (or floor) is later.
 # No TTL: a value whose member is pending never expires before the flush has written it, however slow
-# the drain; SET drops the TTL a flushed value had (service/progress/leases.py: the ack sets it).
+# the drain; SET drops the TTL a flushed value had (service/progress/flush/leases.py: the ack sets it).
 # Returns 1 when this write is now the stored position, 2 when the stored one is this very write
 # already (same time and position: a retried offline sync), 0 when a later one stands.
 _WRITE_FUNCTION = """

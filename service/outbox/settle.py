@@ -1,0 +1,148 @@
+"""What the broker's answer does to a published batch's rows: the sent are marked published, the refused
+are leased for their backoff, or parked after OUTBOX_MAX_ATTEMPTS refusals.
+
+The broker already has these messages: a mark lost to a lock, a statement timeout or a blip of the database
+would send them all again once their lease ran out, so each statement is tried again while the lease lasts.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import asyncpg
+
+from service import checkpoints, metrics
+from service.outbox.messages import PublishResult
+from service.outbox.outboxes import Outbox
+from service.stores import POSTGRES_UNAVAILABLE
+
+log = logging.getLogger(__name__)
+
+# a published batch's mark that failed is tried again after these pauses (doubling), while its lease lasts
+_SETTLE_FIRST_PAUSE_S = 0.2
+_SETTLE_MAX_PAUSE_S = 2.0
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class RelayResult:
+    published: dict[str, int] = field(default_factory=dict)  # by outbox
+    republished: dict[str, int] = field(default_factory=dict)
+    parked: dict[str, int] = field(default_factory=dict)  # refused for the last time
+    broker_unavailable: str | None = None
+    retried: dict[str, int] = field(default_factory=dict)  # refused, retried after a backoff
+
+    def did_something(self) -> bool:
+        return any(self.published.values()) or any(self.parked.values()) or any(self.retried.values())
+
+
+class Settler:
+    """Records a relay's published batches in their outbox, for that relay alone."""
+
+    def __init__(
+        self,
+        *,
+        pool: asyncpg.Pool,
+        lease_s: float,
+        statement_timeout_s: float,
+        max_attempts: int,
+        retry_backoff_s: float,
+    ) -> None:
+        self._pool = pool
+        self._lease_s = lease_s
+        self._statement_s = statement_timeout_s  # how long a statement may take (0: unbounded, no retry near the end)
+        self._max_attempts = max_attempts
+        self._retry_backoff_s = retry_backoff_s
+
+    async def record(
+        self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult, result: RelayResult, *, lease_ends: float
+    ) -> None:
+        if sent.sent:
+            checkpoints.reached("relay.after_publish")
+        # One statement for the batch's marks, one for its refusals. Shielded: once the broker has the
+        # messages, a cancelled relay must still record it, or they would all go out again.
+        parked = await asyncio.shield(self._settle(outbox, sent.sent, sent.refused, lease_ends))
+        first_time = {row["id"] for row in rows if row["publish_attempts"] == 1 or row["refused_before"]}
+        republished = sum(1 for row_id in sent.sent if row_id not in first_time)
+        name = outbox.name
+        retried = len(sent.refused) - len(parked)
+        result.published[name] += len(sent.sent)
+        result.republished[name] += republished
+        result.parked[name] += len(parked)
+        result.retried[name] += retried
+        metrics.OUTBOX_PUBLISHED.labels(name).inc(len(sent.sent))
+        metrics.OUTBOX_REPUBLISHED.labels(name).inc(republished)
+        metrics.OUTBOX_FAILED.labels(name).inc(len(parked))
+        metrics.OUTBOX_RETRIED.labels(name).inc(retried)
+        attempts = {row["id"]: row["publish_attempts"] for row in rows}
+        for row_id, error in sent.refused.items():
+            if row_id in parked:
+                log.error(
+                    "%s outbox row %d refused by the broker %d times, parked (publish_failed_at set): %s",
+                    name,
+                    row_id,
+                    attempts[row_id],
+                    error,
+                    extra={"outbox": name, "row_id": row_id},
+                )
+            else:
+                log.warning(
+                    "%s outbox row %d refused by the broker (attempt %d of %d), retried later: %s",
+                    name,
+                    row_id,
+                    attempts[row_id],
+                    self._max_attempts,
+                    error,
+                    extra={"outbox": name, "row_id": row_id},
+                )
+        if sent.unavailable is not None:
+            result.broker_unavailable = sent.unavailable
+            metrics.OUTBOX_BROKER_UNAVAILABLE.labels(name).inc()
+
+    async def _settle(self, outbox: Outbox, sent: list[int], refused: dict[int, str], lease_ends: float) -> set[int]:
+        """Mark what the broker took; lease the refused rows for their backoff, or park them. Returns the parked.
+
+        Each statement is tried again while the batch's lease lasts: the broker has these messages, and a mark
+        lost to a lock, a statement timeout or a blip of the database would send them all again once the lease
+        ran out, with every process up. Past the lease another relay may have them: the error goes up.
+        """
+        if sent:
+            await self._while_leased(outbox, "mark", len(sent), lease_ends, self._pool.execute, outbox.mark_sql, sent)
+        if not refused:
+            return set()
+        args = (list(refused), list(refused.values()), self._max_attempts, self._retry_backoff_s)
+        rows = await self._while_leased(
+            outbox, "refusals", len(refused), lease_ends, self._pool.fetch, outbox.refuse_sql, *args
+        )
+        return {row["id"] for row in rows if row["parked"]}
+
+    async def _while_leased(
+        self, outbox: Outbox, what: str, count: int, lease_ends: float, run: Callable[..., Awaitable[T]], *args: Any
+    ) -> T:
+        pause_s = _SETTLE_FIRST_PAUSE_S
+        while True:
+            try:
+                return await run(*args)
+            # "not now" (a lock, a timeout) or no answer; a bug or a schema drift goes up at once
+            except POSTGRES_UNAVAILABLE as exc:
+                # the next try ends before the lease does, or not at all: past it, another relay may publish them
+                next_ends = time.monotonic() + pause_s + (self._statement_s or self._lease_s)
+                if next_ends >= lease_ends or self._pool.is_closing():
+                    raise
+                log.warning(
+                    "%s outbox: the %s of %d rows the broker has answered failed (%s: %s); again in %.1f s, "
+                    "while their lease lasts",
+                    outbox.name,
+                    what,
+                    count,
+                    type(exc).__name__,
+                    exc,
+                    pause_s,
+                    extra={"outbox": outbox.name, "count": count},
+                )
+                await asyncio.sleep(pause_s)
+                pause_s = min(2 * pause_s, _SETTLE_MAX_PAUSE_S)
