@@ -20,7 +20,9 @@ import asyncpg
 import harness
 from redis.asyncio import Redis
 
+from service.config import Settings
 from service.postgres import create_db_pool
+from service.progress.completion import completes, completes_sql
 from service.progress.content import CONTENT_KINDS
 from service.progress.flush.flusher import Flusher
 from service.progress.ingest.buffer import decode_value
@@ -30,13 +32,15 @@ from service.redis_client import connect_redis
 EPOCHS = itertools.count(1)  # each fill's positions differ from the last's
 # the flush's own speed, with no write budget (bench_flush_budget.py measures it with one)
 NO_BUDGET = {"PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0"}
-LESSONS, DURATION_S, MARGIN_S = 10, 600, 10.0  # harness.fill: key i is lesson i % 10 + 1 of user i // 10 + 1
+LESSONS, DURATION_S = 10, 600  # harness.fill: key i is lesson i % 10 + 1 of user i // 10 + 1
+MARGIN_S = Settings.model_fields["progress_completion_margin_seconds"].default  # the flusher's (default)
 # One statement per entry, committed on its own, doing what the service's batch does for one row (known
 # content only, monotonic upsert, completion event once): one statement where save_progress needed several.
-BASELINE_SQL = """
+BASELINE_SQL = f"""
 WITH upserted AS (
     INSERT INTO engagements_lessonprogress AS p (user_id, lesson_id, position, completed_at, created_at, updated_at)
-    SELECT $1::bigint, c.id, $3::float8, CASE WHEN $3::float8 >= c.duration - $5::float8 THEN $4::timestamptz END,
+    SELECT $1::bigint, c.id, $3::float8,
+           CASE WHEN {completes_sql("$3::float8", "c.duration", "$5::float8")} THEN $4::timestamptz END,
            $4::timestamptz, $4::timestamptz
     FROM courses_lesson c WHERE c.id = $2::bigint
     ON CONFLICT (user_id, lesson_id) DO UPDATE SET
@@ -127,7 +131,7 @@ async def verify(how: str, db: asyncpg.Connection, redis: Redis, expected: dict[
     rows = await db.fetch("SELECT lesson_id, user_id, position, completed_at FROM engagements_lessonprogress")
     events = await db.fetch("SELECT content_id, user_id FROM progress_completion_event")
     found = {(r["lesson_id"], r["user_id"]): r["position"] for r in rows}
-    completed = {key for key, position in expected.items() if position >= DURATION_S - MARGIN_S}
+    completed = {key for key, position in expected.items() if completes(position, DURATION_S, MARGIN_S)}
     event_keys = sorted((r["content_id"], r["user_id"]) for r in events)
     completed_rows = {(r["lesson_id"], r["user_id"]) for r in rows if r["completed_at"]}
     if left or found != expected or event_keys != sorted(completed) or completed_rows != completed:

@@ -144,6 +144,12 @@ FLUSH_LAST_SUCCESS = Gauge(
     "When a flush cycle last finished with no failed batch.",
     multiprocess_mode="max",
 )
+# the setting itself, so that alerts.yml counts in intervals and follows the setting (not a copy of its default)
+FLUSH_INTERVAL = Gauge(
+    "progress_flush_interval_seconds",
+    "PROGRESS_FLUSH_INTERVAL_SECONDS of a running flusher (0: none runs in this process).",
+    multiprocess_mode="max",
+)
 
 
 def render_latest() -> tuple[bytes, str]:

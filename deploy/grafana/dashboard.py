@@ -157,14 +157,16 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
         graph("Completions/s", "Completion events created by the flush.", "ops",
               (f"sum by (content_type) (rate(progress_flush_completions_total[{RATE}]))", "{{content_type}}")),
         graph("Lag p50 / p99", "Flush time minus the receive time of a batch's oldest heartbeat "
-              "(ProgressFlushLagHigh: p99 over 120 s for 10 min). Offline syncs count their offline age.", "s",
+              "(ProgressFlushLagHigh: p99 over two flush intervals for 10 min). Offline syncs count their offline "
+              "age.", "s",
               (f"histogram_quantile(0.5, sum by (le) (rate(progress_flush_lag_seconds_bucket[{RATE}])))", "p50"),
               (f"histogram_quantile(0.99, sum by (le) (rate(progress_flush_lag_seconds_bucket[{RATE}])))", "p99"),
-              thresholds=[("green", None), ("orange", 120)]),
-        stat("Age of the last clean flush", "Since a flush cycle last finished with no failed batch "
-             "(ProgressFlushLagging: over 120 s).", "s",
-             ("time() - max(progress_flush_last_success_timestamp_seconds)", "age"),
-             thresholds=[("green", None), ("orange", 120), ("red", 300)]),
+              ("2 * max(progress_flush_interval_seconds)", "two flush intervals")),
+        stat("Age of the last clean flush", "Since a flush cycle last finished with no failed batch, in flush "
+             "intervals (PROGRESS_FLUSH_INTERVAL_SECONDS; ProgressFlushLagging: over 2).", "short",
+             ("(time() - max(progress_flush_last_success_timestamp_seconds))"
+              " / max(progress_flush_interval_seconds)", "intervals"),
+             thresholds=[("green", None), ("orange", 2), ("red", 5)]),
         graph("Failures", "Batches the database refused (requeued), cycles ended by a bug, positions expired "
               "unflushed (lost), entries requeued, heartbeats dropped for unknown users or content, entries "
               "left pending because another session held a row they need (the log names it).", "short",

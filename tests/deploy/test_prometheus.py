@@ -187,6 +187,8 @@ async def test_a_real_prometheus_evaluates_every_dashboard_and_alert_expression(
             await api.wait_until("sum(progress_flush_rows_total) > 0")
             await api.wait_until("sum(progress_flush_completions_total) > 0")
             await api.wait_until("sum(progress_outbox_published_total) > 0")
+            # the interval the flush alerts count in is the setting the pod runs with
+            await api.wait_until("max(progress_flush_interval_seconds) == 0.5")
             await asyncio.sleep(2)
 
             empty = []

@@ -44,6 +44,8 @@ from pathlib import Path
 import asyncpg
 from redis.asyncio import Redis
 
+from service.config import Settings
+from service.progress.completion import completes
 from service.progress.content import CONTENT_KINDS
 from service.progress.flush.backlog import measure_backlog
 from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, parse_member, pending_flush_key
@@ -64,7 +66,7 @@ DEGRADED_TIMEOUT_S = 2.0
 SHUTDOWN_S = 4.0
 DRAIN_S = 1.0  # SHUTDOWN_DRAIN_SECONDS: no load balancer here, the load is told Connection: close
 PUBLISH_TIMEOUT_S = 2.0
-COMPLETION_MARGIN_S = 10.0  # the default
+COMPLETION_MARGIN_S = Settings.model_fields["progress_completion_margin_seconds"].default  # the pods' (default)
 
 
 def service_env(budget: int) -> dict[str, str]:
@@ -113,7 +115,6 @@ BUDGET_CAP_ROWS = 4 * BATCH
 # and a capped budget wait: under 1 s at either size), the final flush (PROGRESS_SHUTDOWN_TIMEOUT), the relay's
 # last pass (publish timeout + 2 s)
 EXIT_S = DRAIN_S + HEARTBEAT_S + STATEMENT_TIMEOUT_S + 1.0 + SHUTDOWN_S + PUBLISH_TIMEOUT_S + 2 + MARGIN_S
-COMPLETES = DURATION_S - COMPLETION_MARGIN_S
 SLACK_S = 0.002  # Postgres keeps µs, the ledger's floats and the ISO times round below a ms
 
 
@@ -561,9 +562,10 @@ def check_final(by_key: dict[Key, list[Op]], final: Final, checks: Checks, start
                     f"row {row[0]}",
                 )
         completed = row is not None and row[2]
-        if any(o.promise and o.position >= COMPLETES for o in ops) and not completed:
+        ends = partial(completes, duration_s=DURATION_S, margin_s=COMPLETION_MARGIN_S)
+        if any(o.promise and ends(o.position) for o in ops) and not completed:
             checks.fail("acknowledged completion lost", f"{key}")
-        if completed and not any(o.position >= COMPLETES for o in ops):
+        if completed and not any(ends(o.position) for o in ops):
             checks.fail("completed without reaching the end", f"{key}")
         if final.events[key] != (1 if completed else 0):
             checks.fail(

@@ -18,6 +18,9 @@ from datetime import datetime
 
 import asyncpg
 
+from service.config import Settings
+from service.progress.completion import completes
+
 # content type -> (progress table, id column, content table): the monolith's own tables
 TABLES = {
     "lesson": ("engagements_lessonprogress", "lesson_id", "courses_lesson"),
@@ -25,7 +28,8 @@ TABLES = {
     "meditation": ("audios_meditationprogress", "meditation_id", "audios_meditation"),
     "live": ("lives_liveprogress", "live_id", "lives_live"),
 }
-MARGIN_S = 10.0  # the monolith's near-end rule, as the service's default PROGRESS_COMPLETION_MARGIN_SECONDS
+# the monolith's near-end rule: the service's, with its default margin
+MARGIN_S = Settings.model_fields["progress_completion_margin_seconds"].default
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ class LegacyWriter:
                 )
                 if after_read is not None:
                     await after_read()
-                completes = read["completed_at"] is None and position >= read["duration"] - MARGIN_S
+                sets_completion = read["completed_at"] is None and completes(position, read["duration"], MARGIN_S)
                 # save(): every field from what was read, updated_at = now() (auto_now)
                 completed_at = await conn.fetchval(
                     f"UPDATE {table} SET position = $3, updated_at = now(), "
@@ -81,8 +85,8 @@ class LegacyWriter:
                     user_id,
                     content_id,
                     position,
-                    completes,
+                    sets_completion,
                     read["completed_at"],
                 )
-            if completes:  # advance_user_journey.delay(...) once the transaction committed
+            if sets_completion:  # advance_user_journey.delay(...) once the transaction committed
                 self.announced.append(Announcement(content_type, content_id, user_id, completed_at))

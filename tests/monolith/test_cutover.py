@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 
 from service.auth import make_token
 from service.config import Settings
+from service.progress.completion import completes
 from tests.helpers import (
     Servers,
     auth,
@@ -168,7 +169,7 @@ async def test_a_canary_beside_the_legacy_task_then_a_rollback_keeps_every_posit
     by_legacy = Counter((a.content_type, a.content_id, a.user_id) for a in legacy.announced)
     legacy_dates = {(a.content_type, a.content_id, a.user_id): a.completed_at for a in legacy.announced}
     assert set(by_service) == set(events), "every completion event reached the monolith's task"
-    reached_end = {key for key, furthest in heartbeats.furthest.items() if furthest >= DURATION_S - MARGIN_S}
+    reached_end = {key for key, furthest in heartbeats.furthest.items() if completes(furthest, DURATION_S, MARGIN_S)}
     completed = {key for key, row in rows.items() if row["completed_at"] is not None}
     assert completed == reached_end, "completed: exactly the keys that reached the end"
     assert reached_end and by_service and by_legacy, "both paths completed some keys"

@@ -95,6 +95,7 @@ class Flusher:
         # Jitter spreads the pods' cycles; a failed cycle is retried sooner, with exponential backoff. A cycle
         # begins an interval after the last one began: one that a locked type held for lock_timeout (its
         # drain waits, the others went on) delays no type's next turn.
+        metrics.FLUSH_INTERVAL.set(self._interval_s)
         await every(
             self._interval_s,
             stop,

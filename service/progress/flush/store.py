@@ -7,6 +7,7 @@ import asyncpg
 
 from service import metrics
 from service.outbox.outboxes import NOTIFY_CHANNEL
+from service.progress.completion import completes_sql
 from service.progress.content import ContentKind
 from service.progress.keys import parse_member
 
@@ -70,7 +71,7 @@ WITH incoming AS (
     FOR UPDATE OF p SKIP LOCKED
 ), known AS (
     SELECT h.content_id, h.user_id, h.position, h.received_at,
-           CASE WHEN h.peak >= c.duration - $5::float8 THEN GREATEST(h.received_at, h.floor_at) END AS completed_at
+           CASE WHEN {completes} THEN GREATEST(h.received_at, h.floor_at) END AS completed_at
     FROM incoming h
     JOIN contents c ON c.id = h.content_id
     JOIN users u ON u.id = h.user_id
@@ -123,7 +124,8 @@ SELECT
 
 def upsert_sql(kind: ContentKind) -> str:
     tables = {"content_table": kind.content_table, "progress_table": kind.progress_table, "id_column": kind.id_column}
-    return _UPSERT_SQL.format(notify_channel=NOTIFY_CHANNEL, **tables)
+    completes = completes_sql("h.peak", "c.duration", "$5::float8")
+    return _UPSERT_SQL.format(notify_channel=NOTIFY_CHANNEL, completes=completes, **tables)
 
 
 async def persist_batch(

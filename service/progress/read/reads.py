@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 from service.config import Settings
 from service.postgres import fetch_stateless
 from service.progress.batching import TurnBatcher, close_all
+from service.progress.completion import completes
 from service.progress.content import CONTENT_KINDS, EPOCH, ContentKind
 from service.progress.ingest.buffer import decode_value
 from service.progress.keys import STANDALONE, KeyLayout
@@ -140,7 +141,7 @@ def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, 
     completed_us = None if completed_at is None else as_us(completed_at)
     if buffered is not None:
         buffered_position, received_us, peak, floor_us = buffered
-        if completed_us is None and peak >= duration_s - margin_s:
+        if completed_us is None and completes(peak, duration_s, margin_s):
             # the time the flush will set
             completed_us = received_us if floor_us is None or floor_us < received_us else floor_us
         if updated_us is None or received_us > updated_us:
