@@ -3,13 +3,14 @@
 The monolith's unchanged workers must run what we send, so the messages are Celery's: protocol 2,
 JSON, an explicit queue and a stable task id. This module never imports the monolith: it knows
 task names, not functions. Celery's client blocks on the network, so every publish runs in a small
-thread pool, one batch per call, with a deadline; the loop that awaits it stays free.
+thread pool, one batch per call, stopped between two messages at its deadline; the loop that awaits
+it stays free.
 """
 
 import asyncio
 import contextvars
 import logging
-import time
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -114,29 +115,38 @@ class CeleryPublisher:
         self._executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="celery-publish")
 
     async def publish(self, messages: Sequence[Message]) -> PublishResult:
-        """Send `messages` in order; stop at the first connection error or at the deadline."""
+        """Send `messages` in order; stop at the first connection error, or at the timeout after the message in hand.
+
+        The timeout stops the thread at the next message boundary, and the call waits for it: what the broker
+        took is always in the answer, so the relay marks it. A send in hand is never cut (whether the broker
+        took it would be unknown): each of its round trips ends within the transport's socket timeout
+        (`_transport_defaults`).
+        """
         if not messages:
             return PublishResult()
         loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + self.timeout_s
+        stop = threading.Event()
+        timer = loop.call_later(self.timeout_s, stop.set)
         # in the caller's context: the publish spans are children of the caller's span (the relay's batch)
         call = loop.run_in_executor(
-            self._executor, contextvars.copy_context().run, self._publish_blocking, list(messages), deadline
+            self._executor, contextvars.copy_context().run, self._publish_blocking, list(messages), stop
         )
         try:
-            # shield: a cancelled caller must not drop the result of sends already made
-            return await asyncio.wait_for(asyncio.shield(call), timeout=self.timeout_s + 1.0)
-        except TimeoutError:
-            # a send stuck in the network: the thread is still in it, so none of the batch is known
-            return PublishResult(unavailable=f"no answer from the broker in {self.timeout_s:g}s", timed_out=True)
+            # shield: a cancelled caller stops the thread at the next message, not in the middle of one
+            return await asyncio.shield(call)
+        finally:
+            timer.cancel()
+            stop.set()
 
-    def _publish_blocking(self, messages: list[Message], deadline: float) -> PublishResult:
+    def _publish_blocking(self, messages: list[Message], stop: threading.Event) -> PublishResult:
         result = PublishResult()
         try:
             with self.app.producer_or_acquire() as producer:
                 for message in messages:
-                    if time.monotonic() > deadline:
-                        result.unavailable = "deadline reached mid-batch"
+                    if stop.is_set():
+                        result.unavailable = (
+                            f"the broker took {len(result.sent)} of {len(messages)} messages in {self.timeout_s:g}s"
+                        )
                         return result
                     try:
                         self._send(producer, message)

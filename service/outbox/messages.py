@@ -22,10 +22,8 @@ class Message:
 class PublishResult:
     sent: list[int] = field(default_factory=list)  # row ids the broker acknowledged
     refused: dict[int, str] = field(default_factory=dict)  # row id -> why the broker will never take it
-    # the broker could not be reached: the rows neither sent nor refused were not published
+    # the broker could not be reached, or not in time: the rows neither sent nor refused were not published
     unavailable: str | None = None
-    # the call outlived its deadline: whether the rest went out is unknown
-    timed_out: bool = False
 
 
 class Publisher(Protocol):

@@ -173,5 +173,5 @@ OUTBOXES = {outbox.name: outbox for outbox in (COMPLETIONS, EMAILS)}
 
 
 def publish_budget_s(publish_timeout_s: float) -> float:
-    """From the start of one batch's publish to its mark: the deadline, the thread's second, the mark."""
+    """From the start of one batch's publish to its mark: the deadline, the message in hand, the mark."""
     return publish_timeout_s + 2.0

@@ -183,11 +183,9 @@ class Relay:
     async def _release(
         self, outbox: Outbox, rows: list[asyncpg.Record], sent: PublishResult, next_rows: list[asyncpg.Record]
     ) -> None:
-        """The broker is unreachable: give back what was claimed and not sent, so it waits unleased."""
+        """The broker is unreachable, or slow: give back what was claimed and not sent, so it waits unleased."""
         done = set(sent.sent) | set(sent.refused)
-        # after a timeout the thread may still be sending this batch: leave it to its lease
-        unsent = [] if sent.timed_out else [row["id"] for row in rows if row["id"] not in done]
-        unsent += [row["id"] for row in next_rows]
+        unsent = [row["id"] for row in rows if row["id"] not in done] + [row["id"] for row in next_rows]
         if unsent:
             await self._pool.execute(outbox.release_sql, unsent)
 
