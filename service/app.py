@@ -115,7 +115,7 @@ def start_publishing(
         background.start("progress-flusher", flusher.run(background.stop))
     publisher = start_publisher(settings, lifecycle) if settings.celery_broker_url else None
     if settings.trial_journey_interval_seconds > 0:
-        background.start("trial-journey-sweep", periodic_sweep(settings, pool, background.stop))
+        background.start("trial-journey-sweep", periodic_sweep(settings, pool, background.stop, budget))
     if settings.relay_enabled and publisher is not None:
         relay = Relay.from_settings(settings, pool, relay_routes(settings, redis, publisher))
         background.start("outbox-relay", relay.run(background.stop))
@@ -159,7 +159,7 @@ async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock 
     checks = dict[str, "asyncio.Task[object]"]()
     lifecycle.started_part("readiness checks", _cancel_all, checks)
     background = BackgroundTasks()
-    budget = FlushBudget.from_settings(settings, redis)  # every row the pod writes: the flush and degraded mode
+    budget = FlushBudget.from_settings(settings, redis)  # every row the pod writes: flush, degraded mode, emails
     pool = None
     if settings.database_url:
         pool = await create_db_pool(settings)

@@ -146,6 +146,7 @@ def trial_emails_command(args: argparse.Namespace) -> int:
 
 
 async def _sweep_once(parts: _Parts) -> int:
+    from service.progress.flush.budget import FlushBudget
     from service.trial_emails.batch import BatchOptions
 
     with Progress("trial-emails run-once", unit="trials") as progress:
@@ -159,6 +160,8 @@ async def _sweep_once(parts: _Parts) -> int:
             options=BatchOptions.from_settings(parts.settings),
             on_batch=show,
             should_stop=parts.stop.is_set,
+            # its reservations are rows of the monolith's table: the fleet's budget, as `flush --once` takes it
+            budget=FlushBudget.from_settings(parts.settings, parts.redis),
         )
     if parts.stop.is_set():
         result["status"] = "stopped"

@@ -15,6 +15,7 @@ from service.outbox.messages import Publisher
 from service.outbox.outboxes import COMPLETIONS, EMAILS
 from service.outbox.relay import Route
 from service.outbox.stream_publisher import StreamPublisher
+from service.progress.flush.budget import FlushBudget
 from service.redis_client import RedisClient
 from service.trial_emails.batch import BatchOptions
 from service.trial_emails.sweep import run_periodic_sweep
@@ -43,10 +44,14 @@ def relay_routes(settings: Settings, redis: RedisClient, publisher: Publisher) -
     return [completion_route(settings, publisher), email_route(settings, emails)]
 
 
-def periodic_sweep(settings: Settings, pool: asyncpg.Pool, stop: asyncio.Event) -> Coroutine[Any, Any, None]:
+def periodic_sweep(
+    settings: Settings, pool: asyncpg.Pool, stop: asyncio.Event, budget: FlushBudget
+) -> Coroutine[Any, Any, None]:
+    """`budget`: the pod's one write budget: the sweep's reservations are rows of the monolith's table too."""
     return run_periodic_sweep(
         pool=pool,
         options=BatchOptions.from_settings(settings),
         interval_s=settings.trial_journey_interval_seconds,
         stop=stop,
+        budget=budget,
     )

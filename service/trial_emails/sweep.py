@@ -10,6 +10,7 @@ import asyncpg
 
 from service import metrics
 from service.loops import every
+from service.progress.flush.budget import FlushBudget
 from service.stores import POSTGRES_FAILED
 from service.trial_emails.batch import BatchOptions, BatchResult, send_trial_journey_emails_batch
 from service.trial_emails.journey import GRACE
@@ -41,11 +42,13 @@ async def sweep_journeys(
     now: datetime | None = None,
     on_batch: OnBatch | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    budget: FlushBudget | None = None,
 ) -> BatchResult:
     """Run send_trial_journey_emails_batch over every trial in its journey; return the summed result.
 
     Correctness does not need a lock: two sweeps at once still enqueue each email once. `should_stop`
-    is checked between batches, so a shutdown finishes the batch in hand and no more.
+    is checked between batches, so a shutdown finishes the batch in hand and no more. `budget`: the
+    write budget every reservation block is taken from (None: unbudgeted).
     """
     if not options.send_email:
         return {"status": "disabled", "user_trials": 0, "sent": 0}
@@ -58,7 +61,7 @@ async def sweep_journeys(
         if not rows:
             break
         ids = [row["id"] for row in rows]
-        result = await send_trial_journey_emails_batch(ids, pool=pool, options=options, now=now)
+        result = await send_trial_journey_emails_batch(ids, pool=pool, options=options, now=now, budget=budget)
         total["user_trials"] += result["user_trials"]
         total["sent"] += result["sent"]
         if on_batch is not None:
@@ -68,7 +71,7 @@ async def sweep_journeys(
 
 
 async def sweep_if_no_other_pod_is(
-    *, pool: asyncpg.Pool, options: BatchOptions, stop: asyncio.Event
+    *, pool: asyncpg.Pool, options: BatchOptions, stop: asyncio.Event, budget: FlushBudget
 ) -> BatchResult | None:
     """One sweep under the advisory lock, or None when another pod holds it.
 
@@ -81,7 +84,7 @@ async def sweep_if_no_other_pod_is(
         if not await lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", SWEEP_LOCK_KEY):
             return None
         try:
-            return await sweep_journeys(pool=pool, options=options, should_stop=stop.is_set)
+            return await sweep_journeys(pool=pool, options=options, should_stop=stop.is_set, budget=budget)
         finally:
             # on a broken connection the server has dropped the lock with the session already; an
             # error here would only hide the one that got us here
@@ -90,9 +93,10 @@ async def sweep_if_no_other_pod_is(
 
 
 async def run_periodic_sweep(
-    *, pool: asyncpg.Pool, options: BatchOptions, interval_s: float, stop: asyncio.Event
+    *, pool: asyncpg.Pool, options: BatchOptions, interval_s: float, stop: asyncio.Event, budget: FlushBudget
 ) -> None:
     """Sweep at start, then every `interval_s` (TRIAL_JOURNEY_INTERVAL_SECONDS), until `stop` (0 disables it).
+    `budget`: the pod's write budget, the flush's and degraded mode's.
 
     A failed sweep is logged and counted, and the next one runs on schedule: the reservations make
     a retry safe, and a database outage must not end the loop.
@@ -103,7 +107,7 @@ async def run_periodic_sweep(
 
     async def sweep() -> bool:
         try:
-            result = await sweep_if_no_other_pod_is(pool=pool, options=options, stop=stop)
+            result = await sweep_if_no_other_pod_is(pool=pool, options=options, stop=stop, budget=budget)
         except POSTGRES_FAILED as exc:
             metrics.TRIAL_JOURNEY_SWEEPS.labels("failed").inc()
             log.exception("trial-journey sweep failed; next in %.0f s", interval_s, extra={"error": repr(exc)})

@@ -3,10 +3,10 @@
 import math
 
 import asyncpg
-from service.progress.store import upsert_sql
 
 from service.progress.completion import completes, completes_sql
 from service.progress.content import CONTENT_KINDS
+from service.progress.flush.store import upsert_sql
 
 DURATIONS = [0, 1, 10, 600, 86_400]  # integer seconds, as the content tables keep them
 MARGINS = [0.0, 1e-9, 0.1, 0.3, 10.0, 10.5, 700.0]  # 700: more than the content lasts

@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from service.compose import periodic_sweep
 from service.config import Settings
+from service.progress.flush.budget import FlushBudget
 from service.trial_emails.batch import BatchOptions, BatchResult
 from service.trial_emails.sweep import SWEEP_LOCK_KEY, sweep_journeys
 from tests.helpers import add_trials, enqueued, metric, relayed, reserved, start_service_command, wait_for
@@ -81,7 +82,9 @@ async def test_the_periodic_sweep_enqueues_once_however_often_it_runs(
     await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=4)
     done_before = metric("progress_trial_journey_sweeps_total", outcome="done")
     stop = asyncio.Event()
-    sweeper = asyncio.create_task(periodic_sweep(every(settings, 0.05), trials_db, stop))
+    sweeper = asyncio.create_task(
+        periodic_sweep(every(settings, 0.05), trials_db, stop, FlushBudget.from_settings(settings, redis))
+    )
     try:
         await wait_for(lambda: done_above(done_before + 3))
     finally:
@@ -101,7 +104,9 @@ async def test_the_periodic_sweep_waits_while_another_pod_holds_the_lock(
     stop = asyncio.Event()
     async with trials_db.acquire() as other_pod:
         await other_pod.execute("SELECT pg_advisory_lock($1)", SWEEP_LOCK_KEY)
-        sweeper = asyncio.create_task(periodic_sweep(every(settings, 0.05), trials_db, stop))
+        sweeper = asyncio.create_task(
+            periodic_sweep(every(settings, 0.05), trials_db, stop, FlushBudget.from_settings(settings, redis))
+        )
         try:
             await wait_for(lambda: locked_above(locked_before + 1))
             assert await reserved(trials_db) == set()
@@ -126,7 +131,9 @@ async def test_the_periodic_sweep_survives_a_failed_sweep_and_stops_on_request(
             transaction = migration.transaction()
             await transaction.start()
             await migration.execute("LOCK TABLE emails_emaildispatch IN ACCESS EXCLUSIVE MODE")
-            sweeper = asyncio.create_task(periodic_sweep(every(settings, 0.5), impatient, stop))
+            sweeper = asyncio.create_task(
+                periodic_sweep(every(settings, 0.5), impatient, stop, FlushBudget.from_settings(settings, redis))
+            )
             await wait_for(lambda: failed_above(failed_before))
             await transaction.rollback()
         await wait_for(lambda: done_above(done_before))  # the loop went on after the failure
@@ -146,7 +153,10 @@ async def test_an_interval_of_zero_disables_the_periodic_sweep(
     trials_db: asyncpg.Pool, redis: Redis, settings: Settings
 ) -> None:
     await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=1)
-    await asyncio.wait_for(periodic_sweep(every(settings, 0), trials_db, asyncio.Event()), timeout=1)
+    await asyncio.wait_for(
+        periodic_sweep(every(settings, 0), trials_db, asyncio.Event(), FlushBudget.from_settings(settings, redis)),
+        timeout=1,
+    )
     assert await reserved(trials_db) == set()
 
 

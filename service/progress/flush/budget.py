@@ -1,6 +1,6 @@
 """The fleet's write budget: rows per second for every row every pod writes to the monolith's tables.
 
-The flush and degraded mode draw from it alike. A GCRA (a token bucket kept as one "theoretical
+The flush, degraded mode and the emails draw from it alike. A GCRA (a token bucket kept as one "theoretical
 arrival time"): each batch reserves its rows with one script call and waits until its reservation
 starts. Reservations follow one another on the server's clock (TIME), not the pods' clocks, so a
 backlog drains at the budget's pace, evenly, whatever the number of pods. The key lives on one hash
