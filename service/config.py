@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     # 0: a pod starts (and serves heartbeats) while Postgres is still down
     database_pool_min_size: int = Field(0, ge=0)
     # `serve` checks that it holds every part's share at once (Settings.check_pool_shares)
-    database_pool_max_size: int = Field(16, ge=1)
+    database_pool_max_size: int = Field(20, ge=1)
     # a wait for a pool connection (connecting one included) past which Postgres is unavailable to that caller;
     # the reads and the syncs wait 1 s at most, degraded mode its request's deadline
     database_pool_acquire_timeout_seconds: float = Field(5.0, gt=0)
@@ -269,8 +269,9 @@ class Settings(BaseSettings):
             "DEGRADED_MAX_CONCURRENCY": self.degraded_max_concurrency,
             f"{READ_LANES} x PROGRESS_READ_BATCHES_IN_FLIGHT": READ_LANES * self.progress_read_batches_in_flight,
             "SYNC_MAX_CONCURRENCY": self.sync_max_concurrency,
+            "CONTENT_CATALOG_ENABLED (a lookup per type)": READ_LANES if self.content_catalog_enabled else 0,
         }
-        # the relay, the trial-journey sweep, the door's catalog and the probes share what is left
+        # the relay, the trial-journey sweep, the catalog's snapshot and the probes share what is left
         needed = sum(shares.values()) + 1
         if self.database_pool_max_size < needed:
             parts = " + ".join(f"{name} ({count})" for name, count in shares.items() if count)

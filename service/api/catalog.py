@@ -1,12 +1,15 @@
 """Known content at the door: a heartbeat for an id that does not exist is refused before any write.
 
 The guarantee: a known id costs no round trip (a bisect in a sorted in-memory array); an unknown
-id costs at most one query per id and cache period, shared by every concurrent request naming it;
-and an id whose lookup fails or times out (Postgres unreachable, its content table locked) is accepted
-(and counted), so an outage never costs a real heartbeat. A failed lookup answers for its own id only:
-every other id, of any type, still gets its own lookup. Content published since the last snapshot is
-found by the lookup at once, and within about a second when it was asked about before it existed: an
-"unknown" answer is kept at most UNKNOWN_ANSWER_TTL_S, a known one for the configured cache period.
+id is looked up once per cache period, that lookup shared by every concurrent request naming it; and an
+id whose lookup fails or times out (Postgres unreachable, its content table locked) is accepted (and
+counted), so an outage never costs a real heartbeat. A failed lookup answers for its own id only:
+every other id, of any type, still gets its own lookup. The lookups of a type go as the reads do (a
+TurnBatcher): one query at a time on one connection, with every id that waited for it, so a locked
+table holds one connection, its own type's share of the pool, and nothing of the others'.
+Content published since the last snapshot is found by the lookup at once, and within about a second
+when it was asked about before it existed: an "unknown" answer is kept at most UNKNOWN_ANSWER_TTL_S,
+a known one for the configured cache period.
 """
 
 import asyncio
@@ -15,22 +18,26 @@ import time
 from array import array
 from bisect import bisect_left
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
 
 import asyncpg
 
 from service import metrics
 from service.config import Settings
 from service.loops import every
+from service.progress.batching import TurnBatcher, close_all
 from service.progress.content import CONTENT_KINDS, ContentKind
-from service.progress.ingest.known_content import exists, load_ids
+from service.progress.ingest.known_content import existing, load_ids
 from service.stores import POSTGRES_FAILED
 
 log = logging.getLogger(__name__)
 
 # after a failed lookup, its id is accepted without asking for this long: an outage must not cost each of
-# its heartbeats a connection attempt (other ids are still asked: CATALOG_MAX_LOOKUPS bounds them)
+# its heartbeats a connection attempt (other ids are still asked, a type's in one query at a time)
 _DB_RETRY_S = 1.0
-# answers for ids outside the snapshot (~100 bytes each), and distinct ids looked up at once
+# answers for ids outside the snapshot (~100 bytes each), and distinct ids of a type waiting for a lookup
+# (and looked up in one query)
 CATALOG_MAX_ANSWERS = 100_000
 CATALOG_MAX_LOOKUPS = 64
 # a lesson asked about a moment before the monolith created it must not be refused for the whole cache
@@ -39,7 +46,13 @@ UNKNOWN_ANSWER_TTL_S = 1.0
 
 
 class LookupsSaturated(Exception):
-    """Too many distinct unknown ids are being looked up at once; the request may retry."""
+    """Too many distinct unknown ids of a type wait for their lookup; the request may retry."""
+
+
+@dataclass(slots=True)
+class _Lookup:
+    content_id: int
+    known: bool = False
 
 
 class ContentCatalog:
@@ -70,13 +83,25 @@ class ContentCatalog:
         self._lookup_timeout_s = lookup_timeout_s
         self._answer_ttl_s = answer_ttl_s
         self._max_answers = max_answers
-        self._max_lookups = max_lookups
         self._clock = clock
         self._known: dict[str, array[int]] = {}  # per content type, ascending; replaced whole by refresh()
         # recent answers for ids not in the snapshot: (known, valid until), known None when the lookup failed (the
         # id accepted unverified); the oldest inserted go first
         self._answers: dict[tuple[str, int], tuple[bool | None, float]] = {}
         self._lookups: dict[tuple[str, int], asyncio.Task[bool | None]] = {}
+        self._batchers: dict[str, TurnBatcher[_Lookup]] = {
+            kind.name: TurnBatcher(
+                partial(self._send, kind),
+                interrupted=lambda: ConnectionError("the lookup was interrupted"),
+                max_in_flight=1,
+                max_batch=max_lookups,
+                max_waiting=max_lookups,
+                # a backstop: each lookup's own deadline (_query) ends its wait first
+                max_wait_s=2 * lookup_timeout_s,
+                overloaded=lambda why: LookupsSaturated(f"content lookups waiting: {why}"),
+            )
+            for kind in CONTENT_KINDS
+        }
         self._failure_logged_until = 0.0  # one line per _DB_RETRY_S: an outage fails every unknown id's lookup
         self._unverified = {kind.name: metrics.CATALOG_UNVERIFIED.labels(kind.name) for kind in CONTENT_KINDS}
 
@@ -96,8 +121,6 @@ class ContentCatalog:
         key = (kind.name, content_id)
         task = self._lookups.get(key)
         if task is None:
-            if len(self._lookups) >= self._max_lookups:
-                raise LookupsSaturated(f"{len(self._lookups)} content lookups in flight")
             task = asyncio.create_task(self._query(kind, content_id), name=f"catalog-lookup-{kind.name}")
             # the handle lives in _lookups until the query ends; every waiter awaits it
             self._lookups[key] = task
@@ -109,9 +132,11 @@ class ContentCatalog:
     async def _query(self, kind: ContentKind, content_id: int) -> bool | None:
         """The answer, cached; None when Postgres could not answer (that id is then accepted for _DB_RETRY_S)."""
         key = (kind.name, content_id)
+        lookup = _Lookup(content_id)
         try:
+            # the wait for the type's query included: a locked table holds no request longer than this
             async with asyncio.timeout(self._lookup_timeout_s):
-                known = await exists(self._pool, kind, content_id, timeout_s=self._lookup_timeout_s)
+                await self._batchers[kind.name].submit(lookup)
         except POSTGRES_FAILED as exc:
             self._remember(key, None, _DB_RETRY_S)
             if self._clock() >= self._failure_logged_until:
@@ -125,8 +150,17 @@ class ContentCatalog:
                     extra={"content_type": kind.name},
                 )
             return None
+        known = lookup.known
         self._remember(key, known, self._answer_ttl_s if known else min(self._answer_ttl_s, UNKNOWN_ANSWER_TTL_S))
         return known
+
+    async def _send(self, kind: ContentKind, lookups: list[_Lookup]) -> list[BaseException | None]:
+        found = await existing(
+            self._pool, kind, [lookup.content_id for lookup in lookups], timeout_s=self._lookup_timeout_s
+        )
+        for lookup in lookups:
+            lookup.known = lookup.content_id in found
+        return [None] * len(lookups)
 
     def _remember(self, key: tuple[str, int], known: bool | None, ttl_s: float) -> None:
         self._answers.pop(key, None)  # re-inserted at the end: the newest answer goes last
@@ -166,3 +200,4 @@ class ContentCatalog:
         for task in list(self._lookups.values()):
             task.cancel()
         await asyncio.gather(*self._lookups.values(), return_exceptions=True)
+        await close_all(self._batchers.values())

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import asyncpg
+import httpx
 import pytest
 from redis.asyncio import Redis
 
@@ -94,13 +95,13 @@ async def test_content_created_after_a_404_is_accepted_within_a_second(
 def queries(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The content ids the catalog looks up in Postgres, in order (each lookup still runs)."""
     looked_up: list[int] = []
-    real_exists = catalog_module.exists
+    real_existing = catalog_module.existing
 
-    async def counted(pool: asyncpg.Pool, kind: object, content_id: int, *, timeout_s: float) -> bool:
-        looked_up.append(content_id)
-        return await real_exists(pool, kind, content_id, timeout_s=timeout_s)  # type: ignore[arg-type]
+    async def counted(pool: asyncpg.Pool, kind: object, content_ids: list[int], *, timeout_s: float) -> set[int]:
+        looked_up.extend(content_ids)
+        return await real_existing(pool, kind, content_ids, timeout_s=timeout_s)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(catalog_module, "exists", counted)
+    monkeypatch.setattr(catalog_module, "existing", counted)
     return looked_up
 
 
@@ -375,9 +376,11 @@ async def test_lookup_answers_expire_and_lookups_are_bounded(db: asyncpg.Pool) -
     for content_id in (6, 7, 8):
         await catalog.is_known(LESSON, content_id)  # type: ignore[misc]
     assert len(catalog._answers) == 2  # bounded: the oldest answers go first
-    saturated = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=2, max_lookups=0)
-    with pytest.raises(LookupsSaturated):
-        await saturated.is_known(LESSON, 9)  # type: ignore[misc]
+    await catalog.aclose()
+    saturated = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=2, max_lookups=1)
+    with pytest.raises(LookupsSaturated):  # two distinct ids of a type waiting at once, one allowed
+        await asyncio.gather(saturated.is_known(LESSON, 9), saturated.is_known(LESSON, 10))  # type: ignore[arg-type]
+    await saturated.aclose()
 
 
 async def test_a_read_with_two_authorization_headers_is_401(door: Settings, db: asyncpg.Pool, token: str) -> None:
@@ -474,3 +477,62 @@ async def test_with_redis_down_a_burst_costs_live_users_nothing_and_only_201s_ar
     }
     assert rows == {key: position for key, position in last_201.items() if position is not None}
     assert rows[(21, 21)] == 600.0 and len(rows) == 21
+
+
+@pytest.mark.regression
+@pytest.mark.slow
+async def test_a_locked_lesson_table_flooded_with_made_up_ids_costs_audio_nothing(
+    door: Settings, db: asyncpg.Pool, redis: Redis
+) -> None:
+    """Found by an outside attack (the catalog x the pool): `courses_lesson` locked and made-up lesson ids at 150 a
+    second, and audio got 503s: each lookup held one of the pool's connections for its timeout, 64 at once against
+    16, so the other types' lookups, reads (and degraded writes) found none. Now a type's lookups go in one query
+    at a time on one connection: audio published since the snapshot is still looked up (201), made-up audio ids
+    are still refused (404), and audio reads answer."""
+    await seed(db, users=4, contents=4)
+    lessons: list[asyncio.Task[httpx.Response]] = []
+    audio: list[tuple[str, int]] = []
+    async with running_app(door) as (_, client):
+        # published after the pod's snapshot: each id is looked up
+        await db.execute(
+            "INSERT INTO audios_audio (id, title, duration) SELECT i, 'new', 600 FROM generate_series(100, 199) i"
+        )
+        before = unverified("audio")
+        async with db.acquire() as locker, locker.transaction():
+            await locker.execute("LOCK TABLE courses_lesson IN ACCESS EXCLUSIVE MODE")
+
+            async def flood() -> None:  # 150 made-up lesson ids a second, each from a user of its own
+                for i in range(375):
+                    heartbeat = {"lesson_id": 6_000_001 + i, "position": 1}
+                    token = make_token(door, 1000 + i)
+                    lessons.append(
+                        asyncio.create_task(
+                            client.post("/engagements/progress/lesson", json=heartbeat, headers=auth(token))
+                        )
+                    )
+                    await asyncio.sleep(1 / 150)
+
+            async def listen(user_id: int) -> None:  # every 0.2 s: a new audio, a made-up one, a read
+                headers = auth(make_token(door, user_id))
+                for i in range(12):
+                    audio_id = 100 + 25 * (user_id - 1) + i
+                    new = await client.post(
+                        "/audios/progress", json={"audio_id": audio_id, "position": 1}, headers=headers
+                    )
+                    made_up = await client.post(
+                        "/audios/progress", json={"audio_id": 7_000_000 + audio_id, "position": 1}, headers=headers
+                    )
+                    read = await client.get(f"/progress/audio/{audio_id}", headers=headers)
+                    audio.extend(
+                        [("new", new.status_code), ("made up", made_up.status_code), ("read", read.status_code)]
+                    )
+                    await asyncio.sleep(0.2)
+
+            await asyncio.gather(flood(), *(listen(user_id) for user_id in range(1, 5)))
+        await asyncio.gather(*lessons, return_exceptions=True)
+    assert {answer: audio.count(answer) for answer in set(audio)} == {
+        ("new", 201): 48,
+        ("made up", 404): 48,
+        ("read", 200): 48,
+    }
+    assert unverified("audio") == before  # each audio id answered by its own lookup, none accepted unverified

@@ -198,13 +198,14 @@ async def test_past_the_sync_bound_a_sync_waits_a_second_then_gets_a_503_with_re
 
 @pytest.mark.regression
 def test_serve_refuses_a_pool_too_small_to_hold_every_part_at_once(settings: Settings) -> None:
-    serving = settings.model_copy(update={"progress_flusher_enabled": True})
-    serving.check_can_serve()  # the defaults: 4 drains + 4 degraded + 4 read lanes + 2 syncs + 1 <= 16
-    small = serving.model_copy(update={"database_pool_max_size": 14})
-    names = "PROGRESS_FLUSH_CONCURRENCY.*DEGRADED_MAX_CONCURRENCY.*PROGRESS_READ_BATCHES_IN_FLIGHT.*SYNC_MAX"
-    with pytest.raises(ConfigError, match=f"DATABASE_POOL_MAX_SIZE=14 is too small: {names}.* to 15 or more"):
+    serving = settings.model_copy(update={"progress_flusher_enabled": True, "content_catalog_enabled": True})
+    # the defaults: 4 drains + 4 degraded + 4 read lanes + 2 syncs + 4 lookups (one per content type) + 1 <= 20
+    serving.check_can_serve()
+    small = serving.model_copy(update={"database_pool_max_size": 18})
+    names = "PROGRESS_FLUSH_CONCURRENCY.*DEGRADED_MAX_CONCURRENCY.*PROGRESS_READ_BATCHES_IN_FLIGHT.*SYNC_MAX.*CATALOG"
+    with pytest.raises(ConfigError, match=f"DATABASE_POOL_MAX_SIZE=18 is too small: {names}.* to 19 or more"):
         create_app(small)
-    # an API-only pod keeps no share for a flusher it does not run
+    # an API-only pod keeps no share for a flusher it does not run, nor one without a catalog for its lookups
     settings.model_copy(update={"database_pool_max_size": 11}).check_can_serve()
     assert READ_LANES == len(CONTENT_KINDS)
 

@@ -22,8 +22,8 @@ FROM (SELECT id FROM {content_table} WHERE id > $1 ORDER BY id LIMIT $2) AS page
 # The catalog's size for `status`: an index-only scan of the primary key (content tables hold thousands of rows).
 _COUNT_SQL = "SELECT count(*) FROM {content_table}"
 
-# A single id not in the snapshot (content published since the last refresh, or a made-up id).
-_EXISTS_SQL = "SELECT EXISTS (SELECT 1 FROM {content_table} WHERE id = $1)"
+# Ids not in the snapshot (content published since the last refresh, or made up), a batch in one query.
+_EXISTING_SQL = "SELECT coalesce(array_agg(id), '{{}}') FROM {content_table} WHERE id = ANY($1::bigint[])"
 
 
 async def load_ids(pool: asyncpg.Pool, kind: ContentKind, *, page_size: int = _PAGE_SIZE) -> "array[int]":
@@ -39,10 +39,10 @@ async def load_ids(pool: asyncpg.Pool, kind: ContentKind, *, page_size: int = _P
         after = page[-1]
 
 
-async def exists(pool: asyncpg.Pool, kind: ContentKind, content_id: int, *, timeout_s: float) -> bool:
-    return bool(
-        await pool.fetchval(_EXISTS_SQL.format(content_table=kind.content_table), content_id, timeout=timeout_s)
-    )
+async def existing(pool: asyncpg.Pool, kind: ContentKind, content_ids: list[int], *, timeout_s: float) -> set[int]:
+    """Those of `content_ids` that exist."""
+    sql = _EXISTING_SQL.format(content_table=kind.content_table)
+    return set(await pool.fetchval(sql, content_ids, timeout=timeout_s))
 
 
 async def count_ids(conn: asyncpg.Connection | asyncpg.Pool, kind: ContentKind) -> int:
