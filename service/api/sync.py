@@ -46,7 +46,7 @@ class ProgressSync:
         offline: OfflineSync | None,
         *,
         authenticator: Authenticator,
-        max_body_bytes: int,
+        max_body_bytes: int = 262_144,  # larger: 413 (500 items, the most a sync takes, are about 60 KiB)
         body_read_timeout_s: float = 10.0,
     ) -> None:
         self.offline = offline  # None: no database (DATABASE_URL), every sync is a 503

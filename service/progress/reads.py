@@ -25,7 +25,6 @@ from typing import TypeAlias
 import asyncpg
 from redis.exceptions import RedisError
 
-from service.config import Settings
 from service.postgres import fetch_stateless
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.buffer import decode_value
@@ -179,25 +178,13 @@ class ProgressReader:
     MAX_WAIT_S, or finds MAX_WAITING_LOOKUPS waiting, raises ReadsWaiting.
     """
 
-    @classmethod
-    def from_settings(
-        cls, settings: Settings, redis: RedisClient, pool: asyncpg.Pool, layout: KeyLayout
-    ) -> "ProgressReader":
-        return cls(
-            redis,
-            pool,
-            margin_s=settings.progress_completion_margin_seconds,
-            batches_in_flight=settings.progress_read_batches_in_flight,
-            layout=layout,
-        )
-
     def __init__(
         self,
         redis: RedisClient,
         pool: asyncpg.Pool,
         *,
         margin_s: float,
-        batches_in_flight: int,
+        batches_in_flight: int = 1,
         layout: KeyLayout = STANDALONE,
     ) -> None:
         self._redis = redis

@@ -25,7 +25,7 @@ from functools import partial
 import asyncpg
 
 from service import metrics
-from service.config import Settings
+from service.config import DEGRADED_CONNECTIONS, DegradedSettings
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.budget import FlushBudget
 from service.progress.buffer import PositionWriter
@@ -64,15 +64,12 @@ def _over_budget() -> Unavailable:
 
 class DirectWriter:
     @classmethod
-    def from_settings(cls, settings: Settings, pool: asyncpg.Pool, budget: FlushBudget) -> "DirectWriter":
-        return cls(
-            pool,
-            budget=budget,
-            margin_s=settings.progress_completion_margin_seconds,
-            max_concurrency=settings.degraded_max_concurrency,
-        )
+    def from_settings(cls, settings: DegradedSettings, pool: asyncpg.Pool, budget: FlushBudget) -> "DirectWriter":
+        return cls(pool, budget=budget, margin_s=settings.margin_s)
 
-    def __init__(self, pool: asyncpg.Pool, *, budget: FlushBudget, margin_s: float, max_concurrency: int) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, *, budget: FlushBudget, margin_s: float, max_concurrency: int = DEGRADED_CONNECTIONS
+    ) -> None:
         self._pool = pool
         self._budget = budget
         self._margin_s = margin_s
@@ -158,14 +155,14 @@ class DirectWriter:
 class HeartbeatSink:
     @classmethod
     def from_settings(
-        cls, settings: Settings, writer: PositionWriter, pool: asyncpg.Pool | None, budget: FlushBudget
+        cls, settings: DegradedSettings, writer: PositionWriter, pool: asyncpg.Pool | None, budget: FlushBudget
     ) -> "HeartbeatSink":
         """Redis through `writer`; without a database (`pool` None), no degraded mode."""
         return cls(
             writer,
-            None if pool is None else DirectWriter.from_settings(settings, pool, budget),
-            redis_retry_s=settings.degraded_redis_retry_seconds,
-            direct_timeout_s=settings.degraded_write_timeout_seconds,
+            None if pool is None else DirectWriter(pool, budget=budget, margin_s=settings.margin_s),
+            redis_retry_s=settings.redis_retry_s,
+            direct_timeout_s=settings.write_timeout_s,
         )
 
     def __init__(

@@ -14,21 +14,16 @@ from typing import Literal, TypedDict
 import asyncpg
 
 from service import checkpoints, metrics
-from service.config import Settings
 from service.trial_emails.reservations import Pair, load_sent_keys, load_trials, pending_reservations, reserve_block
 
 
 @dataclass(frozen=True, slots=True)
 class BatchOptions:
-    """The numbers of a batch, from the settings named in the comments."""
+    """The numbers of a batch."""
 
     send_email: bool  # SEND_EMAIL: false, nothing is reserved or sent
-    batch_size: int  # JOURNEY_BATCH_SIZE: the most trials one call may be given
-    block_size: int  # RESERVATION_BLOCK_SIZE: pairs reserved per statement
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> "BatchOptions":
-        return cls(settings.send_email, settings.journey_batch_size, settings.reservation_block_size)
+    batch_size: int = 200  # the most trials one call may be given (one sweep's page)
+    block_size: int = 200  # pairs reserved per statement (one INSERT ... RETURNING)
 
 
 class BatchResult(TypedDict):

@@ -82,7 +82,6 @@ def service_env(budget: int) -> dict[str, str]:
         "DEGRADED_WRITE_TIMEOUT_SECONDS": str(DEGRADED_TIMEOUT_S),
         "DEGRADED_REDIS_RETRY_SECONDS": "0.5",
         # a pod restarted while a content table is locked has no snapshot: it has one again within seconds
-        "CONTENT_CATALOG_REFRESH_SECONDS": "5",
         "TRIAL_JOURNEY_INTERVAL_SECONDS": "0",
         "CELERY_PUBLISH_TIMEOUT_SECONDS": str(PUBLISH_TIMEOUT_S),
         "RELAY_LEASE_SECONDS": "5",
