@@ -105,9 +105,7 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
 @harness.main(events=10_000, rate=200, seconds=15.0, repeats=3, worker_threads=4)
 def main(args: harness.Namespace) -> None:
     with harness.servers("relay", postgres=True, durable=True) as s:
-        settings = harness.settings(
-            s, CELERY_BROKER_URL=s.redis_url, RELAY_POLL_INTERVAL_SECONDS="1"
-        )
+        settings = harness.settings(s, CELERY_BROKER_URL=s.redis_url, RELAY_POLL_INTERVAL_SECONDS="1")
 
         async def measure() -> tuple[dict[str, list[float]], tuple[list[float], ...]]:
             await harness.seed(s.database_url, users=int(args.rate * args.seconds), contents=1)

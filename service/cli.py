@@ -37,7 +37,7 @@ DEV_JWT_SECRET = "dev-only-secret-not-for-production"
 
 
 # after the drain, how long uvicorn waits for the requests in flight before cancelling them (each is bounded well
-# below it: BODY_READ_TIMEOUT_SECONDS for a slow body, the stores' deadlines); deploy/k8s's grace period counts it
+# below it: 10 s for a slow body, the stores' deadlines); deploy/k8s's grace period counts it
 IN_FLIGHT_TIMEOUT_S = 30
 
 

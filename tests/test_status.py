@@ -129,9 +129,7 @@ async def test_the_screen_is_plain_text_with_every_section(
     servers: Servers, redis: Redis, db: asyncpg.Pool, extra: dict[str, str]
 ) -> None:
     await write(redis, "lesson", 1, 1, 1.0)
-    process = await start_service_command(
-        "status", env=flusher_env(servers, **extra)
-    )
+    process = await start_service_command("status", env=flusher_env(servers, **extra))
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
     screen = stdout.decode()
 

@@ -2,7 +2,7 @@
 
 One request carries up to SYNC_MAX_ITEMS positions heard offline (`service/progress/sync.py` settles
 them). Request rates are the API gateway's to limit, as for the heartbeats (docs/deploy.md); what a
-sync costs the database is bounded here by SYNC_MAX_CONCURRENCY.
+sync costs the database is bounded here by SYNC_CONNECTIONS (2).
 """
 
 import functools

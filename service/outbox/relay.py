@@ -12,7 +12,7 @@ its flush, and polls every RELAY_POLL_INTERVAL_SECONDS in case a notification wa
 needs a real session: behind PgBouncer in transaction mode point RELAY_LISTEN_DATABASE_URL at
 the primary, or poll only). Broker unreachable: rows wait, the relay backs off exponentially,
 the age of the oldest owed row shows the lag; a temporary answer (BUSY, LOADING, throttling) is the
-same outage. A row the broker refuses is retried with a doubling backoff (OUTBOX_RETRY_BACKOFF_SECONDS
+same outage. A row the broker refuses is retried with a doubling backoff (45 s
 first) and parked only after OUTBOX_MAX_ATTEMPTS refusals, about a day with the defaults.
 """
 

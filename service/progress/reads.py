@@ -2,7 +2,7 @@
 
 A read costs one Redis MGET of the value keys and one query of the rows, whatever the number of
 ids; the reads of one type in one event-loop turn share both, and so do those that wait while
-PROGRESS_READ_BATCHES_IN_FLIGHT batches of their type are out. The answer is what the next flush
+one batch of their type are out. The answer is what the next flush
 will leave in Postgres, before it runs:
 - the position and `updated_at` of the buffered value when it was received after the row's
   `updated_at` (the flush's upsert only moves forward the same way), else the row's;

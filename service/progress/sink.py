@@ -5,7 +5,7 @@ statement (monotonic upsert, completion, one event), stamped by the database's c
 written directly and an older one still in Redis settle the same way whichever lands last. It draws
 from the fleet's write budget like the flush (service/progress/budget.py): with Redis down, each pod
 keeps to its local share, and a batch that does not fit within its requests' deadline is answered 503
-at once. Its statements take at most DEGRADED_MAX_CONCURRENCY of the pool's connections: the flush,
+at once. Its statements take at most 4 (DEGRADED_CONNECTIONS) of the pool's connections: the flush,
 the reads and the relay keep theirs. On a Redis Cluster it is per node: only the heartbeats of an
 unreachable master's slots go to Postgres; the others stay on Redis.
 

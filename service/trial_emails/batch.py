@@ -43,7 +43,7 @@ async def send_trial_journey_emails_batch(
     if not options.send_email:
         return {"status": "disabled", "user_trials": 0, "sent": 0}
     if len(user_trial_ids) > options.batch_size:
-        raise ValueError(f"{len(user_trial_ids)} trials in one batch; JOURNEY_BATCH_SIZE is {options.batch_size}")
+        raise ValueError(f"{len(user_trial_ids)} trials in one batch; at most {options.batch_size}")
     now = now or datetime.now(UTC)
     async with pool.acquire() as conn:
         trials = await load_trials(conn, user_trial_ids)

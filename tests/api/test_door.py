@@ -72,7 +72,7 @@ async def test_content_published_a_moment_ago_is_accepted_at_once(
 async def test_content_created_after_a_404_is_accepted_within_a_second(
     door: Settings, db: asyncpg.Pool, redis: Redis, token: str
 ) -> None:
-    """A cached "unknown" never outlives ~1 s, whatever CONTENT_CATALOG_CACHE_SECONDS (default: 10 s)."""
+    """A cached "unknown" never outlives ~1 s, whatever ANSWER_TTL_S (10 s)."""
     await seed(db, users=7, contents=1)
     assert ANSWER_TTL_S > 1.2
     body = {"lesson_id": 5000, "position": 3}

@@ -158,7 +158,7 @@ async def test_one_sync_cannot_date_completions_further_back_than_the_window(
     client: httpx.AsyncClient, settings: Settings, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
 ) -> None:
     """29 items at the end, listened 1..29 days ago: applied (offline progress is not lost), each row dated when
-    it was heard, but every completion and event at most SYNC_MAX_BACKDATE_HOURS before the request."""
+    it was heard, but every completion and event at most 6 h before the request."""
     await seed(db, users=7, contents=29, duration_s=600)
     window_ms = MAX_BACKDATE_S * 1000
     assert window_ms == 6 * 3_600_000  # the default
@@ -222,7 +222,7 @@ async def test_of_two_old_offline_listens_the_later_heard_stands_whichever_is_se
 async def test_a_completion_heard_30_hours_ago_is_dated_within_the_window_and_its_row_when_heard(
     client: httpx.AsyncClient, settings: Settings, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
 ) -> None:
-    """The completion's date is bounded (receipt - SYNC_MAX_BACKDATE_HOURS), the position's order is not: the
+    """The completion's date is bounded (receipt - 6 h), the position's order is not: the
     row's updated_at is when the listen happened, and the read before the flush answers what the flush writes."""
     await seed(db, users=7, duration_s=600)
     window_ms = MAX_BACKDATE_S * 1000

@@ -735,7 +735,7 @@ def check_requests(
                 fail("read 503 without Retry-After", where)  # openapi.yaml documents it for the reads' 503
             # a 503 answered up to a margin after its fault ended still belongs to it
             active = [f for f in faults if f.start <= r["t1"] and r["t0"] <= f.end + 1.0 + MARGIN_S]
-            # a sync past SYNC_MAX_CONCURRENCY's wait is shed by design (503, Retry-After: 1), whatever slowed the
+            # a sync past SYNC_CONNECTIONS (2)'s wait is shed by design (503, Retry-After: 1), whatever slowed the
             # syncs at the database: the storms send 10 at once against 2 slots per pod
             shed = route == "sync" and r["retry_after"] and bool(active)
             if not shed and not any(explains_503(f, r) for f in active):
