@@ -62,7 +62,9 @@ def main(args: harness.Namespace) -> None:
         primaries = s.stack.enter_context(RedisCluster.from_url(cluster.url)).get_primaries()
         masters = [Redis(host=n.host, port=n.port) for n in primaries]
         standalone = s.stack.enter_context(Redis.from_url(s.redis_url))
-        sharded = KeyLayout.from_settings(Settings(redis_cluster=True))  # the layout `serve` runs with on the cluster
+        sharded = KeyLayout.from_settings(
+            Settings(redis_cluster=True).redis
+        )  # the layout `serve` runs with on the cluster
         setups: dict[str, tuple[Callable[[], Any], KeyLayout, list[Redis]]] = {
             "standalone": (lambda: AsyncRedis.from_url(s.redis_url), KeyLayout(), [standalone]),
             "cluster": (lambda: AsyncRedisCluster.from_url(cluster.url), sharded, masters),

@@ -44,7 +44,7 @@ def monolith_worker(s: harness.Servers, broker_url: str, threads: int) -> harnes
 
 def bare_loop(settings: Settings, count: int) -> float:
     """Seconds for `count` send_task calls, one thread, one producer: nothing but Celery's client."""
-    with closing(publisher_from_settings(settings)) as publisher, publisher.app.producer_or_acquire() as producer:
+    with closing(publisher_from_settings(settings.relay)) as publisher, publisher.app.producer_or_acquire() as producer:
         publisher.app.send_task("bench.warmup", kwargs={}, queue="bench-bare", producer=producer)
         started = time.perf_counter()  # the producer connected before the clock starts
         send = partial(publisher.app.send_task, queue="bench-bare", serializer="json", producer=producer)
@@ -56,8 +56,8 @@ def bare_loop(settings: Settings, count: int) -> float:
 async def relay_drain(settings: Settings, pool: asyncpg.Pool, count: int) -> float:
     await pool.execute("TRUNCATE progress_completion_event")
     await pool.execute(EVENTS_SQL, count)
-    with closing(publisher_from_settings(settings)) as publisher:
-        relay = Relay.from_settings(settings, pool, [completion_route(settings, publisher)])
+    with closing(publisher_from_settings(settings.relay)) as publisher:
+        relay = Relay.from_settings(settings.relay, pool, [completion_route(settings, publisher)])
         await publisher.publish([])  # nothing: the thread pool exists before the clock starts
         started = time.perf_counter()
         result = await relay.relay_once()
@@ -71,8 +71,10 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
     """Commit `rate` completions per second (10 flush statements a second) while relay and worker run."""
     await pool.execute("TRUNCATE progress_completion_event, monolith_task_execution, engagements_lessonprogress")
     total = int(rate * seconds)
-    publisher, stop = publisher_from_settings(settings), asyncio.Event()
-    relay = asyncio.create_task(Relay.from_settings(settings, pool, [completion_route(settings, publisher)]).run(stop))
+    publisher, stop = publisher_from_settings(settings.relay), asyncio.Event()
+    relay = asyncio.create_task(
+        Relay.from_settings(settings.relay, pool, [completion_route(settings, publisher)]).run(stop)
+    )
     try:
         await asyncio.sleep(1.0)  # LISTEN in place
         per_tick, next_tick = max(1, rate // 10), time.perf_counter()
@@ -103,9 +105,7 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
 @harness.main(events=10_000, rate=200, seconds=15.0, repeats=3, worker_threads=4)
 def main(args: harness.Namespace) -> None:
     with harness.servers("relay", postgres=True, durable=True) as s:
-        settings = harness.settings(
-            s, CELERY_BROKER_URL=s.redis_url, RELAY_BATCH_SIZE="500", RELAY_POLL_INTERVAL_SECONDS="1"
-        )
+        settings = harness.settings(s, CELERY_BROKER_URL=s.redis_url, RELAY_POLL_INTERVAL_SECONDS="1")
 
         async def measure() -> tuple[dict[str, list[float]], tuple[list[float], ...]]:
             await harness.seed(s.database_url, users=int(args.rate * args.seconds), contents=1)

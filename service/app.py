@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from service import tracing
 from service.api import health
+from service.api.catalog import REFRESH_S as CATALOG_REFRESH_S
 from service.api.catalog import ContentCatalog
 from service.api.ingest import ProgressIngest
 from service.api.openapi import openapi_document
@@ -90,7 +91,7 @@ class Services:
 
 
 async def start_redis(settings: Settings, lifecycle: Lifecycle) -> RedisClient:
-    redis = connect_redis(settings)
+    redis = connect_redis(settings.redis)
     lifecycle.started_part("redis", redis.aclose)
     try:
         for script in (WRITE_SCRIPT, WRITE_MANY_SCRIPT):
@@ -111,13 +112,13 @@ def start_publishing(
 ) -> None:
     """The flush, the trial-journey sweep and the outbox relay, as the settings ask."""
     if settings.progress_flusher_enabled:
-        flusher = Flusher.from_settings(settings, redis, pool, budget)
+        flusher = Flusher.from_settings(settings.flush, redis, pool, budget)
         background.start("progress-flusher", flusher.run(background.stop))
     publisher = start_publisher(settings, lifecycle) if settings.celery_broker_url else None
     if settings.trial_journey_interval_seconds > 0:
         background.start("trial-journey-sweep", periodic_sweep(settings, pool, background.stop, budget))
     if settings.relay_enabled and publisher is not None:
-        relay = Relay.from_settings(settings, pool, relay_routes(settings, redis, publisher))
+        relay = Relay.from_settings(settings.relay, pool, relay_routes(settings, redis, publisher))
         background.start("outbox-relay", relay.run(background.stop))
         # stops once the loops have stopped: the final flush's completions go out now, not at another pod's relay
         lifecycle.started_part(
@@ -131,10 +132,10 @@ async def start_door(
     """The catalog of known content (hostile clients): its first snapshot is loaded before serving."""
     if not settings.content_catalog_enabled or pool is None:
         return None
-    catalog = ContentCatalog.from_settings(settings, pool, clock)
+    catalog = ContentCatalog(pool, clock=clock)
     await catalog.try_refresh()
     lifecycle.started_part("content catalog", catalog.aclose)
-    background.start("content-catalog", catalog.run_refresh(background.stop, settings.content_catalog_refresh_seconds))
+    background.start("content-catalog", catalog.run_refresh(background.stop, CATALOG_REFRESH_S))
     return catalog
 
 
@@ -159,24 +160,25 @@ async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock 
     checks = dict[str, "asyncio.Task[object]"]()
     lifecycle.started_part("readiness checks", _cancel_all, checks)
     background = BackgroundTasks()
-    budget = FlushBudget.from_settings(settings, redis)  # every row the pod writes: flush, degraded mode, emails
+    budget = FlushBudget.from_settings(settings.flush, redis)  # every row the pod writes: flush, degraded mode, emails
     pool = None
     if settings.database_url:
-        pool = await create_db_pool(settings)
+        pool = await create_db_pool(settings.database)
         lifecycle.started_part("postgres pool", pool.close)
         start_publishing(settings, redis, pool, background, lifecycle, budget)
     # the final flush must see every write acknowledged before shutdown: the loops stop after the writes
     lifecycle.started_part("background loops", background.aclose, settings.progress_shutdown_timeout_seconds + 5)
-    layout = KeyLayout.from_settings(settings)
-    sink = HeartbeatSink.from_settings(settings, PositionWriter(redis, layout=layout), pool, budget)
+    layout = KeyLayout.from_settings(settings.redis)
+    sink = HeartbeatSink.from_settings(settings.degraded, PositionWriter(redis, layout=layout), pool, budget)
     lifecycle.started_part("heartbeat sink", sink.aclose)
     catalog = await start_door(settings, pool, background, lifecycle, clock)
     start_samplers(settings, redis, background)
     reader = offline = None
     if pool is not None:
-        reader = ProgressReader.from_settings(settings, redis, pool, layout)
+        reader = ProgressReader(redis, pool, margin_s=settings.progress_completion_margin_seconds, layout=layout)
         lifecycle.started_part("progress reader", reader.aclose)
-        offline = OfflineSync.from_settings(settings, redis, pool, layout)
+        # its own writer: a sync's pipeline is its own, not shared with the heartbeats of the turn
+        offline = OfflineSync(PositionWriter(redis, layout=layout), pool)
     return Services(settings, redis, pool, checks, background, sink, catalog, reader, offline)
 
 
@@ -188,24 +190,12 @@ class Door:
 
     @classmethod
     def from_settings(cls, settings: Settings, wall_clock: Clock) -> "Door":
-        return cls(Authenticator(settings, clock=wall_clock))
+        return cls(Authenticator(settings.auth, clock=wall_clock))
 
     def handlers(self, services: Services) -> Handlers:
-        settings = services.settings
-        ingest = ProgressIngest(
-            services.sink,
-            authenticator=self.authenticator,
-            max_body_bytes=settings.max_body_bytes,
-            body_read_timeout_s=settings.body_read_timeout_seconds,
-            catalog=services.catalog,
-        )
+        ingest = ProgressIngest(services.sink, authenticator=self.authenticator, catalog=services.catalog)
         reads = ProgressReads(services.reader, authenticator=self.authenticator)
-        sync = ProgressSync(
-            services.offline,
-            authenticator=self.authenticator,
-            max_body_bytes=settings.sync_max_body_bytes,
-            body_read_timeout_s=settings.body_read_timeout_seconds,
-        )
+        sync = ProgressSync(services.offline, authenticator=self.authenticator)
         return Handlers(ingest, reads, sync)
 
 

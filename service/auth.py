@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import jwt
 
-from service.config import Settings
+from service.config import AuthSettings, Settings
 from service.metrics import AUTH_PREVIOUS_KEY
 
 _MAX_USER_ID = 2**63 - 1
@@ -55,15 +55,15 @@ def _expiry(claims: dict[str, object]) -> float:
 
 
 class Authenticator:
-    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, settings: AuthSettings, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock  # a cached token's expiry is checked against it (tests move it)
-        self.gateway_header = settings.auth_gateway_header.lower().encode("latin-1")
-        self.use_gateway = settings.auth_mode == "gateway"
-        self._current_key, *self._previous_keys = settings.jwt_keys
-        self._algorithms = settings.jwt_algorithm_list
-        self._claim = settings.jwt_user_id_claim
-        self._audience = settings.jwt_audience or None
-        self._issuer = settings.jwt_issuer or None
+        self.gateway_header = settings.gateway_header.lower().encode("latin-1")
+        self.use_gateway = settings.mode == "gateway"
+        self._current_key, *self._previous_keys = settings.keys
+        self._algorithms = settings.algorithms
+        self._claim = settings.user_id_claim
+        self._audience = settings.audience or None
+        self._issuer = settings.issuer or None
         # token -> (user id, expiry, verified by a previous key)
         self._verified: dict[bytes, tuple[int, float, bool]] = {}
         self._verified_old: dict[bytes, tuple[int, float, bool]] = {}

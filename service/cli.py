@@ -14,7 +14,7 @@ from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
 
 # after the drain, how long uvicorn waits for the requests in flight before cancelling them (each is bounded well
-# below it: BODY_READ_TIMEOUT_SECONDS for a slow body, the stores' deadlines); deploy/k8s's grace period counts it
+# below it: 10 s for a slow body, the stores' deadlines); deploy/k8s's grace period counts it
 IN_FLIGHT_TIMEOUT_S = 30
 
 

@@ -62,9 +62,9 @@ def _run_command(name: str, check: Callable[[Settings], bool], body: Callable[[_
             if tracing.configure():  # stopped last: the spans of the last batch are exported too
                 lifecycle.started_part("tracing", tracing.aclose)
             publisher = start_publisher(settings, lifecycle) if with_publisher else None
-            pool = await create_db_pool(settings)
+            pool = await create_db_pool(settings.database)
             lifecycle.started_part("postgres", pool.close)
-            redis = connect_redis(settings)
+            redis = connect_redis(settings.redis)
             lifecycle.started_part("redis", redis.aclose)
             return await body(_Parts(settings, redis, pool, publisher, stop))
         finally:
@@ -90,10 +90,10 @@ async def _run_flusher(parts: _Parts, *, once: bool) -> int:
     from service.progress.flush.flusher import Flusher
     from service.progress.keys import KeyLayout
 
-    flusher = Flusher.from_settings(parts.settings, parts.redis, parts.pool)
+    flusher = Flusher.from_settings(parts.settings.flush, parts.redis, parts.pool)
     if once:
         # what is pending now: heartbeats that arrive during the drain are flushed too, past the total
-        backlog = await measure_backlog(parts.redis, KeyLayout.from_settings(parts.settings))
+        backlog = await measure_backlog(parts.redis, KeyLayout.from_settings(parts.settings.redis))
         with Progress("flush --once", total=backlog.pending, unit="entries") as progress:
             result = await flusher.flush_cycle(stop=parts.stop, on_batch=progress.advance)
         print(json.dumps(asdict(result)), flush=True)
@@ -118,7 +118,9 @@ async def _run_relay(parts: _Parts, *, once: bool) -> int:
     from service.outbox.relay import Relay
 
     assert parts.publisher is not None
-    relay = Relay.from_settings(parts.settings, parts.pool, relay_routes(parts.settings, parts.redis, parts.publisher))
+    relay = Relay.from_settings(
+        parts.settings.relay, parts.pool, relay_routes(parts.settings, parts.redis, parts.publisher)
+    )
     if once:
         result = await relay.relay_once(stop=parts.stop)
         print(json.dumps(asdict(result)), flush=True)
@@ -157,11 +159,11 @@ async def _sweep_once(parts: _Parts) -> int:
 
         result = await sweep_journeys(
             pool=parts.pool,
-            options=BatchOptions.from_settings(parts.settings),
+            options=BatchOptions(parts.settings.send_email),
             on_batch=show,
             should_stop=parts.stop.is_set,
             # its reservations are rows of the monolith's table: the fleet's budget, as `flush --once` takes it
-            budget=FlushBudget.from_settings(parts.settings, parts.redis),
+            budget=FlushBudget.from_settings(parts.settings.flush, parts.redis),
         )
     if parts.stop.is_set():
         result["status"] = "stopped"

@@ -23,7 +23,7 @@ from service.trial_emails.sweep import run_periodic_sweep
 
 def start_publisher(settings: Settings, lifecycle: Lifecycle) -> CeleryPublisher:
     """Celery's client for the monolith's broker; it stops off the loop (closing waits for a publish in flight)."""
-    publisher = publisher_from_settings(settings)
+    publisher = publisher_from_settings(settings.relay)
     lifecycle.started_part("celery publisher", asyncio.to_thread, publisher.close)
     return publisher
 
@@ -50,7 +50,7 @@ def periodic_sweep(
     """`budget`: the pod's one write budget: the sweep's reservations are rows of the monolith's table too."""
     return run_periodic_sweep(
         pool=pool,
-        options=BatchOptions.from_settings(settings),
+        options=BatchOptions(settings.send_email),
         interval_s=settings.trial_journey_interval_seconds,
         stop=stop,
         budget=budget,

@@ -4,6 +4,7 @@ import logging
 import os
 import re
 import socket
+from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -27,11 +28,36 @@ REMOVED_SETTINGS: dict[str, str] = {
     "DEGRADED_MAX_WAITING": (
         "the write budget's per-pod share (PROGRESS_FLEET_MAX_PODS) within DEGRADED_WRITE_TIMEOUT_SECONDS"
     ),
+    "REDIS_MAX_CONNECTIONS": "a constant (64 per process)",
+    "DATABASE_POOL_MIN_SIZE": "a constant (0: a pod starts while Postgres is down)",
+    "DATABASE_POOL_ACQUIRE_TIMEOUT_SECONDS": "a constant (5 s; reads and syncs 1 s, degraded mode its deadline)",
+    "DATABASE_COMMAND_TIMEOUT_SECONDS": "DATABASE_STATEMENT_TIMEOUT_SECONDS (the client's own is a constant, 30 s)",
+    "DATABASE_CONNECT_TIMEOUT_SECONDS": "a constant (10 s per new connection)",
+    "MAX_BODY_BYTES": "a constant (4096: a heartbeat is under 200 bytes)",
+    "BODY_READ_TIMEOUT_SECONDS": "a constant (10 s, then 408)",
+    "CONTENT_CATALOG_REFRESH_SECONDS": "a constant (60 s)",
+    "CONTENT_CATALOG_LOOKUP_TIMEOUT_SECONDS": "a constant (1 s)",
+    "CONTENT_CATALOG_CACHE_SECONDS": "a constant (10 s)",
+    "PROGRESS_READ_BATCHES_IN_FLIGHT": "a constant (one batch per content type; DATABASE_POOL_MAX_SIZE)",
+    "SYNC_MAX_BODY_BYTES": "a constant (256 KiB: 500 items take about 60 KiB)",
+    "SYNC_MAX_CLOCK_SKEW_SECONDS": "a constant (300 s)",
+    "SYNC_MAX_BACKDATE_HOURS": "a constant (6 h)",
+    "SYNC_MAX_CONCURRENCY": "a constant (2 per process; DATABASE_POOL_MAX_SIZE)",
+    "DEGRADED_MAX_CONCURRENCY": "a constant (4 per process; DATABASE_POOL_MAX_SIZE)",
+    "JOURNEY_BATCH_SIZE": "a constant (200)",
+    "RESERVATION_BLOCK_SIZE": "a constant (200)",
+    "RELAY_BATCH_SIZE": "a constant (500)",
+    "OUTBOX_RETRY_BACKOFF_SECONDS": "a constant (45 s, doubling; OUTBOX_MAX_ATTEMPTS bounds the retries)",
 }
 
-# GET /progress reads each content type in lanes of its own (lesson, audio, meditation, live:
-# service/progress/content.py), PROGRESS_READ_BATCHES_IN_FLIGHT connections each
+# The pool's shares (check_pool_shares), constants: the pool's size is the operator's one number.
+# GET /progress reads each content type in a lane of its own (lesson, audio, meditation, live), one batch
+# (one connection) out at once in each: the reads of a type whose table is locked hold one connection only
 READ_LANES = 4
+# POST /progress/sync reading Postgres at once per process, one connection each
+SYNC_CONNECTIONS = 2
+# direct-to-Postgres statements at once while Redis is down (their rows are the budget's either way)
+DEGRADED_CONNECTIONS = 4
 
 # JWT_PUBLIC_KEY may hold several keys during a rotation: concatenated PEM blocks, the current one first
 _PEM_BLOCK = re.compile(r"-----BEGIN [A-Z ]+-----.+?-----END [A-Z ]+-----", re.DOTALL)
@@ -41,11 +67,79 @@ class ConfigError(Exception):
     """The environment does not describe a service that can start; the message says what to set."""
 
 
+# Each part is built from the group of its subsystem (Settings.redis, .database, ...), never from the whole
+# Settings; the environment's names stay the flat fields below.
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    url: str
+    cluster: bool
+    socket_timeout_s: float
+    client_name: str
+    shards: int  # the buffer's layout (service/progress/keys.py)
+    previous_shards: int
+
+
+@dataclass(frozen=True, slots=True)
+class DatabaseSettings:
+    url: str
+    pool_max_size: int
+    statement_cache_size: int
+    statement_timeout_s: float
+    lock_timeout_s: float
+    timeouts_at_connect: bool
+
+
+@dataclass(frozen=True, slots=True)
+class AuthSettings:
+    mode: str
+    gateway_header: str
+    keys: list[str]  # the current one first
+    algorithms: list[str]
+    user_id_claim: str
+    audience: str
+    issuer: str
+
+
+@dataclass(frozen=True, slots=True)
+class FlushSettings:
+    buffer: RedisSettings
+    interval_s: float
+    batch_size: int
+    lease_s: float
+    concurrency: int
+    max_rows_per_second: int
+    fleet_max_pods: int
+    margin_s: float
+    shutdown_timeout_s: float
+    value_ttl_s: int
+    statement_timeout_s: float
+    lock_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DegradedSettings:
+    write_timeout_s: float
+    redis_retry_s: float
+    margin_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RelaySettings:
+    broker_url: str
+    broker_transport_options: dict[str, Any]
+    publish_timeout_s: float
+    lease_s: float
+    poll_s: float
+    max_backoff_s: float
+    max_attempts: int
+    listen_dsn: str  # empty: poll only
+    statement_timeout_s: float
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_file=None, extra="ignore", case_sensitive=False)
 
     redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_max_connections: int = Field(64, ge=1)
     redis_socket_timeout_seconds: float = Field(2.0, gt=0)
     # REDIS_URL names any node of a Redis/Valkey Cluster; the client discovers the others
     redis_cluster: bool = False
@@ -55,16 +149,8 @@ class Settings(BaseSettings):
     # the shard count before a change: the flusher drains those shards too until they are empty
     progress_buffer_previous_shards: int = Field(0, ge=0, le=256)
     database_url: str = ""
-    # 0: a pod starts (and serves heartbeats) while Postgres is still down
-    database_pool_min_size: int = Field(0, ge=0)
     # `serve` checks that it holds every part's share at once (Settings.check_pool_shares)
     database_pool_max_size: int = Field(20, ge=1)
-    # a wait for a pool connection (connecting one included) past which Postgres is unavailable to that caller;
-    # the reads and the syncs wait 1 s at most, degraded mode its request's deadline
-    database_pool_acquire_timeout_seconds: float = Field(5.0, gt=0)
-    database_command_timeout_seconds: float = Field(30.0, gt=0)
-    # asyncpg waits 60 s for a new connection by default: a blackholed Postgres would stall a batch that long
-    database_connect_timeout_seconds: float = Field(10.0, gt=0)
     # PgBouncer in transaction mode cannot keep prepared statements across transactions.
     database_statement_cache_size: int = Field(100, ge=0)
     # every statement of the service, cancelled by Postgres past these (0: the server's own setting): a
@@ -93,14 +179,8 @@ class Settings(BaseSettings):
     # (ALB and nginx 60 s), so that the proxy always closes first and never sends on a connection being closed
     http_keep_alive_timeout_seconds: int = Field(75, ge=1, le=3600)
 
-    max_body_bytes: int = Field(4096, ge=256, le=1_048_576)
-    # a body not fully received by then gets 408 and the connection is closed (a client sending a byte a second)
-    body_read_timeout_seconds: float = Field(10.0, gt=0)
     # the door (service/api/catalog.py): unknown content gets 404
     content_catalog_enabled: bool = True
-    content_catalog_refresh_seconds: float = Field(60.0, gt=0)
-    content_catalog_lookup_timeout_seconds: float = Field(1.0, gt=0)
-    content_catalog_cache_seconds: float = Field(10.0, gt=0)
     progress_position_ttl_seconds: int = Field(3600, ge=60)
     progress_flusher_enabled: bool = True
     progress_flush_interval_seconds: float = Field(60.0, gt=0)
@@ -114,25 +194,10 @@ class Settings(BaseSettings):
     progress_fleet_max_pods: int = Field(10, ge=1)
     progress_completion_margin_seconds: float = Field(10.0, ge=0)
     progress_shutdown_timeout_seconds: float = Field(20.0, gt=0)
-    # GET /progress: batches of one content type (one MGET, one query) out at once per process; the reads that
-    # come meanwhile wait and go together in the next, so the reads of a type hold at most this many connections
-    progress_read_batches_in_flight: int = Field(1, ge=1)
 
-    # POST /progress/sync: positions listened offline, uploaded later
-    sync_max_body_bytes: int = Field(262_144, ge=4096, le=4_194_304)
-    sync_max_clock_skew_seconds: float = Field(300.0, ge=0)
-    # how far before its receipt a sync item may date a completion (older: dated at that edge; the position
-    # itself is ordered at its own listened_at, however old)
-    sync_max_backdate_hours: float = Field(6.0, gt=0)
-    # syncs reading Postgres at once per process (one connection each); one that waits 1 s for its turn gets 503
-    sync_max_concurrency: int = Field(2, ge=1)
-
-    degraded_max_concurrency: int = Field(4, ge=1)
     degraded_redis_retry_seconds: float = Field(1.0, gt=0)
     degraded_write_timeout_seconds: float = Field(5.0, gt=0)
 
-    journey_batch_size: int = Field(200, ge=1, le=10_000)
-    reservation_block_size: int = Field(200, ge=1, le=16_000)
     send_email: bool = True
     email_queue_stream: str = "emails:trial_journey"
     trial_journey_interval_seconds: float = Field(3600.0, ge=0)
@@ -149,14 +214,12 @@ class Settings(BaseSettings):
 
     # the outbox relay (service.outbox.relay)
     relay_enabled: bool = True
-    relay_batch_size: int = Field(500, ge=1, le=10_000)
     relay_poll_interval_seconds: float = Field(5.0, gt=0)
     relay_lease_seconds: float = Field(60.0, gt=0)
     relay_max_backoff_seconds: float = Field(30.0, gt=0)
     # a message the broker refuses is retried after 45 s, 90 s, 3 min, ... (doubling) and parked after
-    # its 12th refusal: about 25 h after the first, Sidekiq's retry-then-dead
+    # its 12th refusal: about 25 h after the first, Sidekiq's retry-then-dead (service/outbox/relay.py)
     outbox_max_attempts: int = Field(12, ge=1, le=40)
-    outbox_retry_backoff_seconds: float = Field(45.0, gt=0)
     # LISTEN needs a real session: behind PgBouncer in transaction mode name the primary here, or
     # leave it empty and set RELAY_LISTEN=false to poll only
     relay_listen: bool = True
@@ -167,8 +230,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _pool_sizes_agree(self) -> "Settings":
-        if self.database_pool_max_size < self.database_pool_min_size:
-            raise ValueError("DATABASE_POOL_MAX_SIZE must be >= DATABASE_POOL_MIN_SIZE")
         if self.relay_lease_seconds <= self.celery_publish_timeout_seconds:
             # a lease shorter than a publish would let a second relay republish a batch in flight
             raise ValueError("RELAY_LEASE_SECONDS must be > CELERY_PUBLISH_TIMEOUT_SECONDS")
@@ -201,6 +262,80 @@ class Settings(BaseSettings):
                 "RELAY_ENABLED=true needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or amqp://) "
                 "to deliver completions; or set RELAY_ENABLED=false where another process runs the relay"
             )
+
+    @property
+    def redis(self) -> RedisSettings:
+        return RedisSettings(
+            url=self.redis_url,
+            cluster=self.redis_cluster,
+            socket_timeout_s=self.redis_socket_timeout_seconds,
+            client_name=f"progress-service:{self.pod_name}",
+            shards=self.progress_buffer_shards,
+            previous_shards=self.progress_buffer_previous_shards,
+        )
+
+    @property
+    def database(self) -> DatabaseSettings:
+        return DatabaseSettings(
+            url=self.database_url,
+            pool_max_size=self.database_pool_max_size,
+            statement_cache_size=self.database_statement_cache_size,
+            statement_timeout_s=self.database_statement_timeout_seconds,
+            lock_timeout_s=self.database_lock_timeout_seconds,
+            timeouts_at_connect=self.database_timeouts_at_connect,
+        )
+
+    @property
+    def auth(self) -> AuthSettings:
+        return AuthSettings(
+            mode=self.auth_mode,
+            gateway_header=self.auth_gateway_header,
+            keys=self.jwt_keys,
+            algorithms=self.jwt_algorithm_list,
+            user_id_claim=self.jwt_user_id_claim,
+            audience=self.jwt_audience,
+            issuer=self.jwt_issuer,
+        )
+
+    @property
+    def flush(self) -> FlushSettings:
+        return FlushSettings(
+            buffer=self.redis,
+            interval_s=self.progress_flush_interval_seconds,
+            batch_size=self.progress_flush_batch_size,
+            lease_s=self.progress_flush_lease_seconds,
+            concurrency=self.progress_flush_concurrency,
+            max_rows_per_second=self.progress_flush_max_rows_per_second,
+            fleet_max_pods=self.progress_fleet_max_pods,
+            margin_s=self.progress_completion_margin_seconds,
+            shutdown_timeout_s=self.progress_shutdown_timeout_seconds,
+            value_ttl_s=self.progress_position_ttl_seconds,
+            statement_timeout_s=self.database_statement_timeout_seconds,
+            lock_timeout_s=self.database_lock_timeout_seconds,
+        )
+
+    @property
+    def degraded(self) -> DegradedSettings:
+        return DegradedSettings(
+            write_timeout_s=self.degraded_write_timeout_seconds,
+            redis_retry_s=self.degraded_redis_retry_seconds,
+            margin_s=self.progress_completion_margin_seconds,
+        )
+
+    @property
+    def relay(self) -> RelaySettings:
+        listen_dsn = self.relay_listen_database_url or self.database_url
+        return RelaySettings(
+            broker_url=self.celery_broker_url,
+            broker_transport_options=self.celery_broker_transport_options,
+            publish_timeout_s=self.celery_publish_timeout_seconds,
+            lease_s=self.relay_lease_seconds,
+            poll_s=self.relay_poll_interval_seconds,
+            max_backoff_s=self.relay_max_backoff_seconds,
+            max_attempts=self.outbox_max_attempts,
+            listen_dsn=listen_dsn if self.relay_listen else "",
+            statement_timeout_s=self.database_statement_timeout_seconds,
+        )
 
     @property
     def jwt_algorithm_list(self) -> list[str]:
@@ -266,10 +401,10 @@ class Settings(BaseSettings):
         syncs (bounded in-process) can never take the connections the flush and degraded mode need."""
         shares = {
             "PROGRESS_FLUSH_CONCURRENCY": self.progress_flush_concurrency if self.progress_flusher_enabled else 0,
-            "DEGRADED_MAX_CONCURRENCY": self.degraded_max_concurrency,
-            f"{READ_LANES} x PROGRESS_READ_BATCHES_IN_FLIGHT": READ_LANES * self.progress_read_batches_in_flight,
-            "SYNC_MAX_CONCURRENCY": self.sync_max_concurrency,
-            "CONTENT_CATALOG_ENABLED (a lookup per type)": READ_LANES if self.content_catalog_enabled else 0,
+            "degraded mode": DEGRADED_CONNECTIONS,
+            "the reads": READ_LANES,
+            "the syncs": SYNC_CONNECTIONS,
+            "the catalog's lookups (one per type)": READ_LANES if self.content_catalog_enabled else 0,
         }
         # the relay, the trial-journey sweep, the catalog's snapshot and the probes share what is left
         needed = sum(shares.values()) + 1
@@ -278,7 +413,7 @@ class Settings(BaseSettings):
             raise ConfigError(
                 f"DATABASE_POOL_MAX_SIZE={self.database_pool_max_size} is too small: {parts} connections may be "
                 f"held at once, and the relay, the email sweep, the catalog and the probes need at least one more; "
-                f"set DATABASE_POOL_MAX_SIZE to {needed} or more, or lower those"
+                f"set DATABASE_POOL_MAX_SIZE to {needed} or more, or lower PROGRESS_FLUSH_CONCURRENCY"
             )
 
     def _check_algorithms_fit_key(self) -> None:

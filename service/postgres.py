@@ -5,7 +5,7 @@ from typing import Any
 
 import asyncpg
 
-from service.config import Settings
+from service.config import DatabaseSettings
 
 
 def statement_timeouts(*, statement_timeout_s: float, lock_timeout_s: float) -> dict[str, str]:
@@ -84,30 +84,44 @@ class _DeadlinePool(asyncpg.Pool):  # type: ignore[misc]  # asyncpg ships no typ
         return super().acquire(timeout=self._acquire_timeout_s if timeout is None else timeout)
 
 
-async def create_db_pool(settings: Settings) -> asyncpg.Pool:
+# A wait for a pool connection (connecting one included) past which Postgres is unavailable to that caller; the
+# reads and the syncs wait 1 s at most, degraded mode its request's deadline: only the loops wait this long
+ACQUIRE_TIMEOUT_S = 5.0
+# asyncpg waits 60 s for a new connection by default: a blackholed Postgres would stall a batch that long
+CONNECT_TIMEOUT_S = 10.0
+# the client's own bound on a statement; DATABASE_STATEMENT_TIMEOUT_SECONDS is the server's, and shorter
+COMMAND_TIMEOUT_S = 30.0
+
+
+async def create_db_pool(
+    settings: DatabaseSettings,
+    *,
+    min_size: int = 0,  # 0: a pod starts (and serves heartbeats) while Postgres is still down
+    acquire_timeout_s: float = ACQUIRE_TIMEOUT_S,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+) -> asyncpg.Pool:
     # Startup parameters hold for every statement of every connection. PgBouncer in transaction mode
     # refuses them ("unsupported startup parameter"): there DATABASE_TIMEOUTS_AT_CONNECT=false and the
     # role carries them (ALTER ROLE ... SET statement_timeout ...); the flush sets its own per transaction.
     timeouts = statement_timeouts(
-        statement_timeout_s=settings.database_statement_timeout_seconds,
-        lock_timeout_s=settings.database_lock_timeout_seconds,
+        statement_timeout_s=settings.statement_timeout_s, lock_timeout_s=settings.lock_timeout_s
     )
-    server_settings = timeouts if settings.database_timeouts_at_connect else None
+    server_settings = timeouts if settings.timeouts_at_connect else None
     # what asyncpg.create_pool does (it takes no pool class), with asyncpg's defaults for what is not set here
     pool: asyncpg.Pool = await _DeadlinePool(
-        settings.database_url,
-        acquire_timeout_s=settings.database_pool_acquire_timeout_seconds,
-        min_size=settings.database_pool_min_size,
-        max_size=settings.database_pool_max_size,
+        settings.url,
+        acquire_timeout_s=acquire_timeout_s,
+        min_size=min_size,
+        max_size=settings.pool_max_size,
         max_queries=50_000,
         max_inactive_connection_lifetime=300.0,
         setup=None,
         init=None,
         loop=None,
         record_class=asyncpg.Record,
-        command_timeout=settings.database_command_timeout_seconds,
-        timeout=settings.database_connect_timeout_seconds,
-        statement_cache_size=settings.database_statement_cache_size,
+        command_timeout=COMMAND_TIMEOUT_S,
+        timeout=connect_timeout_s,
+        statement_cache_size=settings.statement_cache_size,
         server_settings=server_settings,
         connection_class=_PoolConnection,
         reset=_reset_session,

@@ -17,7 +17,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from service.config import Settings
+from service.config import RedisSettings
 from service.redis_internals import GUARDED, guard_cluster_connections, node_pipeline, topology_is_stale
 from service.stores import REDIS_UNAVAILABLE
 
@@ -25,34 +25,38 @@ RedisClient: TypeAlias = Redis | RedisCluster
 T = TypeVar("T")
 
 
-def connect_redis(settings: Settings) -> RedisClient:
+# connections per process (per node on a cluster): far above what the request path and the loops hold at once
+MAX_CONNECTIONS = 64
+
+
+def connect_redis(settings: RedisSettings) -> RedisClient:
     common = dict(
-        socket_timeout=settings.redis_socket_timeout_seconds,
-        socket_connect_timeout=settings.redis_socket_timeout_seconds,
+        socket_timeout=settings.socket_timeout_s,
+        socket_connect_timeout=settings.socket_timeout_s,
         health_check_interval=30,
-        client_name=f"progress-service:{settings.pod_name}",  # visible in CLIENT LIST
+        client_name=settings.client_name,  # visible in CLIENT LIST
     )
-    if settings.redis_cluster:
+    if settings.cluster:
         # REDIS_URL names any node; the client discovers the others. max_connections is per node.
         # No retry: redis-py retries a cluster pipeline by closing every connection of every node,
         # which fails the healthy nodes' writes in flight too. A failed node's writes go to degraded
         # mode instead, and the topology is re-read before the next command (execute_by_node).
         cluster = RedisCluster.from_url(
-            settings.redis_url, max_connections=settings.redis_max_connections, retry=Retry(NoBackoff(), 0), **common
+            settings.url, max_connections=MAX_CONNECTIONS, retry=Retry(NoBackoff(), 0), **common
         )
         guard_cluster_connections(cluster)
         return cluster
     # as BlockingConnectionPool.from_url, which would put redis-py's class back for rediss:// and unix://
     options: dict[str, Any] = dict(
         # full pool: wait for a connection (a latency spike) rather than fail into degraded mode
-        max_connections=settings.redis_max_connections,
-        timeout=settings.redis_socket_timeout_seconds,
+        max_connections=MAX_CONNECTIONS,
+        timeout=settings.socket_timeout_s,
         # One quick retry covers a pooled connection that went stale (Redis restarted); more would
         # hold every request of an outage for seconds instead of answering it.
         retry=Retry(NoBackoff(), 1),
         **common,
     )
-    options.update(parse_url(settings.redis_url))  # the URL's own options win, as in from_url
+    options.update(parse_url(settings.url))  # the URL's own options win, as in from_url
     options["connection_class"] = GUARDED[options.get("connection_class", Connection)]
     pool = BlockingConnectionPool(**options)
     return Redis.from_pool(pool)  # the client owns the pool and closes it

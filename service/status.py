@@ -55,7 +55,7 @@ async def gather_status(settings: Settings) -> Status:
                 "in_flight": dict.fromkeys(types),
                 "in_flight_expired": dict.fromkeys(types),
                 "oldest_claim_age_seconds": dict.fromkeys(types),
-                "shards_per_type": KeyLayout.from_settings(settings).shards,
+                "shards_per_type": KeyLayout.from_settings(settings.redis).shards,
             },
             "outbox": {
                 outbox.name: {"owed": None, "parked": None, "oldest_owed_age_seconds": None}
@@ -73,10 +73,10 @@ async def gather_status(settings: Settings) -> Status:
 async def _read_redis(settings: Settings, status: Status) -> None:
     where = f"Redis{' Cluster' if settings.redis_cluster else ''} at {_address(settings.redis_url)}"
     buffer, memory = status.report["buffer"], status.report["redis"]
-    redis = connect_redis(settings)
+    redis = connect_redis(settings.redis)
     try:
         now_ms = time.time_ns() // 1_000_000
-        backlog = await measure_backlog(redis, KeyLayout.from_settings(settings), leases_at_ms=now_ms)
+        backlog = await measure_backlog(redis, KeyLayout.from_settings(settings.redis), leases_at_ms=now_ms)
         if backlog.errors and not backlog.answered:
             raise backlog.errors[0]  # not one node answered: Redis is down, not partly
         lease_ms = settings.progress_flush_lease_seconds * 1000
@@ -121,7 +121,7 @@ async def _read_redis(settings: Settings, status: Status) -> None:
 async def _read_postgres(settings: Settings, status: Status) -> None:
     where = f"Postgres at {_address(settings.database_url)}"
     # one connection, whatever the pool size `serve` is given
-    pool = await create_db_pool(settings.model_copy(update={"database_pool_min_size": 0, "database_pool_max_size": 1}))
+    pool = await create_db_pool(settings.model_copy(update={"database_pool_max_size": 1}).database)
     try:
         async with pool.acquire() as conn:
             await conn.fetchval("SELECT 1")

@@ -243,7 +243,7 @@ async def start_service_command(*args: str, env: dict[str, str], die_at: str = "
 
 def flusher_with(settings: Settings, redis: RedisClient, db: asyncpg.Pool, **update: object) -> Flusher:
     """A flusher of the test settings with `update` applied (the settings' own names)."""
-    return Flusher.from_settings(settings.model_copy(update=update), redis, db)
+    return Flusher.from_settings(settings.model_copy(update=update).flush, redis, db)
 
 
 async def push_budget_key(redis: RedisClient, ahead_s: float) -> None:
@@ -452,7 +452,6 @@ def relay_env(servers: Servers, broker: "Broker", **extra: str) -> dict[str, str
         "CELERY_BROKER_URL": broker.url,
         "RELAY_LEASE_SECONDS": str(RELAY_LEASE_S),
         "CELERY_PUBLISH_TIMEOUT_SECONDS": "2",
-        "RELAY_BATCH_SIZE": "50",
     }
     return service_env(servers, **{**defaults, **extra})
 

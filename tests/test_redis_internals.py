@@ -23,7 +23,7 @@ from service.redis_client import connect_redis
 # every kind of connection the service makes (plain, TLS, unix socket) is made of the same packing class;
 # packing needs no server
 def connection_for(url: str) -> AbstractConnection:
-    client = connect_redis(Settings(redis_url=url))
+    client = connect_redis(Settings(redis_url=url).redis)
     assert isinstance(client, Redis)
     connection: AbstractConnection = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
     return connection

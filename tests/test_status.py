@@ -100,7 +100,6 @@ async def test_postgres_down_exits_non_zero_naming_it_and_still_shows_the_buffer
     run = await run_status(
         servers,
         DATABASE_URL=f"postgresql://postgres:secret@127.0.0.1:{port}/progress",
-        DATABASE_CONNECT_TIMEOUT_SECONDS="2",
     )
 
     assert run.code == 1
@@ -130,9 +129,7 @@ async def test_the_screen_is_plain_text_with_every_section(
     servers: Servers, redis: Redis, db: asyncpg.Pool, extra: dict[str, str]
 ) -> None:
     await write(redis, "lesson", 1, 1, 1.0)
-    process = await start_service_command(
-        "status", env=flusher_env(servers, DATABASE_CONNECT_TIMEOUT_SECONDS="2", **extra)
-    )
+    process = await start_service_command("status", env=flusher_env(servers, **extra))
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
     screen = stdout.decode()
 

@@ -24,7 +24,6 @@ from functools import partial
 import asyncpg
 
 from service import metrics
-from service.config import Settings
 from service.loops import every
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.content import CONTENT_KINDS, ContentKind
@@ -43,6 +42,12 @@ CATALOG_MAX_LOOKUPS = 64
 # a lesson asked about a moment before the monolith created it must not be refused for the whole cache
 # period (its heartbeats would be lost); a made-up id still costs one query per id and this period
 UNKNOWN_ANSWER_TTL_S = 1.0
+# how often each pod reloads the known ids; a lesson created meanwhile is looked up on its first heartbeat
+REFRESH_S = 60.0
+# a lookup of an id outside the snapshot that takes longer accepts that id (only), unverified, for _DB_RETRY_S
+LOOKUP_TIMEOUT_S = 1.0
+# how long a "known" answer for an id outside the snapshot is reused (until the next snapshot has it)
+ANSWER_TTL_S = 10.0
 
 
 class LookupsSaturated(Exception):
@@ -56,27 +61,14 @@ class _Lookup:
 
 
 class ContentCatalog:
-    @classmethod
-    def from_settings(
-        cls, settings: Settings, pool: asyncpg.Pool, clock: Callable[[], float] = time.monotonic
-    ) -> "ContentCatalog":
-        return cls(
-            pool,
-            lookup_timeout_s=settings.content_catalog_lookup_timeout_seconds,
-            answer_ttl_s=settings.content_catalog_cache_seconds,
-            max_answers=CATALOG_MAX_ANSWERS,
-            max_lookups=CATALOG_MAX_LOOKUPS,
-            clock=clock,
-        )
-
     def __init__(
         self,
         pool: asyncpg.Pool,
         *,
-        lookup_timeout_s: float,
-        answer_ttl_s: float,
-        max_answers: int,
-        max_lookups: int,
+        lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
+        answer_ttl_s: float = ANSWER_TTL_S,
+        max_answers: int = CATALOG_MAX_ANSWERS,
+        max_lookups: int = CATALOG_MAX_LOOKUPS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pool = pool

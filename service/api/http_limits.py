@@ -4,7 +4,7 @@ httptools buffers a header of any size (10 MB headers are parsed and handed to t
 client may send its headers a byte at a time for as long as it likes. This protocol counts the
 bytes received while a request head is incomplete and answers 431 past MAX_HEADER_BYTES, and 408
 when the head is not complete within HEADER_READ_TIMEOUT_S; both close the connection. Bodies
-have their own deadline in the ingest path (BODY_READ_TIMEOUT_SECONDS).
+have their own deadline in the ingest path (10 s).
 
 This overrides uvicorn's parser callbacks and reads what they collect (`url`, `headers`): uvicorn
 gives httptools no such limits (uvicorn #157: "httptools does have a mechanism ... but we can't

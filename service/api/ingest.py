@@ -39,8 +39,8 @@ class ProgressIngest:
         sink: HeartbeatSink,
         *,
         authenticator: Authenticator,
-        max_body_bytes: int,
-        body_read_timeout_s: float = 10.0,
+        max_body_bytes: int = 4096,  # larger: 413 (a heartbeat is under 200 bytes)
+        body_read_timeout_s: float = 10.0,  # not all received by then: 408, connection closed (a byte a second)
         catalog: ContentCatalog | None = None,
     ) -> None:
         self.sink = sink

@@ -2,7 +2,7 @@
 
 One request carries up to SYNC_MAX_ITEMS positions heard offline (`service/progress/read/sync.py` settles
 them). Request rates are the API gateway's to limit, as for the heartbeats (docs/deploy.md); what a
-sync costs the database is bounded here by SYNC_MAX_CONCURRENCY.
+sync costs the database is bounded here by SYNC_CONNECTIONS (2).
 """
 
 import functools
@@ -46,7 +46,7 @@ class ProgressSync:
         offline: OfflineSync | None,
         *,
         authenticator: Authenticator,
-        max_body_bytes: int,
+        max_body_bytes: int = 262_144,  # larger: 413 (500 items, the most a sync takes, are about 60 KiB)
         body_read_timeout_s: float = 10.0,
     ) -> None:
         self.offline = offline  # None: no database (DATABASE_URL), every sync is a 503

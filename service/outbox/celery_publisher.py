@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from service import tracing
-from service.config import Settings, check_transport
+from service.config import RelaySettings, check_transport
 from service.outbox.messages import Message, PublishResult
 
 log = logging.getLogger(__name__)
@@ -192,9 +192,5 @@ def _transport_defaults(broker_url: str) -> dict[str, Any]:
     return {}
 
 
-def publisher_from_settings(settings: Settings) -> CeleryPublisher:
-    return CeleryPublisher(
-        settings.celery_broker_url,
-        settings.celery_broker_transport_options,
-        timeout_s=settings.celery_publish_timeout_seconds,
-    )
+def publisher_from_settings(settings: RelaySettings) -> CeleryPublisher:
+    return CeleryPublisher(settings.broker_url, settings.broker_transport_options, timeout_s=settings.publish_timeout_s)

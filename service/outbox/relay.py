@@ -12,7 +12,7 @@ its flush, and polls every RELAY_POLL_INTERVAL_SECONDS in case a notification wa
 needs a real session: behind PgBouncer in transaction mode point RELAY_LISTEN_DATABASE_URL at
 the primary, or poll only). Broker unreachable: rows wait, the relay backs off exponentially,
 the age of the oldest owed row shows the lag; a temporary answer (BUSY, LOADING, throttling) is the
-same outage. A row the broker refuses is retried with a doubling backoff (OUTBOX_RETRY_BACKOFF_SECONDS
+same outage. A row the broker refuses is retried with a doubling backoff (45 s
 first) and parked only after OUTBOX_MAX_ATTEMPTS refusals, about a day with the defaults.
 """
 
@@ -26,17 +26,23 @@ from dataclasses import dataclass
 import asyncpg
 
 from service import checkpoints, metrics, tracing
-from service.config import Settings
+from service.config import RelaySettings
 from service.loops import Backoff, every
 from service.outbox.messages import Publisher, PublishResult
 from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, outbox_counts, publish_budget_s
 from service.outbox.settle import RelayResult, Settler
+from service.postgres import CONNECT_TIMEOUT_S
 from service.stores import POSTGRES_FAILED
 
 log = logging.getLogger(__name__)
 
 # how stale the owed/parked/oldest gauges may be while no row moves (the lag alert waits minutes)
 COUNTS_INTERVAL_S = 5.0
+# rows per claim, one publish call and one mark statement each: the broker takes a batch of 500 in one call
+BATCH_SIZE = 500
+# a refused message is claimed again after 45 s, 90 s, 3 min, ... (doubling): with OUTBOX_MAX_ATTEMPTS at
+# 12, about 25 h from the first refusal to the last, as Sidekiq's retries
+RETRY_BACKOFF_S = 45.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,21 +57,25 @@ class Route:
 
 class Relay:
     @classmethod
-    def from_settings(cls, settings: Settings, pool: asyncpg.Pool, routes: list[Route]) -> "Relay":
-        listen_dsn = settings.relay_listen_database_url or settings.database_url
+    def from_settings(
+        cls,
+        settings: RelaySettings,
+        pool: asyncpg.Pool,
+        routes: list[Route],
+        *,
+        retry_backoff_s: float = RETRY_BACKOFF_S,
+    ) -> "Relay":
         return cls(
             pool=pool,
             routes=routes,
-            batch_size=settings.relay_batch_size,
-            lease_s=settings.relay_lease_seconds,
-            publish_timeout_s=settings.celery_publish_timeout_seconds,
-            poll_s=settings.relay_poll_interval_seconds,
-            max_backoff_s=settings.relay_max_backoff_seconds,
-            listen_dsn=listen_dsn if settings.relay_listen else "",
-            connect_timeout_s=settings.database_connect_timeout_seconds,
-            max_attempts=settings.outbox_max_attempts,
-            retry_backoff_s=settings.outbox_retry_backoff_seconds,
-            statement_timeout_s=settings.database_statement_timeout_seconds,
+            lease_s=settings.lease_s,
+            publish_timeout_s=settings.publish_timeout_s,
+            poll_s=settings.poll_s,
+            max_backoff_s=settings.max_backoff_s,
+            listen_dsn=settings.listen_dsn,
+            max_attempts=settings.max_attempts,
+            retry_backoff_s=retry_backoff_s,
+            statement_timeout_s=settings.statement_timeout_s,
         )
 
     def __init__(
@@ -73,15 +83,15 @@ class Relay:
         *,
         pool: asyncpg.Pool,
         routes: Sequence[Route],
-        batch_size: int,
+        batch_size: int = BATCH_SIZE,
         lease_s: float,
         publish_timeout_s: float,
         poll_s: float,
         max_backoff_s: float,
         listen_dsn: str = "",
-        connect_timeout_s: float,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
         max_attempts: int,
-        retry_backoff_s: float,
+        retry_backoff_s: float = RETRY_BACKOFF_S,
         statement_timeout_s: float = 0.0,
     ) -> None:
         """`listen_dsn`: where to LISTEN for the writers' NOTIFY; empty, poll only.

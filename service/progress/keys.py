@@ -20,7 +20,7 @@ from functools import cached_property
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from service.config import Settings
+from service.config import RedisSettings
 
 LATEST_POSITION_PREFIX = "progress:latest_position:"
 PENDING_FLUSH_PREFIX = "progress:pending_flush:"
@@ -117,13 +117,9 @@ class KeyLayout:
     _cache: dict[tuple[str, int, int], Shard] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "KeyLayout":
+    def from_settings(cls, settings: RedisSettings) -> "KeyLayout":
         """The layout PROGRESS_BUFFER_SHARDS, REDIS_CLUSTER and PROGRESS_BUFFER_PREVIOUS_SHARDS name."""
-        return key_layout(
-            shards=settings.progress_buffer_shards,
-            cluster=settings.redis_cluster,
-            previous_shards=settings.progress_buffer_previous_shards,
-        )
+        return key_layout(shards=settings.shards, cluster=settings.cluster, previous_shards=settings.previous_shards)
 
     def __post_init__(self) -> None:
         if self.shards < 1 or self.previous_shards < 0:

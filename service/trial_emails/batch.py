@@ -19,22 +19,17 @@ from typing import Literal, TypedDict
 import asyncpg
 
 from service import checkpoints, metrics
-from service.config import Settings
 from service.progress.flush.budget import FlushBudget
 from service.trial_emails.reservations import Pair, load_sent_keys, load_trials, pending_reservations, reserve_block
 
 
 @dataclass(frozen=True, slots=True)
 class BatchOptions:
-    """The numbers of a batch, from the settings named in the comments."""
+    """The numbers of a batch."""
 
     send_email: bool  # SEND_EMAIL: false, nothing is reserved or sent
-    batch_size: int  # JOURNEY_BATCH_SIZE: the most trials one call may be given
-    block_size: int  # RESERVATION_BLOCK_SIZE: pairs reserved per statement
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> "BatchOptions":
-        return cls(settings.send_email, settings.journey_batch_size, settings.reservation_block_size)
+    batch_size: int = 200  # the most trials one call may be given (one sweep's page)
+    block_size: int = 200  # pairs reserved per statement (one INSERT ... RETURNING)
 
 
 class BatchResult(TypedDict):
@@ -60,7 +55,7 @@ async def send_trial_journey_emails_batch(
     if not options.send_email:
         return {"status": "disabled", "user_trials": 0, "sent": 0}
     if len(user_trial_ids) > options.batch_size:
-        raise ValueError(f"{len(user_trial_ids)} trials in one batch; JOURNEY_BATCH_SIZE is {options.batch_size}")
+        raise ValueError(f"{len(user_trial_ids)} trials in one batch; at most {options.batch_size}")
     now = now or datetime.now(UTC)
     async with pool.acquire() as conn:
         trials = await load_trials(conn, user_trial_ids)

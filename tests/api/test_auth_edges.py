@@ -62,7 +62,7 @@ async def test_mixed_algorithm_tokens_are_401_with_no_error_logged(
     async with running_app(rsa_only) as (app, client):
         with caplog.at_level(logging.INFO):
             for config, token in mixed:
-                app.api.state.handlers.ingest.authenticator = Authenticator(config)
+                app.api.state.handlers.ingest.authenticator = Authenticator(config.auth)
                 response = await post(client, auth(token))
                 assert response.status_code == 401, response.text
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
@@ -154,7 +154,7 @@ async def test_in_jwt_mode_a_user_header_nobody_vouches_for_is_ignored(
 
 @pytest.mark.slow
 def test_a_hundred_thousand_distinct_tokens_stay_bounded_and_verified(settings: Settings) -> None:
-    authenticator = Authenticator(settings)
+    authenticator = Authenticator(settings.auth)
     header = _b64(b'{"alg":"HS256","typ":"JWT"}')
     secret = TEST_JWT_SECRET.encode()
     for user_id in range(1, 100_001):
@@ -180,6 +180,6 @@ async def test_an_aud_claim_is_ignored_unless_an_audience_is_configured(
         {"user_id": 9, "exp": _FUTURE, "aud": "some-other-service"}, TEST_JWT_SECRET, algorithm="HS256"
     )
     assert (await post(client, [("Authorization", f"Bearer {with_aud}")])).status_code == 201
-    strict = Authenticator(settings.model_copy(update={"jwt_audience": "progress"}))
+    strict = Authenticator(settings.model_copy(update={"jwt_audience": "progress"}).auth)
     with pytest.raises(AuthError):
         strict.user_id(f"Bearer {with_aud}".encode(), None)

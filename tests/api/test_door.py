@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from service import metrics
 from service.api import catalog as catalog_module
-from service.api.catalog import ContentCatalog, LookupsSaturated
+from service.api.catalog import ANSWER_TTL_S, ContentCatalog, LookupsSaturated
 from service.auth import make_token
 from service.config import Settings
 from service.dev import embedded
@@ -74,9 +74,9 @@ async def test_content_published_a_moment_ago_is_accepted_at_once(
 async def test_content_created_after_a_404_is_accepted_within_a_second(
     door: Settings, db: asyncpg.Pool, redis: Redis, token: str
 ) -> None:
-    """A cached "unknown" never outlives ~1 s, whatever CONTENT_CATALOG_CACHE_SECONDS (default: 10 s)."""
+    """A cached "unknown" never outlives ~1 s, whatever ANSWER_TTL_S (10 s)."""
     await seed(db, users=7, contents=1)
-    assert door.content_catalog_cache_seconds == Settings().content_catalog_cache_seconds > 1.2
+    assert ANSWER_TTL_S > 1.2
     body = {"lesson_id": 5000, "position": 3}
     clock = MovedClock(time.monotonic)
     async with running_app(door, clock=clock) as (_, client):
@@ -258,7 +258,7 @@ async def test_a_burst_at_content_created_after_start_stores_its_final_position_
         assert answer.json()["completed_at"] is not None
     assert queries == [50]  # one lookup for both users' heartbeats
     assert decode_value(await redis.get("progress:latest_position:lesson:50:8")).position == 595.0
-    assert (await Flusher.from_settings(door, redis, db).flush_cycle()).completions == 2
+    assert (await Flusher.from_settings(door.flush, redis, db).flush_cycle()).completions == 2
     assert sorted(await events(db)) == [("lesson", 50, 7), ("lesson", 50, 8)]
 
 
@@ -284,7 +284,7 @@ async def test_a_pod_started_with_postgres_unreachable_still_stores_the_final_po
             statuses.append(response.status_code)
         assert statuses == [201, 201, 201, 201]
         assert decode_value(await redis.get("progress:latest_position:lesson:1:7")).position == 595.0
-    assert (await Flusher.from_settings(door, redis, db).flush_cycle()).completions == 1
+    assert (await Flusher.from_settings(door.flush, redis, db).flush_cycle()).completions == 1
     assert await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7") == 595.0
 
 
@@ -303,7 +303,7 @@ async def test_a_ten_minute_offline_replay_stores_its_last_position_and_complete
             statuses.append(response.status_code)
         assert statuses == [201] * 120
         assert decode_value(await redis.get("progress:latest_position:lesson:1:7")).position == 600.0
-    flusher = Flusher.from_settings(door, redis, db)
+    flusher = Flusher.from_settings(door.flush, redis, db)
     assert (await flusher.flush_cycle()).completions == 1
     assert await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7") == 600.0
     assert await events(db) == [("lesson", 1, 7)]
@@ -323,7 +323,7 @@ async def test_a_burst_through_the_end_then_a_restart_still_completes(
             assert response.status_code == 201
     stored = decode_value(await redis.get("progress:latest_position:lesson:1:7"))
     assert (stored.position, stored.peak) == (3.0, 595.0)
-    assert (await Flusher.from_settings(door, redis, db).flush_cycle()).completions == 1
+    assert (await Flusher.from_settings(door.flush, redis, db).flush_cycle()).completions == 1
     assert await events(db) == [("lesson", 1, 7)]
 
 
@@ -401,7 +401,7 @@ async def test_a_lookup_timing_out_on_a_locked_table_accepts_only_its_own_id(
     of any kind stands between them and the catalog."""
     await seed(db, users=7, contents=1)
     before = unverified("audio")
-    async with running_app(door.model_copy(update={"content_catalog_lookup_timeout_seconds": 0.3})) as (_, client):
+    async with running_app(door) as (_, client):
         async with db.acquire() as locker, locker.transaction():
             await locker.execute("LOCK TABLE audios_audio IN ACCESS EXCLUSIVE MODE")
             locked = await client.post(

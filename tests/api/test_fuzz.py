@@ -51,7 +51,7 @@ CONFIG = schemathesis.Config.from_dict(
             "deterministic": True,
             "database": "none",  # no example database: CI and a laptop run the same cases
         },
-        # invalid data may also be refused for its size (a sync of 501 bulky items is over SYNC_MAX_BODY_BYTES)
+        # invalid data may also be refused for its size (a sync of 501 bulky items is over the 256 KiB limit)
         "checks": {"negative_data_rejection": {"expected-statuses": ["400", "401", "404", "405", "413", "422"]}},
     }
 )

@@ -21,7 +21,10 @@ BODY_DEADLINE_S = 0.5
 
 @pytest.fixture
 async def server(settings: Settings, redis: Redis) -> AsyncIterator[int]:
-    async with running_app(settings.model_copy(update={"body_read_timeout_seconds": BODY_DEADLINE_S})) as (app, _):
+    async with running_app(settings) as (app, _):
+        # the handlers' deadline, shortened for the test (BODY_READ_TIMEOUT_S in service)
+        app.api.state.handlers.ingest.body_read_timeout_s = BODY_DEADLINE_S
+        app.api.state.handlers.sync.body_read_timeout_s = BODY_DEADLINE_S
         config = uvicorn.Config(
             app,
             host="127.0.0.1",

@@ -14,7 +14,7 @@ from service.config import Settings
 from service.progress.flush.flusher import Flusher
 from service.progress.ingest.buffer import WRITE_SCRIPT, PositionWriter, decode_value, write_args
 from service.progress.read.reads import as_ms
-from service.progress.read.sync import OLDER_THAN_STORED, SUPERSEDED, UNKNOWN_CONTENT
+from service.progress.read.sync import MAX_BACKDATE_S, OLDER_THAN_STORED, SUPERSEDED, UNKNOWN_CONTENT
 from tests.helpers import BAD_SYNCS, ago, auth, metric, running_app, seed, sync_body
 from tests.helpers import sync_item as item
 
@@ -40,7 +40,7 @@ def ms(moment: datetime) -> float:
 
 @pytest.fixture
 async def flusher(settings: Settings, redis: Redis, db: asyncpg.Pool) -> Flusher:
-    return Flusher.from_settings(settings, redis, db)
+    return Flusher.from_settings(settings.flush, redis, db)
 
 
 async def test_newer_items_are_applied_and_older_ones_are_not(
@@ -158,9 +158,9 @@ async def test_one_sync_cannot_date_completions_further_back_than_the_window(
     client: httpx.AsyncClient, settings: Settings, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
 ) -> None:
     """29 items at the end, listened 1..29 days ago: applied (offline progress is not lost), each row dated when
-    it was heard, but every completion and event at most SYNC_MAX_BACKDATE_HOURS before the request."""
+    it was heard, but every completion and event at most 6 h before the request."""
     await seed(db, users=7, contents=29, duration_s=600)
-    window_ms = settings.sync_max_backdate_hours * 3_600_000
+    window_ms = MAX_BACKDATE_S * 1000
     assert window_ms == 6 * 3_600_000  # the default
     before = time.time_ns() // 1_000_000
     listened = {d: ago(d * 86_400) for d in range(1, 30)}
@@ -222,10 +222,10 @@ async def test_of_two_old_offline_listens_the_later_heard_stands_whichever_is_se
 async def test_a_completion_heard_30_hours_ago_is_dated_within_the_window_and_its_row_when_heard(
     client: httpx.AsyncClient, settings: Settings, redis: Redis, db: asyncpg.Pool, token: str, flusher: Flusher
 ) -> None:
-    """The completion's date is bounded (receipt - SYNC_MAX_BACKDATE_HOURS), the position's order is not: the
+    """The completion's date is bounded (receipt - 6 h), the position's order is not: the
     row's updated_at is when the listen happened, and the read before the flush answers what the flush writes."""
     await seed(db, users=7, duration_s=600)
-    window_ms = settings.sync_max_backdate_hours * 3_600_000
+    window_ms = MAX_BACKDATE_S * 1000
     heard = ago(30 * 3600).replace(microsecond=125_000)
     before = time.time_ns() // 1_000_000
     assert await sync(client, token, item(1, 598.0, heard, "lesson")) == [(True, None)]
@@ -346,7 +346,9 @@ async def test_while_the_shard_count_changes_a_sync_item_older_than_the_previous
         answers = (await client.get("/progress/audio?ids=1,2,3", headers=auth(token))).json()["data"]
     assert [(a["content_id"], a["position"]) for a in answers] == [(1, 321.0), (2, 10.0), (3, 10.0)]
     # what the flush of both layouts leaves: the newer of each (one drain, every shard in turn)
-    await Flusher.from_settings(changed.model_copy(update={"progress_flush_concurrency": 1}), redis, db).flush_cycle()
+    await Flusher.from_settings(
+        changed.model_copy(update={"progress_flush_concurrency": 1}).flush, redis, db
+    ).flush_cycle()
     assert await db.fetchval("SELECT array_agg(position ORDER BY audio_id) FROM audios_audioprogress") == [
         321.0,
         10.0,

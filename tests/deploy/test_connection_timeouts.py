@@ -32,10 +32,8 @@ async def silent_server() -> AsyncIterator[int]:
 
 async def test_database_connect_timeout_bounds_a_silent_postgres() -> None:
     async with silent_server() as port:
-        settings = Settings(
-            database_url=f"postgresql://postgres@127.0.0.1:{port}/progress", database_connect_timeout_seconds=0.5
-        )
-        pool = await create_db_pool(settings)  # min size 0: no connection yet
+        settings = Settings(database_url=f"postgresql://postgres@127.0.0.1:{port}/progress")
+        pool = await create_db_pool(settings.database, connect_timeout_s=0.5)  # min size 0: no connection yet
         started = time.monotonic()
         with pytest.raises(TimeoutError):
             await pool.fetchval("SELECT 1")
@@ -46,7 +44,7 @@ async def test_database_connect_timeout_bounds_a_silent_postgres() -> None:
 async def test_redis_socket_timeout_bounds_a_silent_redis() -> None:
     async with silent_server() as port:
         settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", redis_socket_timeout_seconds=0.3)
-        redis = connect_redis(settings)
+        redis = connect_redis(settings.redis)
         started = time.monotonic()
         with pytest.raises(RedisTimeoutError):
             await redis.ping()

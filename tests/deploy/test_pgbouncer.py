@@ -53,10 +53,10 @@ async def test_flusher_writes_through_pgbouncer_in_transaction_mode_over_tls(
             "progress_flush_batch_size": 5,  # many transactions, interleaved by the flusher's concurrency
         }
     )
-    pool = await create_db_pool(through_pgbouncer)
-    flusher_redis = connect_redis(through_pgbouncer)
+    pool = await create_db_pool(through_pgbouncer.database)
+    flusher_redis = connect_redis(through_pgbouncer.redis)
     try:
-        flusher = Flusher.from_settings(through_pgbouncer, flusher_redis, pool)
+        flusher = Flusher.from_settings(through_pgbouncer.flush, flusher_redis, pool)
         for position in (100.0, 595.0):  # the second round completes every content (duration 600, margin 10)
             sent = await _send_heartbeats(client, settings, position)
             result = await flusher.flush_cycle()
@@ -85,13 +85,13 @@ async def test_pgbouncer_refuses_the_timeouts_at_connect_and_the_flush_sets_them
             "database_lock_timeout_seconds": 0.5,
         }
     )
-    refused = await create_db_pool(through_pgbouncer)
+    refused = await create_db_pool(through_pgbouncer.database)
     try:
         with pytest.raises(asyncpg.ProtocolViolationError, match="unsupported startup parameter"):
             await refused.fetchval("SELECT 1")
     finally:
         await refused.close()
-    pool = await create_db_pool(through_pgbouncer.model_copy(update={"database_timeouts_at_connect": False}))
+    pool = await create_db_pool(through_pgbouncer.model_copy(update={"database_timeouts_at_connect": False}).database)
     try:
         async with pool.acquire() as conn, conn.transaction():
             await conn.execute(local_timeouts_sql(statement_timeout_s=7, lock_timeout_s=0.5))
@@ -156,11 +156,11 @@ async def test_the_relay_behind_pgbouncer_listens_on_its_direct_url_and_otherwis
     )
     polling = through_pgbouncer.model_copy(update={"relay_listen": False, "relay_poll_interval_seconds": 0.3})
     for user_id, relay_settings in ((1, through_pgbouncer), (2, polling)):
-        pool = await create_db_pool(relay_settings)
-        publisher = publisher_from_settings(relay_settings)
+        pool = await create_db_pool(relay_settings.database)
+        publisher = publisher_from_settings(relay_settings.relay)
         stop = asyncio.Event()
         relay = asyncio.create_task(
-            Relay.from_settings(relay_settings, pool, [completion_route(relay_settings, publisher)]).run(stop)
+            Relay.from_settings(relay_settings.relay, pool, [completion_route(relay_settings, publisher)]).run(stop)
         )
         try:
             await asyncio.sleep(0.5)  # past the relay's first pass

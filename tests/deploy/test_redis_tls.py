@@ -68,7 +68,7 @@ async def test_service_stores_heartbeats_through_rediss_url(
 async def test_rediss_url_verifies_the_server_certificate(servers: Servers, settings: Settings, tls: Tls) -> None:
     async with tls_terminator(tls, servers.redis_url) as port:
         # no ssl_ca_certs: the system trust store does not know the private CA, so the handshake fails
-        untrusted = connect_redis(settings.model_copy(update={"redis_url": f"rediss://127.0.0.1:{port}/0"}))
+        untrusted = connect_redis(settings.model_copy(update={"redis_url": f"rediss://127.0.0.1:{port}/0"}).redis)
         try:
             with pytest.raises(RedisConnectionError, match="certificate verify failed"):
                 await untrusted.ping()

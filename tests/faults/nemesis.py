@@ -84,7 +84,6 @@ def service_env(budget: int) -> dict[str, str]:
         "DEGRADED_WRITE_TIMEOUT_SECONDS": str(DEGRADED_TIMEOUT_S),
         "DEGRADED_REDIS_RETRY_SECONDS": "0.5",
         # a pod restarted while a content table is locked has no snapshot: it has one again within seconds
-        "CONTENT_CATALOG_REFRESH_SECONDS": "5",
         "TRIAL_JOURNEY_INTERVAL_SECONDS": "0",
         "CELERY_PUBLISH_TIMEOUT_SECONDS": str(PUBLISH_TIMEOUT_S),
         "RELAY_LEASE_SECONDS": "5",
@@ -738,7 +737,7 @@ def check_requests(
                 fail("read 503 without Retry-After", where)  # openapi.yaml documents it for the reads' 503
             # a 503 answered up to a margin after its fault ended still belongs to it
             active = [f for f in faults if f.start <= r["t1"] and r["t0"] <= f.end + 1.0 + MARGIN_S]
-            # a sync past SYNC_MAX_CONCURRENCY's wait is shed by design (503, Retry-After: 1), whatever slowed the
+            # a sync past SYNC_CONNECTIONS (2)'s wait is shed by design (503, Retry-After: 1), whatever slowed the
             # syncs at the database: the storms send 10 at once against 2 slots per pod
             shed = route == "sync" and r["retry_after"] and bool(active)
             if not shed and not any(explains_503(f, r) for f in active):

@@ -87,9 +87,11 @@ async def assert_each_reservation_delivered_once(db: asyncpg.Pool, executions: E
 async def relay_running(settings: Settings, db: asyncpg.Pool) -> AsyncIterator[None]:
     """The relay of a pod, sending the email outbox to the worker; it polls once an hour, so it sends on NOTIFY."""
     woken_only = settings.model_copy(update={"relay_poll_interval_seconds": 3600})
-    publisher = publisher_from_settings(woken_only)
+    publisher = publisher_from_settings(woken_only.relay)
     stop = asyncio.Event()
-    relay = asyncio.create_task(Relay.from_settings(woken_only, db, [email_route(woken_only, publisher)]).run(stop))
+    relay = asyncio.create_task(
+        Relay.from_settings(woken_only.relay, db, [email_route(woken_only, publisher)]).run(stop)
+    )
     try:
         yield
     finally:
@@ -105,15 +107,15 @@ async def test_the_mixed_trials_reach_the_worker_once_a_rerun_sends_none_and_sen
     async with relay_running(relay_settings, db):
         disabled = relay_settings.model_copy(update={"send_email": False})
         off = await send_trial_journey_emails_batch(
-            await trial_ids(db), pool=db, options=BatchOptions.from_settings(disabled)
+            await trial_ids(db), pool=db, options=BatchOptions(disabled.send_email)
         )
         assert off["sent"] == 0 and await db.fetchval("SELECT count(*) FROM trial_email_outbox") == 0
 
         first = await send_trial_journey_emails_batch(
-            await trial_ids(db), pool=db, options=BatchOptions.from_settings(relay_settings)
+            await trial_ids(db), pool=db, options=BatchOptions(relay_settings.send_email)
         )
         rerun = await send_trial_journey_emails_batch(
-            await trial_ids(db), pool=db, options=BatchOptions.from_settings(relay_settings)
+            await trial_ids(db), pool=db, options=BatchOptions(relay_settings.send_email)
         )
         await relayed(db)
 
@@ -127,16 +129,13 @@ async def test_three_concurrent_runners_deliver_each_email_once(
     relay_settings: Settings, db: asyncpg.Pool, migrated: str, executions: Executions
 ) -> None:
     await add_trials(db, 60, started_at=NOW - timedelta(days=10), ends_at=NOW - timedelta(hours=1))
-    small_blocks = relay_settings.model_copy(update={"reservation_block_size": 16})
+    small_blocks = BatchOptions(relay_settings.send_email, block_size=16)
     pools = [await asyncpg.create_pool(migrated, min_size=1, max_size=1) for _ in range(3)]
     try:
         async with relay_running(relay_settings, db):
             ids = await trial_ids(db)
             results = await asyncio.gather(
-                *(
-                    send_trial_journey_emails_batch(ids, pool=pool, options=BatchOptions.from_settings(small_blocks))
-                    for pool in pools
-                )
+                *(send_trial_journey_emails_batch(ids, pool=pool, options=small_blocks) for pool in pools)
             )
             await relayed(db)
     finally:
@@ -221,7 +220,7 @@ async def test_an_email_the_broker_refuses_is_not_marked_published_and_the_relay
         update={"celery_broker_url": await limited_broker_user(broker), "email_task_queue": "forbidden"}
     )
     result = await send_trial_journey_emails_batch(
-        await trial_ids(db), pool=db, options=BatchOptions.from_settings(refused)
+        await trial_ids(db), pool=db, options=BatchOptions(refused.send_email)
     )
     assert result["sent"] == 2
     assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 2

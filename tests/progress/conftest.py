@@ -31,7 +31,7 @@ def cluster_settings(settings: Settings, valkey_cluster: EmbeddedCluster) -> Set
 
 @pytest.fixture
 def cluster_layout(cluster_settings: Settings) -> KeyLayout:
-    return KeyLayout.from_settings(cluster_settings)
+    return KeyLayout.from_settings(cluster_settings.redis)
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ async def test_backlog_sums_every_shard_and_the_shards_of_the_previous_count(set
     await redis.zadd(current[5].in_flight_key, {"8:8": now_ms - 1_000, "9:9": now_ms - 3_000})
     assert len({shard.pending_key for shard in current if await redis.scard(shard.pending_key)}) > 1
 
-    client = connect_redis(settings)
+    client = connect_redis(settings.redis)
     try:
         backlog = await measure_backlog(client, layout, leases_at_ms=now_ms)
     finally:

@@ -49,7 +49,7 @@ async def test_a_503_from_degraded_mode_writes_nothing_even_after_postgres_recov
     settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool
 ) -> None:
     await seed(db, users=6, contents=1)
-    slow = degraded_settings(settings, own_redis, degraded_write_timeout_seconds=0.5, degraded_max_concurrency=1)
+    slow = degraded_settings(settings, own_redis, degraded_write_timeout_seconds=0.5)
     async with running_app(slow) as (app, client):
         own_redis.stop()
         async with db.acquire() as blocker:

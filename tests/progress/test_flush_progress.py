@@ -27,7 +27,7 @@ async def test_flush_once_logs_its_progress_against_the_pending_count_and_a_summ
     await redis.script_load(WRITE_SCRIPT)
     last = await fill(redis, db, 3000)
     settings = settings.model_copy(update={"progress_flush_batch_size": 50, "progress_flush_concurrency": 2})
-    client = connect_redis(settings)
+    client = connect_redis(settings.redis)
     try:
         with caplog.at_level(logging.INFO, logger="service.console"):
             code = await commands._run_flusher(commands._Parts(settings, client, db, None, asyncio.Event()), once=True)

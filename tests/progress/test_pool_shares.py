@@ -11,12 +11,13 @@ from redis.asyncio import Redis
 from service.app import create_app
 from service.auth import make_token
 from service.config import READ_LANES, ConfigError, Settings
+from service.postgres import create_db_pool
 from service.progress.content import CONTENT_KINDS, KIND_BY_NAME
 from service.progress.flush.flusher import Flusher
 from service.progress.flush.store import Heartbeat
 from tests.helpers import ago, auth, running_app, seed, sync_item, table_locked, wait_for, waiting_on_lock
 
-SYNC_SHARE = 2  # SYNC_MAX_CONCURRENCY's default
+SYNC_SHARE = 2  # SYNC_CONNECTIONS
 LIVE_SYNCS = 60
 
 
@@ -65,7 +66,7 @@ async def test_60_live_syncs_behind_a_locked_table_leave_the_reads_the_flush_and
                 read = await client.get("/progress/lesson/1", headers=reader)
             read_s = loop.time() - started
             async with asyncio.timeout(5):
-                flushed = await Flusher.from_settings(siege, redis, pool).flush_cycle()
+                flushed = await Flusher.from_settings(siege.flush, redis, pool).flush_cycle()
             meditation = KIND_BY_NAME["meditation"]
             direct = app.api.state.services.sink._direct  # degraded mode's writer, on the app's pool
             async with asyncio.timeout(5):
@@ -106,17 +107,20 @@ async def test_a_pool_connection_not_had_in_time_is_the_store_unavailable_never_
     """Every connection of the app's pool held (a leak, a stall): each caller gives up at its deadline and
     takes its unavailable path (503 to retry, the flush's batch left pending), and nothing is lost."""
     await seed(db, users=3, contents=1)
-    quick = settings.model_copy(update={"database_pool_acquire_timeout_seconds": 0.5})
     loop = asyncio.get_running_loop()
-    async with running_app(quick) as (app, client):
-        token = auth(make_token(quick, 2))
+    # the flush's and the pool's own callers wait ACQUIRE_TIMEOUT_S: a pool of the test's with a shorter one
+    async with (
+        running_app(settings) as (app, client),
+        await create_db_pool(settings.database, acquire_timeout_s=0.5) as own,
+    ):
+        token = auth(make_token(settings, 2))
         heartbeat = await client.post(
             "/engagements/progress/lesson", headers=token, json={"lesson_id": 1, "position": 42}
         )
         assert heartbeat.status_code == 201
         pool = app.api.state.services.pool
-        flusher = Flusher.from_settings(quick, redis, pool)
-        held = [await pool.acquire() for _ in range(pool.get_max_size())]
+        flusher = Flusher.from_settings(settings.flush, redis, own)
+        held = [(p, await p.acquire()) for p in (pool, own) for _ in range(p.get_max_size())]
         waited: dict[str, float] = {}
         try:
             started = loop.time()
@@ -137,11 +141,11 @@ async def test_a_pool_connection_not_had_in_time_is_the_store_unavailable_never_
             # the relay, the sweep and the catalog use pool.fetch() and the like: the pool's own deadline
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(3):
-                    await pool.fetchval("SELECT 1")
+                    await own.fetchval("SELECT 1")
             waited["pool.fetchval"] = loop.time() - started
         finally:
-            for conn in held:
-                await pool.release(conn)
+            for owner, conn in held:
+                await owner.release(conn)
         assert (read.status_code, read.headers.get("retry-after")) == (503, "1"), read.text
         assert (sync.status_code, sync.headers.get("retry-after")) == (503, "1"), sync.text
         assert "unavailable" in read.json()["detail"] and "unavailable" in sync.json()["detail"]
@@ -202,7 +206,7 @@ def test_serve_refuses_a_pool_too_small_to_hold_every_part_at_once(settings: Set
     # the defaults: 4 drains + 4 degraded + 4 read lanes + 2 syncs + 4 lookups (one per content type) + 1 <= 20
     serving.check_can_serve()
     small = serving.model_copy(update={"database_pool_max_size": 18})
-    names = "PROGRESS_FLUSH_CONCURRENCY.*DEGRADED_MAX_CONCURRENCY.*PROGRESS_READ_BATCHES_IN_FLIGHT.*SYNC_MAX.*CATALOG"
+    names = "PROGRESS_FLUSH_CONCURRENCY.*degraded mode.*the reads.*the syncs.*catalog"
     with pytest.raises(ConfigError, match=f"DATABASE_POOL_MAX_SIZE=18 is too small: {names}.* to 19 or more"):
         create_app(small)
     # an API-only pod keeps no share for a flusher it does not run, nor one without a catalog for its lookups

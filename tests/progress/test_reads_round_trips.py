@@ -233,8 +233,8 @@ async def test_a_type_whose_table_is_locked_holds_and_fails_its_own_reads_only(
         "INSERT INTO audios_audioprogress (user_id, audio_id, position, created_at, updated_at)"
         " VALUES (7, 1, 30, now(), now())"
     )
-    pool = await create_db_pool(settings.model_copy(update={"database_lock_timeout_seconds": 2}))
-    redis = connect_redis(settings)
+    pool = await create_db_pool(settings.model_copy(update={"database_lock_timeout_seconds": 2}).database)
+    redis = connect_redis(settings.redis)
     reader = ProgressReader(redis, pool, margin_s=10, batches_in_flight=1)
     try:
         async with lessons_locked(db):
@@ -294,7 +294,7 @@ async def test_a_stateless_fetch_skips_the_reset_on_release_and_every_other_use_
     """The reads' query goes back to the pool without the reset's round trip; the pool's other users
     (the sweep's advisory lock among them) still get a clean session. Session state left on purpose
     shows which release reset the connection: one connection, so every call gets the same one."""
-    pool = await create_db_pool(settings.model_copy(update={"database_pool_min_size": 1, "database_pool_max_size": 1}))
+    pool = await create_db_pool(settings.model_copy(update={"database_pool_max_size": 1}).database, min_size=1)
     try:
         left_behind = ("SELECT set_config('application_name', 'left-behind', false)", ())
         await fetch_stateless(pool, [left_behind, ("SELECT 1", ())])

@@ -92,7 +92,7 @@ async def test_a_cluster_connection_closed_under_script_load_or_a_write_is_a_red
     """The failover of tests/progress/test_cluster.py, in one step: the request path's script_load (and
     its writes) on connections the cluster client closed under them raise ConnectionError, which the
     request path takes to degraded mode, instead of AttributeError, which was a 500."""
-    client = connect_redis(cluster_settings)
+    client = connect_redis(cluster_settings.redis)
     commands = [
         write_args("lesson", content_id, user_id, 5.0, 1000.0, cluster_layout)
         for content_id in (1, 2, 3)
@@ -129,7 +129,7 @@ async def test_a_cluster_connection_closed_under_script_load_or_a_write_is_a_red
 def test_every_url_scheme_keeps_its_kind_of_connection_behind_the_boundary(
     settings: Settings, url: str, redis_py_class: type[AbstractConnection]
 ) -> None:
-    client = connect_redis(settings.model_copy(update={"redis_url": url}))
+    client = connect_redis(settings.model_copy(update={"redis_url": url}).redis)
     connection_class = client.connection_pool.connection_class
     assert issubclass(connection_class, redis_py_class) and connection_class.__module__ == "service.redis_internals"
 
@@ -204,7 +204,6 @@ async def test_redis_and_postgres_stopped_together_under_load_answer_201_or_503_
             "database_url": postgres.url(),
             "degraded_redis_retry_seconds": 0.2,
             "degraded_write_timeout_seconds": 1.0,
-            "database_connect_timeout_seconds": 1.0,
         }
     )
     statuses: Counter[int] = Counter()

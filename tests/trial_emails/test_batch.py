@@ -36,8 +36,8 @@ MIDWAY = Window(started_at=NOW - timedelta(days=10), ends_at=NOW + timedelta(day
 ALL_DUE = Window(started_at=NOW - timedelta(days=10), ends_at=NOW - timedelta(hours=1))
 
 
-def with_blocks(settings: Settings, block_size: int) -> Settings:
-    return settings.model_copy(update={"reservation_block_size": block_size})
+def with_blocks(settings: Settings, block_size: int) -> BatchOptions:
+    return BatchOptions(settings.send_email, block_size=block_size)
 
 
 async def reserve(pool: asyncpg.Pool, pairs: Sequence[Pair]) -> int:
@@ -51,9 +51,7 @@ async def test_several_due_emails_per_trial_are_reserved_in_one_statement_and_al
     pool, statements = counted
     ids = await add_trials(trials_db, 3, **MIDWAY)
 
-    result = await send_trial_journey_emails_batch(
-        ids, pool=pool, options=BatchOptions.from_settings(settings), now=NOW
-    )
+    result = await send_trial_journey_emails_batch(ids, pool=pool, options=BatchOptions(settings.send_email), now=NOW)
 
     assert result == {"status": "ok", "user_trials": 3, "sent": 9}
     # the reservation writes the outbox rows and wakes the relay; the batch publishes nothing itself
@@ -79,9 +77,7 @@ async def test_200_trials_owing_6_emails_take_6_reservation_statements(
     pool, statements = counted
     ids = await add_trials(trials_db, 200, **ALL_DUE)
 
-    result = await send_trial_journey_emails_batch(
-        ids, pool=pool, options=BatchOptions.from_settings(settings), now=NOW
-    )
+    result = await send_trial_journey_emails_batch(ids, pool=pool, options=BatchOptions(settings.send_email), now=NOW)
 
     assert result == {"status": "ok", "user_trials": 200, "sent": 1200}
     assert await statements.settled() == [LOAD_TRIALS_SQL, LOAD_SENT_KEYS_SQL] + [RESERVE_BLOCK_SQL] * 6
@@ -97,12 +93,10 @@ async def test_a_second_run_of_the_same_batch_enqueues_nothing(
 ) -> None:
     pool, statements = counted
     ids = await add_trials(trials_db, 5, **ALL_DUE)
-    first = await send_trial_journey_emails_batch(ids, pool=pool, options=BatchOptions.from_settings(settings), now=NOW)
+    first = await send_trial_journey_emails_batch(ids, pool=pool, options=BatchOptions(settings.send_email), now=NOW)
     statements.sql.clear()
 
-    second = await send_trial_journey_emails_batch(
-        ids, pool=pool, options=BatchOptions.from_settings(settings), now=NOW
-    )
+    second = await send_trial_journey_emails_batch(ids, pool=pool, options=BatchOptions(settings.send_email), now=NOW)
 
     assert first["sent"] == 30
     assert second == {"status": "ok", "user_trials": 5, "sent": 0}
@@ -123,7 +117,7 @@ async def test_a_reservation_already_written_by_another_worker_is_not_enqueued(
     )
 
     result = await send_trial_journey_emails_batch(
-        ids, pool=trials_db, options=BatchOptions.from_settings(settings), now=NOW
+        ids, pool=trials_db, options=BatchOptions(settings.send_email), now=NOW
     )
 
     assert result["sent"] == 5
@@ -164,12 +158,7 @@ async def test_three_concurrent_runners_enqueue_each_pair_exactly_once(
     pools = [await asyncpg.create_pool(migrated, min_size=1, max_size=1) for _ in range(3)]
     try:
         results = await asyncio.gather(
-            *(
-                send_trial_journey_emails_batch(
-                    ids, pool=pool, options=BatchOptions.from_settings(small_blocks), now=NOW
-                )
-                for pool in pools
-            )
+            *(send_trial_journey_emails_batch(ids, pool=pool, options=small_blocks, now=NOW) for pool in pools)
         )
     finally:
         await asyncio.gather(*(pool.close() for pool in pools))
@@ -188,9 +177,7 @@ async def test_send_email_false_reserves_and_enqueues_nothing(
     ids = await add_trials(trials_db, 3, **ALL_DUE)
     disabled = settings.model_copy(update={"send_email": False})
 
-    result = await send_trial_journey_emails_batch(
-        ids, pool=pool, options=BatchOptions.from_settings(disabled), now=NOW
-    )
+    result = await send_trial_journey_emails_batch(ids, pool=pool, options=BatchOptions(disabled.send_email), now=NOW)
 
     assert result == {"status": "disabled", "user_trials": 0, "sent": 0}
     assert await statements.settled() == []
@@ -272,7 +259,7 @@ async def test_a_batch_cancelled_mid_reservation_leaves_no_reservation_without_i
             "VALUES (1, 'trial_journey', 'trial_welcome', now(), now())"
         )
         batch = asyncio.create_task(
-            send_trial_journey_emails_batch(ids, pool=trials_db, options=BatchOptions.from_settings(settings), now=NOW)
+            send_trial_journey_emails_batch(ids, pool=trials_db, options=BatchOptions(settings.send_email), now=NOW)
         )
         await wait_for(
             lambda: trials_db.fetchval(
@@ -286,7 +273,7 @@ async def test_a_batch_cancelled_mid_reservation_leaves_no_reservation_without_i
         await transaction.rollback()  # the statement, cancelled or not, now does all or nothing
 
     # whatever the cancelled statement did it did whole, its outbox row included; a rerun does the rest
-    await send_trial_journey_emails_batch(ids, pool=trials_db, options=BatchOptions.from_settings(settings), now=NOW)
+    await send_trial_journey_emails_batch(ids, pool=trials_db, options=BatchOptions(settings.send_email), now=NOW)
     await relayed(trials_db)
     assert await reserved(trials_db) == {(1, "trial_welcome")}
     assert await trials_db.fetchval("SELECT count(*) FROM trial_email_outbox") == 1

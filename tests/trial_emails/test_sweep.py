@@ -36,7 +36,7 @@ async def test_a_sweep_pages_only_the_trials_in_their_journey_in_batches(
 
     result = await sweep_journeys(
         pool=trials_db,
-        options=BatchOptions.from_settings(settings.model_copy(update={"journey_batch_size": 3})),
+        options=BatchOptions(settings.send_email, batch_size=3),
         now=NOW,
         on_batch=lambda done, total, batch: progress.append((done, total, batch)),
     )
@@ -55,7 +55,6 @@ async def test_run_once_prints_progress_on_stderr_and_the_summed_result_last_on_
         **os.environ,
         "DATABASE_URL": settings.database_url,
         "REDIS_URL": settings.redis_url,
-        "JOURNEY_BATCH_SIZE": "2",
         "LOG_LEVEL": "INFO",
         "EMAIL_PUBLISHER": "redis-stream",
     }

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from redis.commands.core import AsyncScript
 
 from service import metrics
-from service.config import Settings
+from service.config import FlushSettings
 from service.loops import sleep_unless_stopped
 from service.progress.keys import FLUSH_BUDGET_KEY
 from service.redis_client import RedisClient
@@ -83,12 +83,12 @@ class FlushBudget:
     """`reserve(rows)` waits for the budget; `refund(reservation, rows)` gives back rows not written."""
 
     @classmethod
-    def from_settings(cls, settings: Settings, redis: RedisClient) -> "FlushBudget":
+    def from_settings(cls, settings: FlushSettings, redis: RedisClient) -> "FlushBudget":
         return cls(
             redis,
-            rows_per_second=settings.progress_flush_max_rows_per_second,
-            batch_size=settings.progress_flush_batch_size,
-            fleet_max_pods=settings.progress_fleet_max_pods,
+            rows_per_second=settings.max_rows_per_second,
+            batch_size=settings.batch_size,
+            fleet_max_pods=settings.fleet_max_pods,
         )
 
     def __init__(

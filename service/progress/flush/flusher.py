@@ -18,7 +18,7 @@ from functools import partial
 import asyncpg
 
 from service import metrics
-from service.config import Settings
+from service.config import FlushSettings
 from service.loops import Backoff, every
 from service.postgres import local_timeouts_sql
 from service.progress.content import CONTENT_KINDS, ContentKind
@@ -38,22 +38,22 @@ _MAX_BACKOFF_S = 30.0
 class Flusher:
     @classmethod
     def from_settings(
-        cls, settings: Settings, redis: RedisClient, pool: asyncpg.Pool, budget: FlushBudget | None = None
+        cls, settings: FlushSettings, redis: RedisClient, pool: asyncpg.Pool, budget: FlushBudget | None = None
     ) -> "Flusher":
         """`budget`: the pod's one budget, shared with degraded mode (a `flush --once` makes its own)."""
         return cls(
             redis=redis,
             pool=pool,
-            layout=KeyLayout.from_settings(settings),
+            layout=KeyLayout.from_settings(settings.buffer),
             budget=budget or FlushBudget.from_settings(settings, redis),
-            lease_s=settings.progress_flush_lease_seconds,
-            margin_s=settings.progress_completion_margin_seconds,
-            interval_s=settings.progress_flush_interval_seconds,
-            concurrency=settings.progress_flush_concurrency,
-            shutdown_timeout_s=settings.progress_shutdown_timeout_seconds,
-            statement_timeout_s=settings.database_statement_timeout_seconds,
-            lock_timeout_s=settings.database_lock_timeout_seconds,
-            value_ttl_s=settings.progress_position_ttl_seconds,
+            lease_s=settings.lease_s,
+            margin_s=settings.margin_s,
+            interval_s=settings.interval_s,
+            concurrency=settings.concurrency,
+            shutdown_timeout_s=settings.shutdown_timeout_s,
+            statement_timeout_s=settings.statement_timeout_s,
+            lock_timeout_s=settings.lock_timeout_s,
+            value_ttl_s=settings.value_ttl_s,
         )
 
     def __init__(

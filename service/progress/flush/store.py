@@ -22,7 +22,7 @@ class Heartbeat:
     # stamped by Redis (ms, microsecond fraction); None: by the database's clock_timestamp() (degraded mode)
     received_ms: float | None
     peak: float  # the furthest position heard since the value was first written: decides completion
-    # an offline item's: its completion is dated no earlier (receipt - SYNC_MAX_BACKDATE_HOURS), see buffer.py
+    # an offline item's: its completion is dated no earlier (receipt - 6 h), see buffer.py
     completion_floor_ms: int | None = None
 
 

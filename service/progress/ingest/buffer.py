@@ -30,7 +30,7 @@ from service.stores import REDIS_UNAVAILABLE
 # never makes a value unreadable. Values of two or three fields (older releases) still read.
 # An offline item is written with the time it was heard, however old (service/progress/read/sync.py), and
 # only then a fifth field, its completion floor (whole ms): the earliest date a completion of this
-# value may carry (its receipt minus SYNC_MAX_BACKDATE_HOURS); the flush and the reads date a
+# value may carry (its receipt minus 6 h); the flush and the reads date a
 # completion max(receive time, floor). No heartbeat writes one, and a value newer than its floor has none.
 # write(): `now` is Redis's TIME (µs); `us` the write's own time (µs), nil for a heartbeat. A heartbeat is
 # the newest write of its key: stamped max(now, stored time + 1 µs), so the last heartbeat Redis receives

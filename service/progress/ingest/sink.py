@@ -5,7 +5,7 @@ statement (monotonic upsert, completion, one event), stamped by the database's c
 written directly and an older one still in Redis settle the same way whichever lands last. It draws
 from the fleet's write budget like the flush (service/progress/flush/budget.py): with Redis down, each pod
 keeps to its local share, and a batch that does not fit within its requests' deadline is answered 503
-at once. Its statements take at most DEGRADED_MAX_CONCURRENCY of the pool's connections: the flush,
+at once. Its statements take at most 4 (DEGRADED_CONNECTIONS) of the pool's connections: the flush,
 the reads and the relay keep theirs. On a Redis Cluster it is per node: only the heartbeats of an
 unreachable master's slots go to Postgres; the others stay on Redis.
 
@@ -26,7 +26,7 @@ from functools import partial
 import asyncpg
 
 from service import metrics
-from service.config import Settings
+from service.config import DEGRADED_CONNECTIONS, DegradedSettings
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.flush.budget import FlushBudget
@@ -71,15 +71,12 @@ def _over_budget() -> Unavailable:
 
 class DirectWriter:
     @classmethod
-    def from_settings(cls, settings: Settings, pool: asyncpg.Pool, budget: FlushBudget) -> "DirectWriter":
-        return cls(
-            pool,
-            budget=budget,
-            margin_s=settings.progress_completion_margin_seconds,
-            max_concurrency=settings.degraded_max_concurrency,
-        )
+    def from_settings(cls, settings: DegradedSettings, pool: asyncpg.Pool, budget: FlushBudget) -> "DirectWriter":
+        return cls(pool, budget=budget, margin_s=settings.margin_s)
 
-    def __init__(self, pool: asyncpg.Pool, *, budget: FlushBudget, margin_s: float, max_concurrency: int) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, *, budget: FlushBudget, margin_s: float, max_concurrency: int = DEGRADED_CONNECTIONS
+    ) -> None:
         self._pool = pool
         self._budget = budget
         self._margin_s = margin_s
@@ -168,14 +165,14 @@ class DirectWriter:
 class HeartbeatSink:
     @classmethod
     def from_settings(
-        cls, settings: Settings, writer: PositionWriter, pool: asyncpg.Pool | None, budget: FlushBudget
+        cls, settings: DegradedSettings, writer: PositionWriter, pool: asyncpg.Pool | None, budget: FlushBudget
     ) -> "HeartbeatSink":
         """Redis through `writer`; without a database (`pool` None), no degraded mode."""
         return cls(
             writer,
-            None if pool is None else DirectWriter.from_settings(settings, pool, budget),
-            redis_retry_s=settings.degraded_redis_retry_seconds,
-            direct_timeout_s=settings.degraded_write_timeout_seconds,
+            None if pool is None else DirectWriter(pool, budget=budget, margin_s=settings.margin_s),
+            redis_retry_s=settings.redis_retry_s,
+            direct_timeout_s=settings.write_timeout_s,
         )
 
     def __init__(

@@ -2,7 +2,7 @@
 
 A read costs one Redis MGET of the value keys and one query of the rows, whatever the number of
 ids; the reads of one type in one event-loop turn share both, and so do those that wait while
-PROGRESS_READ_BATCHES_IN_FLIGHT batches of their type are out. The answer is what the next flush
+one batch of their type are out. The answer is what the next flush
 will leave in Postgres, before it runs:
 - the position and `updated_at` of the buffered value when it was received after the row's
   `updated_at` (the flush's upsert only moves forward the same way), else the row's;
@@ -25,7 +25,6 @@ from typing import TypeAlias
 import asyncpg
 from redis.exceptions import RedisError
 
-from service.config import Settings
 from service.postgres import fetch_stateless
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.completion import completes
@@ -180,25 +179,13 @@ class ProgressReader:
     MAX_WAIT_S, or finds MAX_WAITING_LOOKUPS waiting, raises ReadsWaiting.
     """
 
-    @classmethod
-    def from_settings(
-        cls, settings: Settings, redis: RedisClient, pool: asyncpg.Pool, layout: KeyLayout
-    ) -> "ProgressReader":
-        return cls(
-            redis,
-            pool,
-            margin_s=settings.progress_completion_margin_seconds,
-            batches_in_flight=settings.progress_read_batches_in_flight,
-            layout=layout,
-        )
-
     def __init__(
         self,
         redis: RedisClient,
         pool: asyncpg.Pool,
         *,
         margin_s: float,
-        batches_in_flight: int,
+        batches_in_flight: int = 1,
         layout: KeyLayout = STANDALONE,
     ) -> None:
         self._redis = redis

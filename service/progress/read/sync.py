@@ -35,7 +35,7 @@ import asyncpg
 import msgspec
 from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field
 
-from service.config import Settings
+from service.config import SYNC_CONNECTIONS
 from service.progress.content import (
     CONTENT_KINDS,
     KIND_BY_NAME,
@@ -46,9 +46,7 @@ from service.progress.content import (
     Position,
 )
 from service.progress.ingest.buffer import TOO_FAR_AHEAD, PositionWriter
-from service.progress.keys import KeyLayout
 from service.progress.read.reads import MAX_WAIT_S, StoredRow, StoredRows, as_ms, decode_values, fetch_rows
-from service.redis_client import RedisClient
 
 SYNC_MAX_ITEMS = 500
 # No listen is older than the app: a date before this is a broken clock, not a position to order by. It also keeps
@@ -58,6 +56,11 @@ EARLIEST_LISTEN_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
 
 # how long a sync waits for its turn at the database, as a read waits for its batch: then SyncsWaiting
 SYNC_MAX_WAIT_S = MAX_WAIT_S
+# an item further in the future than Redis's time is refused (within it, it is stored at Redis's time)
+MAX_CLOCK_SKEW_S = 300.0
+# a completion an item brings is dated no earlier than its receipt minus this (the item itself is stored and
+# ordered at its own listened_at, however old): a client's clock is not evidence of when a lesson was finished
+MAX_BACKDATE_S = 6 * 3600.0
 
 ContentType = Literal["lesson", "audio", "meditation", "live"]
 assert set(get_args(ContentType)) == {kind.name for kind in CONTENT_KINDS}
@@ -202,27 +205,14 @@ class OfflineSync:
     once, so syncs stalled on a locked table leave the rest of the pool to the reads, the flush and degraded
     mode. A sync that waited SYNC_MAX_WAIT_S for its turn raises SyncsWaiting."""
 
-    @classmethod
-    def from_settings(
-        cls, settings: Settings, redis: RedisClient, pool: asyncpg.Pool, layout: KeyLayout
-    ) -> "OfflineSync":
-        # its own writer: a sync's pipeline is its own, not shared with the heartbeats of the turn
-        return cls(
-            PositionWriter(redis, layout=layout),
-            pool,
-            max_skew_s=settings.sync_max_clock_skew_seconds,
-            max_backdate_s=settings.sync_max_backdate_hours * 3600,
-            max_concurrency=settings.sync_max_concurrency,
-        )
-
     def __init__(
         self,
         writer: PositionWriter,
         pool: asyncpg.Pool,
         *,
-        max_skew_s: float,
-        max_backdate_s: float,
-        max_concurrency: int,
+        max_skew_s: float = MAX_CLOCK_SKEW_S,
+        max_backdate_s: float = MAX_BACKDATE_S,
+        max_concurrency: int = SYNC_CONNECTIONS,
     ) -> None:
         self._writer = writer
         self._pool = pool
