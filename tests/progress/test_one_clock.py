@@ -27,7 +27,7 @@ from service.progress.flusher import Flusher
 from service.progress.keys import STANDALONE
 from service.progress.leases import Leases
 from tests import debian
-from tests.faults.loadgen import DURATION_S
+from tests.faults.load import DURATION_S
 from tests.faults.suite import SECRET, Cluster
 from tests.helpers import Servers, auth, fill, flush_once, sync_item, wait_for, write
 
