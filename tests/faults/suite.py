@@ -72,7 +72,7 @@ class Size:
         return self.users * self.lessons
 
 
-SHORT = Size(users=100, lessons=10, rounds=20, crossing=500, outage_s=3, min_round_s=0.4)
+SHORT = Size(users=50, lessons=10, rounds=20, crossing=250, outage_s=3, min_round_s=0.4)
 LONG = Size(users=1000, lessons=10, rounds=24, crossing=500, outage_s=10, min_round_s=1.5)
 # the fleet: rounds is a ceiling (the load stops once the rolls are over; round 2,000 would send position 80,000 of
 # the 86,400 allowed); HAProxy checks every 0.5 s and takes a pod out after 2 failed checks, well within its 3 s drain
