@@ -175,6 +175,17 @@ def flushed_since(started_s: float) -> Callable[[], Awaitable[bool]]:
 FLUSH_LEASE_S = 1.0  # the lease of the flusher processes the crash tests start
 
 
+async def leases_ended(redis: RedisClient, layout: KeyLayout = STANDALONE) -> bool:
+    """For wait_for: every lesson lease in flight has ended by Redis's clock (a dead flusher's batches are free)."""
+    seconds, micros = await redis.time()
+    now_ms = seconds * 1000 + micros // 1000  # whole ms, as the requeue script compares
+    for shard in layout.shards_to_flush("lesson"):
+        last = await redis.zrange(shard.in_flight_key, -1, -1, withscores=True)
+        if last and last[0][1] > now_ms:
+            return False
+    return True
+
+
 async def write(
     redis: RedisClient,
     content_type: str,

@@ -1,4 +1,4 @@
-"""A Jepsen-style nemesis: two `serve` pods under the load of many users (tests/faults/nemesis_load.py) while three
+"""A Jepsen-style nemesis: two `serve` pods under the load of many users (tests/faults/load.py) while three
 lanes of faults run at random and overlap; then every request of the ledger is checked against Postgres, against the
 rows seen during the run, and against its bound.
 
@@ -37,7 +37,7 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -49,9 +49,8 @@ from service.progress.completion import completes
 from service.progress.content import CONTENT_KINDS
 from service.progress.flush.backlog import measure_backlog
 from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, parse_member, pending_flush_key
-from tests.faults.loadgen import DURATION_S
-from tests.faults.nemesis_load import KIND, Key, Load
-from tests.faults.suite import SECRET, Cluster, backlog_left, wait_drained
+from tests.faults.load import DURATION_S, KIND, Key, Load
+from tests.faults.suite import Cluster, backlog_left, start_load, wait_drained
 from tests.helpers import RowsWatch, push_budget_key
 from tests.monolith.fixtures import Broker, BusyBroker
 
@@ -846,7 +845,7 @@ async def _run(size: Size, seed: int, kinds: set[str], base: Path, log: Callable
         await watch.start()
         ledger_path = base / "ledger.json"
         started = time.time()
-        users = _start_load(cluster, load, seed, ledger_path)
+        users = start_load(cluster, load, seed, ledger_path)
         nemesis = Nemesis(cluster, watch, log)
         until = started + load.seconds - size.quiet_s
         await asyncio.sleep(size.warmup_s)
@@ -898,25 +897,6 @@ async def _run(size: Size, seed: int, kinds: set[str], base: Path, log: Callable
     _summarise(report, ledger, final, faults, crowds, started)
     report.failures, report.examples = checks.summary(), dict(checks.examples)
     return report
-
-
-def _start_load(cluster: Cluster, load: Load, seed: int, ledger_path: Path) -> subprocess.Popen[bytes]:
-    args = ["--ports", ",".join(map(str, cluster.ports)), "--load", json.dumps(asdict(load)), "--seed", str(seed)]
-    with open(cluster.base / "load.log", "wb") as out:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.faults.nemesis_load",
-                *args,
-                "--secret",
-                SECRET,
-                "--ledger",
-                str(ledger_path),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
 
 
 async def _outbox(database_url: str, timeout_s: float) -> tuple[int, int]:

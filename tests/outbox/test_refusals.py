@@ -128,6 +128,12 @@ async def test_a_refused_message_is_retried_with_a_doubling_backoff_and_parked_o
             "  FROM progress_completion_event ORDER BY id"
         )
 
+    async def backoff_over() -> None:
+        """Time moved, not waited: every backoff (a lease set into the future) ended a moment ago."""
+        await db.execute(
+            "UPDATE progress_completion_event SET claimed_until = now() - interval '1 ms' WHERE claimed_until > now()"
+        )
+
     try:
         first = await relay.relay_once()
         assert (first.retried, first.parked) == ({"completion": 3}, {"completion": 0})
@@ -140,22 +146,22 @@ async def test_a_refused_message_is_retried_with_a_doubling_backoff_and_parked_o
         waiting = await relay.relay_once()  # within the backoff: nothing is claimed
         assert (waiting.retried, waiting.parked) == ({"completion": 0}, {"completion": 0})
 
-        await asyncio.sleep(0.6)
+        await backoff_over()
         second = await relay.relay_once()
         assert (second.retried, second.parked) == ({"completion": 3}, {"completion": 0})
         after_second = await rows()
         assert [row["publish_attempts"] for row in after_second] == [2, 2, 2]
         assert all(0.8 < row["backoff_s"] <= 1.0 for row in after_second)  # doubled
 
-        await asyncio.sleep(1.1)
+        await backoff_over()
         third = await relay.relay_once()
         assert (third.retried, third.parked) == ({"completion": 0}, {"completion": 3})
         parked = await rows()
         assert all(row["publish_failed_at"] is not None and row["backoff_s"] is None for row in parked)
         assert all(row["published_at"] is None and row["publish_attempts"] == 3 for row in parked)
 
-        await asyncio.sleep(0.1)
-        after = await relay.relay_once()  # parked rows are never claimed again
+        await backoff_over()
+        after = await relay.relay_once()  # parked rows are never claimed again, however long after
         assert (after.retried, after.parked, after.published) == ({"completion": 0},) * 3
     finally:
         await asyncio.to_thread(publisher.close)

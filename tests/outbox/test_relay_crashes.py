@@ -14,11 +14,19 @@ from service.outbox.celery_publisher import publisher_from_settings
 from service.outbox.messages import Message, Publisher, PublishResult
 from service.outbox.relay import Relay
 from service.postgres import create_db_pool
-from tests.helpers import RELAY_LEASE_S as LEASE_S
 from tests.helpers import Servers, add_events, limited_broker_user, relay_env, relay_once, start_service_command
 from tests.monolith.fixtures import Broker, Executions
 
 pytestmark = pytest.mark.slow  # relay processes and a real Celery worker
+
+
+async def lease_runs_out(db: asyncpg.Pool) -> None:
+    """Time moved rather than waited: every claimed event's lease (RELAY_LEASE_S) ended a moment ago."""
+    claimed = await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE claimed_until > now()")
+    assert claimed > 0, "the dead relay held no lease"
+    await db.execute(
+        "UPDATE progress_completion_event SET claimed_until = now() - interval '1 ms' WHERE claimed_until > now()"
+    )
 
 
 async def test_killed_after_publish_before_the_mark_republishes_with_the_same_task_ids(
@@ -32,7 +40,7 @@ async def test_killed_after_publish_before_the_mark_republishes_with_the_same_ta
     first = await executions.wait_for(50)
     assert len(first) == 50
     assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 50
-    await asyncio.sleep(LEASE_S)  # the dead relay's lease runs out
+    await lease_runs_out(db)  # the dead relay's
     code, summary = await relay_once(servers, broker)
     assert code == 0 and summary is not None
     assert summary["published"]["completion"] == 50 and summary["republished"]["completion"] == 50
@@ -49,7 +57,7 @@ async def test_killed_after_the_claim_publishes_each_once_after_the_lease(
 
     code, _ = await relay_once(servers, broker, die_at="relay.after_claim")
     assert code == -9
-    await asyncio.sleep(LEASE_S)
+    await lease_runs_out(db)
     code, summary = await relay_once(servers, broker)
 
     assert code == 0 and summary is not None and summary["published"]["completion"] == 30

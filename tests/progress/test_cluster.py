@@ -2,7 +2,6 @@
 standalone tests, run again in cluster mode through the same helpers."""
 
 import asyncio
-import signal
 import time
 from collections import Counter
 from datetime import UTC, datetime
@@ -24,16 +23,12 @@ from service.progress.content import CONTENT_KINDS
 from service.progress.flush.flusher import Flusher
 from service.progress.ingest.buffer import decode_value
 from service.progress.keys import KeyLayout, latest_position_key
-from tests.helpers import FLUSH_LEASE_S as LEASE_S
 from tests.helpers import (
     RowsWatch,
     Servers,
-    assert_all_persisted,
     auth,
     backlog,
     events,
-    fill,
-    flush_once,
     flusher_env,
     lesson_rows,
     race_three_flushers,
@@ -217,28 +212,6 @@ async def test_last_heartbeat_wins_and_completion_is_recorded_once(
     assert await backlog(cluster_redis, cluster_layout) == (0, 0)
 
 
-async def test_sigkill_of_a_flusher_mid_batch_loses_nothing(
-    servers: Servers,
-    valkey_cluster: EmbeddedCluster,
-    cluster_redis: RedisCluster,
-    cluster_layout: KeyLayout,
-    db: asyncpg.Pool,
-) -> None:
-    import json
-
-    last = await fill(cluster_redis, db, 1000, cluster_layout)
-    killed = flush_once(servers, die_at="flush.after_claim", **cluster_env(servers, valkey_cluster))
-    assert killed.returncode == -signal.SIGKILL
-    assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress") == 0
-    assert (await backlog(cluster_redis, cluster_layout))[1] > 0  # the claimed batches, under lease
-
-    await asyncio.sleep(LEASE_S + 0.1)
-    survivor = flush_once(servers, **cluster_env(servers, valkey_cluster))
-    assert survivor.returncode == 0, survivor.stderr
-    assert json.loads(survivor.stdout)["written"] == 1000
-    await assert_all_persisted(cluster_redis, db, last, cluster_layout)
-
-
 async def test_three_flushers_racing_keep_one_event_per_key_and_never_move_back(
     servers: Servers,
     valkey_cluster: EmbeddedCluster,
@@ -246,6 +219,8 @@ async def test_three_flushers_racing_keep_one_event_per_key_and_never_move_back(
     cluster_layout: KeyLayout,
     db: asyncpg.Pool,
 ) -> None:
+    """The one race of flusher processes (it ran on a standalone server too, with the same assertions: the cluster's
+    layout is the harder case, many shards over three masters)."""
     await race_three_flushers(cluster_redis, db, cluster_env(servers, valkey_cluster), cluster_layout)
 
 

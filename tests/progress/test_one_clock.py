@@ -27,7 +27,7 @@ from service.progress.flush.leases import Leases
 from service.progress.ingest.buffer import WRITE_SCRIPT, decode_value, write_args
 from service.progress.keys import STANDALONE
 from tests import debian
-from tests.faults.loadgen import DURATION_S
+from tests.faults.load import DURATION_S
 from tests.faults.suite import SECRET, Cluster
 from tests.helpers import Servers, auth, fill, flush_once, sync_item, wait_for, write
 

@@ -1,20 +1,23 @@
-"""The nemesis run's load (tests/faults/nemesis.py): users who listen, read, burst and sync through the pods, and the
-ledger of every request they sent, with its answer and its times.
+"""The load of the fault runs (tests/faults/suite.py, tests/faults/nemesis.py): users who listen, read, burst, sync
+and play rounds through the pods, and the ledger of every request they sent, with its answer and its times.
 
-Runs as its own process (`python -m tests.faults.nemesis_load ...`), like tests/faults/loadgen.py and on its HTTP
-client, so the pods share nothing with it but the network, and a busy checker does not slow its clock. Each
-(content, user) is used by one user only, and its positions are unique: an integer part that moves as a listener's
-would, plus the request's number on that key / 10,000. The row in Postgres, or a read's answer, tells which request
-it holds. The users:
+Runs as its own process (`python -m tests.faults.load ...`), so the pods share nothing with it but the network, and a
+busy checker does not slow its clock. Each (content, user) is used by one user only, and its positions are unique: the
+row in Postgres, or a read's answer, tells which request it holds. The users:
 
 - steady: one content at a time, a heartbeat every 0.4-1 s to either pod (some to the end, some rewinding after it),
-  reading it back now and then, one id or all of them (?ids=);
+  reading it back now and then, one id or all of them (?ids=); its positions: an integer part that moves as a
+  listener's would, plus the request's number on that key / 10,000;
 - burst: 40 heartbeats of one content back to back on one connection, far above the app's rhythm: each is
   answered like any heartbeat, and the last one answered 201 must be the one stored;
 - sync: every second three of them send 10 offline syncs at once to one pod, each with one item of every type (an app
   back online with its queue): each sync reads every type's tables, so any locked table holds all of them;
 - crowd: at given times, each sends one lesson heartbeat (a notification brings thousands to one screen at once):
-  a lesson backlog far above a batch, which must not hold the other types.
+  a lesson backlog far above a batch, which must not hold the other types;
+- rounds (the fault suite's and the fleet's load, alone): every (lesson, user) key of `Rounds` sends `position(key,
+  r)` in round r, as fast as `connections` keep-alive connections go; rounds are sequential, so a key's heartbeats
+  arrive in round order, and each position is unique to its round. Half way, `crossing` keys cross the completion
+  margin together, then rewind and reach the end again. SIGTERM ends the load after the round in hand.
 
 Every action of a user waits for the one before (a storm's ten syncs go together, but name their items' times), so
 a key's requests reach the pods in the order they were sent, and a sync item is ordered by its `listened_at`.
@@ -25,9 +28,10 @@ import asyncio
 import itertools
 import json
 import random
+import signal
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 
 import uvloop
@@ -35,7 +39,82 @@ import uvloop
 from service.auth import make_token
 from service.config import Settings
 from service.progress.content import CONTENT_KINDS
-from tests.faults.loadgen import DURATION_S, Answer, Client
+
+DURATION_S = 1000  # every seeded lesson; completion from 990 s with the default margin
+
+
+def position(key: tuple[int, int], round_: int, *, crossing: bool, crossing_round: int) -> float:
+    """Below the margin, except crossing keys from crossing_round on: at the end, then rewinds and ends again."""
+    tag = round_ / 1000  # makes each round's position unique
+    if not crossing or round_ < crossing_round:
+        return round_ * 40 + tag
+    if round_ == crossing_round or (round_ + key[1]) % 2:
+        return 995 + tag
+    return 100 + tag
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int  # 0: no answer (refused, reset, timed out): not acknowledged
+    headers: dict[bytes, bytes] = field(default_factory=dict)  # names lower-cased
+    body: bytes = b""
+
+
+class Client:
+    """A keep-alive HTTP/1.1 connection per port; reconnects after any error, or after a `Connection: close`."""
+
+    def __init__(self, ports: list[int], timeout_s: float = 10.0) -> None:
+        self.ports = ports
+        self.timeout_s = timeout_s
+        self.streams: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+
+    async def request(self, port: int, method: bytes, path: bytes, token: str, body: bytes = b"") -> Answer:
+        """One request and its answer. A kept-alive connection the server closed while it was idle (no byte of an
+        answer) is replaced and the request sent again on a new one, as HTTP clients do."""
+        for attempt in (1, 2):
+            if port in self.streams and self.streams[port][1].is_closing():
+                self._drop(port)  # the server closed it while it was idle: a new one, as HTTP clients do
+            reused = port in self.streams
+            try:
+                if not reused:
+                    self.streams[port] = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 2)
+                reader, writer = self.streams[port]
+                writer.write(
+                    method
+                    + b" "
+                    + path
+                    + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+                    + token.encode()
+                    + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                    + str(len(body)).encode()
+                    + b"\r\n\r\n"
+                    + body
+                )
+                async with asyncio.timeout(self.timeout_s):
+                    status_line = await reader.readline()
+                    if not status_line and reused and attempt == 1:
+                        self._drop(port)
+                        continue
+                    status = int(status_line.split()[1])
+                    headers = {}
+                    while (line := await reader.readline()) not in (b"\r\n", b""):
+                        name, _, value = line.partition(b":")
+                        headers[name.strip().lower()] = value.strip()
+                    answer = Answer(status, headers, await reader.readexactly(int(headers.get(b"content-length", 0))))
+                if headers.get(b"connection") == b"close":
+                    self._drop(port)
+                return answer
+            # RuntimeError: uvloop's write on a transport the peer closed under it
+            except (OSError, TimeoutError, IndexError, ValueError, RuntimeError, asyncio.IncompleteReadError):
+                self._drop(port)
+                return Answer(0)
+        return Answer(0)
+
+    def _drop(self, port: int) -> None:
+        dropped = self.streams.pop(port, None)
+        if dropped is not None:
+            dropped[1].close()
+
 
 KIND = {kind.name: kind for kind in CONTENT_KINDS}
 STEADY_WEIGHTS = (4, 2, 2, 2)  # lessons are the common case
@@ -43,6 +122,19 @@ COMPLETES_AT = DURATION_S - 5  # above duration - the 10 s margin: completes
 STORM_SYNCS = 10
 # with 18 sync users each storms every 6 s: 10 requests within the limit's burst of 20, which refills 12 meanwhile
 STORMERS = 3
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """The rounds role: every (lesson, user) key sends once a round (module docstring)."""
+
+    users: int
+    lessons: int
+    rounds: int
+    crossing: int  # keys that cross the margin together in crossing_round
+    crossing_round: int
+    min_round_s: float = 0.0
+    connections: int = 48
 
 
 @dataclass(frozen=True)
@@ -57,10 +149,12 @@ class Load:
     crowd_spread_s: float = 2.0
     burst_length: int = 40
     client_timeout_s: float = 15.0  # far above every bound: a request this slow has failed its bound anyway
+    rounds: Rounds | None = None  # the rounds role, alone: every other role's count is 0
 
     @property
     def users(self) -> int:
-        return self.steady_users + self.burst_users + self.sync_users + self.crowd_users
+        rounds = self.rounds.users if self.rounds else 0
+        return self.steady_users + self.burst_users + self.sync_users + self.crowd_users + rounds
 
     def ids(self, role: str) -> range:
         """The user ids of a role: steady, burst, sync, crowd, in that order from 1."""
@@ -70,6 +164,7 @@ class Load:
             ("burst", self.burst_users),
             ("sync", self.sync_users),
             ("crowd", self.crowd_users),
+            ("rounds", self.rounds.users if self.rounds else 0),
         ):
             if name == role:
                 return range(first, first + count)
@@ -120,6 +215,9 @@ class Users:
         self.tokens = {user: make_token(signer, user, ttl_s=3600) for user in range(1, load.users + 1)}
         self.started = time.monotonic()
         self._out_until = [0.0] * len(ports)
+        self.stopped = False  # SIGTERM, or the rounds are over
+        self.rounds_sent = 0
+        self.crossing: set[tuple[int, int]] = set()
 
     def pod(self, preferred: int) -> int:
         """A load balancer's passive check: a pod that did not answer gets nothing for a second (nginx's max_fails=1,
@@ -135,7 +233,7 @@ class Users:
         return self.ledger.add(request, t0, answer, pod)
 
     def running(self) -> bool:
-        return time.monotonic() - self.started < self.load.seconds
+        return not self.stopped and time.monotonic() - self.started < self.load.seconds
 
     def client(self) -> Client:
         return Client(self.ports, self.load.client_timeout_s)
@@ -143,12 +241,14 @@ class Users:
     def rng(self, user: int) -> random.Random:
         return random.Random(self.seed * 1_000_003 + user)
 
-    async def heartbeat(self, client: Client, key: Key, pod: int, role: str, position: float) -> Answer:
+    async def heartbeat(
+        self, client: Client, key: Key, pod: int, role: str, position: float, **extra: object
+    ) -> Answer:
         kind = KIND[key[0]]
         body = json.dumps({kind.id_column: key[1], "position": position}).encode()
         t0 = time.time()
         answer = await client.request(self.ports[pod], b"POST", kind.path.encode(), self.tokens[key[2]], body)
-        request = {"op": "heartbeat", "key": key, "position": position, "role": role}
+        request = {"op": "heartbeat", "key": key, "position": position, "role": role, **extra}
         return self.add(request, t0, answer, pod)
 
     async def read(self, client: Client, user: int, content_type: str, ids: list[int], pod: int) -> None:
@@ -230,6 +330,8 @@ class Users:
 
     async def storms(self) -> None:
         """Every second, STORMERS sync users in turn each send STORM_SYNCS syncs at once, all to one pod."""
+        if not self.load.sync_users:
+            return
         rng = self.rng(0)
         clients = {user: [self.client() for _ in range(STORM_SYNCS)] for user in self.load.ids("sync")}
         users = itertools.cycle(self.load.ids("sync"))
@@ -280,15 +382,56 @@ class Users:
             await self.heartbeat(client, key, pod, "crowd", self.ledger.position(key, rng, "play"))
             await asyncio.sleep(pause_s)
 
+    async def rounds(self, spec: Rounds) -> None:
+        keys = [(lesson, user) for user in self.load.ids("rounds") for lesson in range(1, spec.lessons + 1)]
+        self.crossing = set(random.Random(7).sample(keys, min(spec.crossing, len(keys))))
+        queue: asyncio.Queue[tuple[tuple[int, int], int, int]] = asyncio.Queue()
+
+        async def connection() -> None:
+            client = self.client()
+            while True:
+                key, round_, i = await queue.get()
+                crossing = key in self.crossing
+                at = position(key, round_, crossing=crossing, crossing_round=spec.crossing_round)
+                await self.heartbeat(client, ("lesson", *key), i % len(self.ports), "rounds", at, round=round_)
+                queue.task_done()
+
+        connections = [asyncio.create_task(connection()) for _ in range(spec.connections)]
+        i = 0
+        for round_ in range(spec.rounds):
+            if not self.running():
+                break
+            self.rounds_sent += 1
+            round_started = time.monotonic()
+            # the crossing keys go first and together, spread over every process
+            for key in sorted(keys, key=lambda k: k not in self.crossing):
+                queue.put_nowait((key, round_, i))
+                i += 1
+            await queue.join()
+            await asyncio.sleep(max(0.0, spec.min_round_s - (time.monotonic() - round_started)))
+            print(json.dumps({"round": round_, "requests": len(self.ledger.requests)}), flush=True)
+        for task in connections:
+            task.cancel()
+
     async def run(self) -> dict[str, object]:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: setattr(self, "stopped", True))
         lag = asyncio.create_task(_loop_lag(self.running))
-        await asyncio.gather(
-            *(self.steady(user) for user in self.load.ids("steady")),
-            *(self.burst(user) for user in self.load.ids("burst")),
-            self.storms(),
-            self.crowd(),
-        )
-        return {"requests": self.ledger.requests, "loop_lag_max_s": await lag}
+        if self.load.rounds is not None:
+            await self.rounds(self.load.rounds)
+        else:
+            await asyncio.gather(
+                *(self.steady(user) for user in self.load.ids("steady")),
+                *(self.burst(user) for user in self.load.ids("burst")),
+                self.storms(),
+                self.crowd(),
+            )
+        self.stopped = True
+        return {
+            "requests": self.ledger.requests,
+            "loop_lag_max_s": await lag,
+            "rounds": self.rounds_sent,
+            "crossing": sorted(self.crossing),
+        }
 
 
 async def _loop_lag(running: Callable[[], bool]) -> float:
@@ -310,7 +453,8 @@ def main() -> None:
     parser.add_argument("--ledger", required=True)
     args = parser.parse_args()
     fields = json.loads(args.load)
-    load = Load(**{**fields, "crowd_at_s": tuple(fields["crowd_at_s"])})
+    rounds = Rounds(**fields["rounds"]) if fields["rounds"] else None
+    load = Load(**{**fields, "crowd_at_s": tuple(fields["crowd_at_s"]), "rounds": rounds})
     users = Users(load, [int(p) for p in args.ports.split(",")], args.secret, args.seed)
     result = uvloop.run(users.run())
     with open(args.ledger, "w") as out:
