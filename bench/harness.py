@@ -252,6 +252,12 @@ class Servers:
         args = [sys.executable, *f"-m service serve --workers 1 --host 127.0.0.1 --port {port}".split()]
         return self.child(name, args, self.service_env(**env), f"http://127.0.0.1:{port}/health/ready")
 
+    def floor(self) -> Child:
+        """bench/baseline_app.py: a bare ASGI app under the same uvicorn, uvloop and httptools, the HTTP floor."""
+        port = embedded.free_port()
+        args = [sys.executable, str(BENCH / "baseline_app.py"), "--port", str(port)]
+        return self.child("bare ASGI", args, {}, f"http://127.0.0.1:{port}/health/live")
+
     def command(self, *args: str, **env: str | None) -> dict[str, Any]:
         """A one-shot `python -m service ...` (e.g. `flush --once`): its JSON summary, the last line it prints."""
         out = run_to_end([sys.executable, "-m", "service", *args], 900, {**os.environ, **self.service_env(**env)})
