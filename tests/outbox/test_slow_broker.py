@@ -77,7 +77,7 @@ async def test_a_publish_timing_out_mid_batch_marks_what_the_broker_took_and_sen
             warm_up = await slow.publish([Message(0, settings.completion_task_name, WARM_UP_QUEUE, "warm-up", {})])
             assert warm_up.sent == [0]
             proxy.delay_s = 1.2
-            result = await Relay.from_settings(settings, db, [completion_route(settings, slow)]).relay_once()
+            result = await Relay.from_settings(settings.relay, db, [completion_route(settings, slow)]).relay_once()
         finally:
             await asyncio.to_thread(slow.close)  # waits for the publishing thread: whatever it sent is in the broker
 
@@ -88,9 +88,9 @@ async def test_a_publish_timing_out_mid_batch_marks_what_the_broker_took_and_sen
 
     # the broker fast again, and every lease of that pass run out
     await db.execute("UPDATE progress_completion_event SET claimed_until = now() - interval '1 second'")
-    fast = publisher_from_settings(settings)
+    fast = publisher_from_settings(settings.relay)
     try:
-        again = await Relay.from_settings(settings, db, [completion_route(settings, fast)]).relay_once()
+        again = await Relay.from_settings(settings.relay, db, [completion_route(settings, fast)]).relay_once()
     finally:
         await asyncio.to_thread(fast.close)
 
