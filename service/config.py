@@ -1,4 +1,4 @@
-"""All configuration, read once from the environment and validated at start-up."""
+"""All configuration, read once from the environment and validated at start-up (meanings: docs/configuration.md)."""
 
 import logging
 import os
