@@ -1,17 +1,20 @@
-"""All configuration, read once from the environment and validated at start-up."""
+"""All configuration, read once from the environment and validated at start-up (meanings: docs/configuration.md)."""
 
 import logging
 import os
 import re
 import socket
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
 from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +54,10 @@ REMOVED_SETTINGS: dict[str, str] = {
 }
 
 # The pool's shares (check_pool_shares), constants: the pool's size is the operator's one number.
-# GET /progress reads each content type in a lane of its own (lesson, audio, meditation, live), one batch
-# (one connection) out at once in each: the reads of a type whose table is locked hold one connection only
+# GET /progress reads each content type in a lane of its own, one connection each: a locked table holds one only
 READ_LANES = 4
-# POST /progress/sync reading Postgres at once per process, one connection each
-SYNC_CONNECTIONS = 2
-# direct-to-Postgres statements at once while Redis is down (their rows are the budget's either way)
-DEGRADED_CONNECTIONS = 4
+SYNC_CONNECTIONS = 2  # POST /progress/sync reading Postgres at once per process
+DEGRADED_CONNECTIONS = 4  # direct-to-Postgres statements at once while Redis is down (the budget's rows either way)
 
 # JWT_PUBLIC_KEY may hold several keys during a rotation: concatenated PEM blocks, the current one first
 _PEM_BLOCK = re.compile(r"-----BEGIN [A-Z ]+-----.+?-----END [A-Z ]+-----", re.DOTALL)
@@ -67,73 +67,81 @@ class ConfigError(Exception):
     """The environment does not describe a service that can start; the message says what to set."""
 
 
+G = TypeVar("G", bound="DataclassInstance")
+
+
+def _group(group: type[G], settings: object) -> G:
+    """`group` with each field read from the attribute of `settings` its metadata names."""
+    return group(**{f.name: getattr(settings, f.metadata["setting"]) for f in fields(group)})
+
+
 # Each part is built from the group of its subsystem (Settings.redis, .database, ...), never from the whole
-# Settings; the environment's names stay the flat fields below.
+# Settings; the environment's names stay the flat fields of Settings, and each group field names the one it reads.
 @dataclass(frozen=True, slots=True)
 class RedisSettings:
-    url: str
-    cluster: bool
-    socket_timeout_s: float
-    client_name: str
-    shards: int  # the buffer's layout (service/progress/keys.py)
-    previous_shards: int
+    url: str = field(metadata={"setting": "redis_url"})
+    cluster: bool = field(metadata={"setting": "redis_cluster"})
+    socket_timeout_s: float = field(metadata={"setting": "redis_socket_timeout_seconds"})
+    client_name: str = field(metadata={"setting": "redis_client_name"})
+    shards: int = field(metadata={"setting": "progress_buffer_shards"})  # the buffer's layout (progress/keys.py)
+    previous_shards: int = field(metadata={"setting": "progress_buffer_previous_shards"})
 
 
 @dataclass(frozen=True, slots=True)
 class DatabaseSettings:
-    url: str
-    pool_max_size: int
-    statement_cache_size: int
-    statement_timeout_s: float
-    lock_timeout_s: float
-    timeouts_at_connect: bool
+    url: str = field(metadata={"setting": "database_url"})
+    pool_max_size: int = field(metadata={"setting": "database_pool_max_size"})
+    statement_cache_size: int = field(metadata={"setting": "database_statement_cache_size"})
+    statement_timeout_s: float = field(metadata={"setting": "database_statement_timeout_seconds"})
+    lock_timeout_s: float = field(metadata={"setting": "database_lock_timeout_seconds"})
+    timeouts_at_connect: bool = field(metadata={"setting": "database_timeouts_at_connect"})
 
 
 @dataclass(frozen=True, slots=True)
 class AuthSettings:
-    mode: str
-    gateway_header: str
-    keys: list[str]  # the current one first
-    algorithms: list[str]
-    user_id_claim: str
-    audience: str
-    issuer: str
+    mode: str = field(metadata={"setting": "auth_mode"})
+    gateway_header: str = field(metadata={"setting": "auth_gateway_header"})
+    keys: list[str] = field(metadata={"setting": "jwt_keys"})  # the current one first
+    algorithms: list[str] = field(metadata={"setting": "jwt_algorithm_list"})
+    user_id_claim: str = field(metadata={"setting": "jwt_user_id_claim"})
+    audience: str = field(metadata={"setting": "jwt_audience"})
+    issuer: str = field(metadata={"setting": "jwt_issuer"})
 
 
 @dataclass(frozen=True, slots=True)
 class FlushSettings:
-    buffer: RedisSettings
-    interval_s: float
-    batch_size: int
-    lease_s: float
-    concurrency: int
-    max_rows_per_second: int
-    fleet_max_pods: int
-    margin_s: float
-    shutdown_timeout_s: float
-    value_ttl_s: int
-    statement_timeout_s: float
-    lock_timeout_s: float
+    buffer: RedisSettings = field(metadata={"setting": "redis"})
+    interval_s: float = field(metadata={"setting": "progress_flush_interval_seconds"})
+    batch_size: int = field(metadata={"setting": "progress_flush_batch_size"})
+    lease_s: float = field(metadata={"setting": "progress_flush_lease_seconds"})
+    concurrency: int = field(metadata={"setting": "progress_flush_concurrency"})
+    max_rows_per_second: int = field(metadata={"setting": "progress_flush_max_rows_per_second"})
+    fleet_max_pods: int = field(metadata={"setting": "progress_fleet_max_pods"})
+    margin_s: float = field(metadata={"setting": "progress_completion_margin_seconds"})
+    shutdown_timeout_s: float = field(metadata={"setting": "progress_shutdown_timeout_seconds"})
+    value_ttl_s: int = field(metadata={"setting": "progress_position_ttl_seconds"})
+    statement_timeout_s: float = field(metadata={"setting": "database_statement_timeout_seconds"})
+    lock_timeout_s: float = field(metadata={"setting": "database_lock_timeout_seconds"})
 
 
 @dataclass(frozen=True, slots=True)
 class DegradedSettings:
-    write_timeout_s: float
-    redis_retry_s: float
-    margin_s: float
+    write_timeout_s: float = field(metadata={"setting": "degraded_write_timeout_seconds"})
+    redis_retry_s: float = field(metadata={"setting": "degraded_redis_retry_seconds"})
+    margin_s: float = field(metadata={"setting": "progress_completion_margin_seconds"})
 
 
 @dataclass(frozen=True, slots=True)
 class RelaySettings:
-    broker_url: str
-    broker_transport_options: dict[str, Any]
-    publish_timeout_s: float
-    lease_s: float
-    poll_s: float
-    max_backoff_s: float
-    max_attempts: int
-    listen_dsn: str  # empty: poll only
-    statement_timeout_s: float
+    broker_url: str = field(metadata={"setting": "celery_broker_url"})
+    broker_transport_options: dict[str, Any] = field(metadata={"setting": "celery_broker_transport_options"})
+    publish_timeout_s: float = field(metadata={"setting": "celery_publish_timeout_seconds"})
+    lease_s: float = field(metadata={"setting": "relay_lease_seconds"})
+    poll_s: float = field(metadata={"setting": "relay_poll_interval_seconds"})
+    max_backoff_s: float = field(metadata={"setting": "relay_max_backoff_seconds"})
+    max_attempts: int = field(metadata={"setting": "outbox_max_attempts"})
+    listen_dsn: str = field(metadata={"setting": "relay_listen_dsn"})  # empty: poll only
+    statement_timeout_s: float = field(metadata={"setting": "database_statement_timeout_seconds"})
 
 
 class Settings(BaseSettings):
@@ -141,30 +149,21 @@ class Settings(BaseSettings):
 
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_socket_timeout_seconds: float = Field(2.0, gt=0)
-    # REDIS_URL names any node of a Redis/Valkey Cluster; the client discovers the others
     redis_cluster: bool = False
-    # shards of the buffer per content type; 0: 1 on a standalone server (the monolith's key names),
-    # 60 on a cluster (even over 3-12 masters)
-    progress_buffer_shards: int = Field(0, ge=0, le=256)
-    # the shard count before a change: the flusher drains those shards too until they are empty
+    progress_buffer_shards: int = Field(0, ge=0, le=256)  # 0: 1 on a standalone server, 60 on a cluster
     progress_buffer_previous_shards: int = Field(0, ge=0, le=256)
     database_url: str = ""
-    # `serve` checks that it holds every part's share at once (Settings.check_pool_shares)
     database_pool_max_size: int = Field(20, ge=1)
-    # PgBouncer in transaction mode cannot keep prepared statements across transactions.
-    database_statement_cache_size: int = Field(100, ge=0)
-    # every statement of the service, cancelled by Postgres past these (0: the server's own setting): a
-    # statement queued behind a migration's lock gives up instead of queueing the monolith's behind it
+    database_statement_cache_size: int = Field(100, ge=0)  # 0 behind PgBouncer in transaction mode
+    # a statement queued behind a migration's lock gives up instead of queueing the monolith's behind it
     database_statement_timeout_seconds: float = Field(10.0, ge=0)
     database_lock_timeout_seconds: float = Field(2.0, ge=0)
-    # sent as startup parameters of each connection; PgBouncer (transaction mode) refuses them: set false
-    # there and set both on the role (ALTER ROLE ... SET); the flush's own statement sets them either way
+    # PgBouncer refuses startup parameters: set on the role there; the flush's statement sets them either way
     database_timeouts_at_connect: bool = True
 
     auth_mode: Literal["jwt", "gateway"] = "jwt"
     auth_gateway_header: str = "X-User-Id"
     jwt_secret: str = ""
-    # during a rotation, the secrets tokens were signed with before JWT_SECRET (comma-separated), still accepted
     jwt_previous_secrets: str = ""
     jwt_public_key: str = ""
     jwt_algorithms: str = "HS256"
@@ -172,14 +171,11 @@ class Settings(BaseSettings):
     jwt_audience: str = ""
     jwt_issuer: str = ""
 
-    # `serve` on SIGTERM: readiness answers 503 and every answer says `Connection: close` for this long, then it
-    # stops listening (service/serving.py); at least the time the load balancer takes to see the pod down
+    # at least the time the load balancer takes to see the pod down (service/serving.py)
     shutdown_drain_seconds: float = Field(5.0, ge=0, le=300)
-    # an idle keep-alive connection is closed by the service after this; above every proxy's own idle timeout
-    # (ALB and nginx 60 s), so that the proxy always closes first and never sends on a connection being closed
+    # above every proxy's idle timeout (ALB and nginx 60 s): the proxy closes first, never sends on a closing one
     http_keep_alive_timeout_seconds: int = Field(75, ge=1, le=3600)
 
-    # the door (service/api/catalog.py): unknown content gets 404
     content_catalog_enabled: bool = True
     progress_position_ttl_seconds: int = Field(3600, ge=60)
     progress_flusher_enabled: bool = True
@@ -187,10 +183,8 @@ class Settings(BaseSettings):
     progress_flush_batch_size: int = Field(500, ge=1, le=10_000)
     progress_flush_lease_seconds: float = Field(120.0, gt=0)
     progress_flush_concurrency: int = Field(4, ge=1)
-    # rows per second written by the whole fleet together (flush and degraded mode), shared through Redis (0: no limit)
-    progress_flush_max_rows_per_second: int = Field(5000, ge=0)
-    # the most pods that run at once (the HPA's maxReplicas): while Redis cannot be reached, each keeps to
-    # the budget / this
+    progress_flush_max_rows_per_second: int = Field(5000, ge=0)  # the whole fleet's, shared through Redis
+    # the HPA's maxReplicas: while Redis cannot be reached, each pod keeps to the budget / this
     progress_fleet_max_pods: int = Field(10, ge=1)
     progress_completion_margin_seconds: float = Field(10.0, ge=0)
     progress_shutdown_timeout_seconds: float = Field(20.0, gt=0)
@@ -203,7 +197,6 @@ class Settings(BaseSettings):
     trial_journey_interval_seconds: float = Field(3600.0, ge=0)
     email_publisher: Literal["celery", "redis-stream"] = "celery"
 
-    # the monolith's Celery broker (sqs:// in production, redis:// or amqp:// elsewhere)
     celery_broker_url: str = ""
     celery_broker_transport_options: dict[str, Any] = Field(default_factory=dict)  # JSON
     completion_task_name: str = "apps.engagements.tasks.advance_user_journey"
@@ -212,16 +205,13 @@ class Settings(BaseSettings):
     email_task_queue: str = "emails"
     celery_publish_timeout_seconds: float = Field(10.0, gt=0)
 
-    # the outbox relay (service.outbox.relay)
     relay_enabled: bool = True
     relay_poll_interval_seconds: float = Field(5.0, gt=0)
     relay_lease_seconds: float = Field(60.0, gt=0)
     relay_max_backoff_seconds: float = Field(30.0, gt=0)
-    # a message the broker refuses is retried after 45 s, 90 s, 3 min, ... (doubling) and parked after
-    # its 12th refusal: about 25 h after the first, Sidekiq's retry-then-dead (service/outbox/relay.py)
+    # retried after 45 s, 90 s, 3 min, ... (doubling): 12 refusals span about 25 h, Sidekiq's retry-then-dead
     outbox_max_attempts: int = Field(12, ge=1, le=40)
-    # LISTEN needs a real session: behind PgBouncer in transaction mode name the primary here, or
-    # leave it empty and set RELAY_LISTEN=false to poll only
+    # LISTEN needs a real session: behind PgBouncer in transaction mode name the primary here
     relay_listen: bool = True
     relay_listen_database_url: str = ""
 
@@ -229,13 +219,12 @@ class Settings(BaseSettings):
     pod_name: str = Field(default_factory=socket.gethostname)
 
     @model_validator(mode="after")
-    def _pool_sizes_agree(self) -> "Settings":
+    def _durations_agree(self) -> "Settings":
         if self.relay_lease_seconds <= self.celery_publish_timeout_seconds:
             # a lease shorter than a publish would let a second relay republish a batch in flight
             raise ValueError("RELAY_LEASE_SECONDS must be > CELERY_PUBLISH_TIMEOUT_SECONDS")
-        # A pending value has no TTL; its TTL starts once it is flushed. During a rolling deploy the pods of
-        # an older release still write values that expire from their write: such a value waits up to one flush
-        # interval for its claim, and a pod killed holding it gives it back only after its lease.
+        # A pending value has no TTL, but an older release's pods (a rolling deploy) write values that expire from
+        # their write: one waits up to an interval for its claim, and a lease if its flusher is killed holding it.
         floor_s = max(self.progress_flush_lease_seconds, self.progress_flush_interval_seconds)
         if self.progress_position_ttl_seconds < floor_s:
             raise ValueError(
@@ -247,95 +236,37 @@ class Settings(BaseSettings):
             )
         return self
 
-    def check_celery_broker(self) -> None:
-        """Refuse to start a process that would owe the monolith messages it cannot send."""
-        if self.celery_broker_url:
-            check_transport(self.celery_broker_url)
-            return
-        if self.email_publisher == "celery":
-            raise ConfigError(
-                "EMAIL_PUBLISHER=celery needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or "
-                "amqp://); or set EMAIL_PUBLISHER=redis-stream"
-            )
-        if self.relay_enabled:
-            raise ConfigError(
-                "RELAY_ENABLED=true needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or amqp://) "
-                "to deliver completions; or set RELAY_ENABLED=false where another process runs the relay"
-            )
-
     @property
     def redis(self) -> RedisSettings:
-        return RedisSettings(
-            url=self.redis_url,
-            cluster=self.redis_cluster,
-            socket_timeout_s=self.redis_socket_timeout_seconds,
-            client_name=f"progress-service:{self.pod_name}",
-            shards=self.progress_buffer_shards,
-            previous_shards=self.progress_buffer_previous_shards,
-        )
+        return _group(RedisSettings, self)
 
     @property
     def database(self) -> DatabaseSettings:
-        return DatabaseSettings(
-            url=self.database_url,
-            pool_max_size=self.database_pool_max_size,
-            statement_cache_size=self.database_statement_cache_size,
-            statement_timeout_s=self.database_statement_timeout_seconds,
-            lock_timeout_s=self.database_lock_timeout_seconds,
-            timeouts_at_connect=self.database_timeouts_at_connect,
-        )
+        return _group(DatabaseSettings, self)
 
     @property
     def auth(self) -> AuthSettings:
-        return AuthSettings(
-            mode=self.auth_mode,
-            gateway_header=self.auth_gateway_header,
-            keys=self.jwt_keys,
-            algorithms=self.jwt_algorithm_list,
-            user_id_claim=self.jwt_user_id_claim,
-            audience=self.jwt_audience,
-            issuer=self.jwt_issuer,
-        )
+        return _group(AuthSettings, self)
 
     @property
     def flush(self) -> FlushSettings:
-        return FlushSettings(
-            buffer=self.redis,
-            interval_s=self.progress_flush_interval_seconds,
-            batch_size=self.progress_flush_batch_size,
-            lease_s=self.progress_flush_lease_seconds,
-            concurrency=self.progress_flush_concurrency,
-            max_rows_per_second=self.progress_flush_max_rows_per_second,
-            fleet_max_pods=self.progress_fleet_max_pods,
-            margin_s=self.progress_completion_margin_seconds,
-            shutdown_timeout_s=self.progress_shutdown_timeout_seconds,
-            value_ttl_s=self.progress_position_ttl_seconds,
-            statement_timeout_s=self.database_statement_timeout_seconds,
-            lock_timeout_s=self.database_lock_timeout_seconds,
-        )
+        return _group(FlushSettings, self)
 
     @property
     def degraded(self) -> DegradedSettings:
-        return DegradedSettings(
-            write_timeout_s=self.degraded_write_timeout_seconds,
-            redis_retry_s=self.degraded_redis_retry_seconds,
-            margin_s=self.progress_completion_margin_seconds,
-        )
+        return _group(DegradedSettings, self)
 
     @property
     def relay(self) -> RelaySettings:
-        listen_dsn = self.relay_listen_database_url or self.database_url
-        return RelaySettings(
-            broker_url=self.celery_broker_url,
-            broker_transport_options=self.celery_broker_transport_options,
-            publish_timeout_s=self.celery_publish_timeout_seconds,
-            lease_s=self.relay_lease_seconds,
-            poll_s=self.relay_poll_interval_seconds,
-            max_backoff_s=self.relay_max_backoff_seconds,
-            max_attempts=self.outbox_max_attempts,
-            listen_dsn=listen_dsn if self.relay_listen else "",
-            statement_timeout_s=self.database_statement_timeout_seconds,
-        )
+        return _group(RelaySettings, self)
+
+    @property
+    def redis_client_name(self) -> str:
+        return f"progress-service:{self.pod_name}"
+
+    @property
+    def relay_listen_dsn(self) -> str:
+        return (self.relay_listen_database_url or self.database_url) if self.relay_listen else ""
 
     @property
     def jwt_algorithm_list(self) -> list[str]:
@@ -374,12 +305,9 @@ class Settings(BaseSettings):
                     "or JWT_PUBLIC_KEY with JWT_ALGORITHMS=RS256/ES256; "
                     "or set AUTH_MODE=gateway behind a gateway that authenticates"
                 )
-            asymmetric = [a for a in self.jwt_algorithm_list if not a.startswith("HS")]
-            if asymmetric and not self.jwt_public_key:
+            if not self.jwt_public_key and any(not a.startswith("HS") for a in self.jwt_algorithm_list):
                 raise ConfigError(f"JWT_ALGORITHMS={self.jwt_algorithms} needs JWT_PUBLIC_KEY (PEM)")
-            if self.jwt_public_key and not asymmetric:
-                raise ConfigError("JWT_PUBLIC_KEY is set: set JWT_ALGORITHMS to RS256 or ES256")
-            self._check_algorithms_fit_key()
+            self._check_algorithms_fit_key()  # JWT_PUBLIC_KEY with HS256 too
             if self.jwt_secret and not self.jwt_public_key and len(self.jwt_secret) < 32:
                 raise ConfigError("JWT_SECRET is too short to be a real secret (at least 32 characters)")
             if self.jwt_previous_secret_list and self.jwt_public_key:
@@ -391,8 +319,20 @@ class Settings(BaseSettings):
                 raise ConfigError(
                     "JWT_PREVIOUS_SECRETS holds a secret too short to be a real one (each at least 32 characters)"
                 )
-        if self.database_url and (self.relay_enabled or self.trial_journey_interval_seconds > 0):
-            self.check_celery_broker()
+        # a process that would owe the monolith messages it cannot send
+        owes_messages = self.database_url and (self.relay_enabled or self.trial_journey_interval_seconds > 0)
+        if owes_messages and self.celery_broker_url:
+            check_transport(self.celery_broker_url)
+        elif owes_messages and self.email_publisher == "celery":
+            raise ConfigError(
+                "EMAIL_PUBLISHER=celery needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or "
+                "amqp://); or set EMAIL_PUBLISHER=redis-stream"
+            )
+        elif owes_messages and self.relay_enabled:
+            raise ConfigError(
+                "RELAY_ENABLED=true needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or amqp://) "
+                "to deliver completions; or set RELAY_ENABLED=false where another process runs the relay"
+            )
         if self.database_url:
             self.check_pool_shares()
 

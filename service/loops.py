@@ -81,7 +81,6 @@ async def every(
 
 
 def _left_of(delay_s: float, took_s: float) -> float:
-    # a step that took longer than its wait is followed after a tenth of the wait: never back to back
     return max(delay_s / 10, delay_s - took_s)
 
 

@@ -10,11 +10,9 @@ Callers catch these tuples, never a client library's exceptions of their own cho
 - `*_FAILED`: any failure of a call to the store, the above included (a full Redis, a refused
   statement). Whoever catches it must still give the work back; it may log a non-outage louder.
 
-A closed transport does not always raise a library's own error: redis-py writes on a connection the
-peer closed and raises `AttributeError`/`TypeError` (redis-py #4287, #3546), and asyncpg raises
-`InternalClientError` ("cannot switch to state ...") on a connection an outage left mid-operation.
-The Redis connection class of `service.redis_internals` turns the former into `ConnectionError` where it
-enters; the latter is counted as unavailable here.
+A closed transport does not always raise a library's own error: redis-py's `AttributeError`/`TypeError`
+(redis-py #4287, #3546) becomes `ConnectionError` where it enters (`service.redis_internals`); asyncpg's
+`InternalClientError` ("cannot switch to state ...") is counted as unavailable below.
 """
 
 import logging
