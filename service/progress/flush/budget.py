@@ -125,15 +125,13 @@ class FlushBudget:
                 reservation, wait_s = await self._ask(rows, longest_s)
                 if reservation is None and max_wait_s is not None:
                     return None
+                stopped = True  # unless the wait ends: cancelled (the final flush's deadline, a request gone) too
                 try:
                     stopped = wait_s > 0 and await sleep_unless_stopped(stop or asyncio.Event(), wait_s)
-                except BaseException:  # cancelled (the final flush's deadline, a request gone): its rows go back
-                    if reservation is not None:
+                finally:
+                    if stopped and reservation is not None:  # its rows go back
                         await asyncio.shield(self.refund(reservation, rows))
-                    raise
                 if stopped:
-                    if reservation is not None:
-                        await asyncio.shield(self.refund(reservation, rows))
                     return None
                 if reservation is not None:
                     return reservation
