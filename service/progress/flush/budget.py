@@ -64,8 +64,7 @@ redis.call('SET', KEYS[1], string.format('%.0f', ends), 'PX', math.max(1, math.c
 return {1, math.floor(start - now)}
 """
 
-# the longest a reservation waits, in batches of the budget's own pace (at least a second): a future
-# time in the key, whatever it says, costs a few batches
+# the longest a reservation waits, in batches of the budget's own pace (at least a second)
 _MAX_WAIT_BATCHES = 4
 _MIN_MAX_WAIT_S = 1.0
 # after a refusal, the pod keeps to its local share this long before it asks Redis again: a Redis that does not

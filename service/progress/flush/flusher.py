@@ -1,7 +1,6 @@
 """The background loop of every pod: pending Redis entries into Postgres, acked only after commit.
 
-A batch is one step (batch.py): claim, reserve from the fleet's write budget, write, ack, settle.
-PROGRESS_FLUSH_CONCURRENCY drains per pod run the batches, so a lock holds back only the keys behind it,
+PROGRESS_FLUSH_CONCURRENCY drains per pod run the batches (batch.py), so a lock holds back only the keys behind it,
 and a table a migration locks only its type. Types and shards take turns, a batch each, from a random
 first shard; a cycle claims at most what each shard held when it began, and a shard whose Redis node is
 down waits for the next cycle.

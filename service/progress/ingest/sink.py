@@ -3,11 +3,10 @@
 Degraded mode keeps the promise of the 201 during a Redis outage. It writes with the flush's own
 statement (monotonic upsert, completion, one event), stamped by the database's clock, so a heartbeat
 written directly and an older one still in Redis settle the same way whichever lands last. It draws
-from the fleet's write budget like the flush (service/progress/flush/budget.py): with Redis down, each pod
-keeps to its local share, and a batch that does not fit within its requests' deadline is answered 503
-at once. Its statements take at most 4 (DEGRADED_CONNECTIONS) of the pool's connections: the flush,
-the reads and the relay keep theirs. On a Redis Cluster it is per node: only the heartbeats of an
-unreachable master's slots go to Postgres; the others stay on Redis.
+from the flush's write budget (budget.py): a batch that does not fit within its requests' deadline is
+answered 503 at once. Its statements take at most DEGRADED_CONNECTIONS of the pool's connections: the
+flush, the reads and the relay keep theirs. On a Redis Cluster it is per node: only the heartbeats of an
+unreachable master's slots go to Postgres.
 
 A 503 means nothing was written, then or later: each heartbeat carries its request's deadline; one
 whose deadline passed before its statement starts is left out of it, and a statement runs with the
