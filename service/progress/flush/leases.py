@@ -146,12 +146,8 @@ class Leases:
     async def _settle_claim(self, claim: Claim, *, requeue: bool, dropped: Collection[str] = ()) -> int:
         if not claim.entries:
             return 0
-        forget: list[str | bytes] = []
-        if dropped:
-            drop = set(dropped)
-            for member, raw in claim.entries:
-                if member in drop and raw is not None:
-                    forget += [member, raw]
+        drop = set(dropped)
+        forget = [part for member, raw in claim.entries if member in drop and raw is not None for part in (member, raw)]
         settled: int = await self._settle(
             keys=[claim.shard.in_flight_key, claim.shard.pending_key],
             args=[

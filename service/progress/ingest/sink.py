@@ -154,12 +154,8 @@ class HeartbeatSink:
         cls, settings: DegradedSettings, writer: PositionWriter, pool: asyncpg.Pool | None, budget: FlushBudget
     ) -> "HeartbeatSink":
         """Redis through `writer`; without a database (`pool` None), no degraded mode."""
-        return cls(
-            writer,
-            None if pool is None else DirectWriter(pool, budget=budget, margin_s=settings.margin_s),
-            redis_retry_s=settings.redis_retry_s,
-            direct_timeout_s=settings.write_timeout_s,
-        )
+        direct = None if pool is None else DirectWriter(pool, budget=budget, margin_s=settings.margin_s)
+        return cls(writer, direct, redis_retry_s=settings.redis_retry_s, direct_timeout_s=settings.write_timeout_s)
 
     def __init__(
         self,

@@ -52,8 +52,7 @@ EARLIEST_LISTEN_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
 SYNC_MAX_WAIT_S = MAX_WAIT_S
 # an item further in the future than Redis's time is refused (within it, it is stored at Redis's time)
 MAX_CLOCK_SKEW_S = 300.0
-# a completion an item brings is dated no earlier than its receipt minus this (the item itself is stored and
-# ordered at its own listened_at, however old): a client's clock is not evidence of when a lesson was finished
+# a completion an item brings is dated no earlier than its receipt minus this (see the module's docstring)
 MAX_BACKDATE_S = 6 * 3600.0
 
 ContentType = Literal["lesson", "audio", "meditation", "live"]
@@ -199,13 +198,7 @@ class OfflineSync:
     once, so syncs stalled on a locked table leave the rest of the pool to the reads, the flush and degraded
     mode. A sync that waited SYNC_MAX_WAIT_S for its turn raises SyncsWaiting."""
 
-    def __init__(
-        self,
-        writer: PositionWriter,
-        pool: asyncpg.Pool,
-        *,
-        max_concurrency: int = SYNC_CONNECTIONS,
-    ) -> None:
+    def __init__(self, writer: PositionWriter, pool: asyncpg.Pool, *, max_concurrency: int = SYNC_CONNECTIONS) -> None:
         self._writer = writer
         self._pool = pool
         self._max_concurrency = max_concurrency
