@@ -42,11 +42,6 @@ def pending_flush_key(content_type: str) -> str:
     return f"{PENDING_FLUSH_PREFIX}{content_type}"
 
 
-def in_flight_key(content_type: str) -> str:
-    """Sorted set of members claimed by a flusher, scored by lease deadline (ms)."""
-    return f"{IN_FLIGHT_PREFIX}{content_type}"
-
-
 def pending_member(content_id: int, user_id: int) -> str:
     return f"{content_id}:{user_id}"
 
@@ -155,9 +150,7 @@ class KeyLayout:
     def shards_to_flush(self, content_type: str) -> list[Shard]:
         """Every shard that can hold pending members: today's, then those of the previous count."""
         current = self.shards_of(content_type)
-        if not self.previous_shards or self.previous_shards == self.shards:
-            return current
-        previous = [self._shard(content_type, index, self.previous_shards) for index in range(self.previous_shards)]
+        previous = [] if self.previous is None else self.previous.shards_of(content_type)
         return current + [shard for shard in previous if shard not in current]
 
     def _shard(self, content_type: str, index: int, shards: int) -> Shard:

@@ -24,7 +24,7 @@ from service.progress.read.reads import (
     ReadsWaiting,
     rows_sql,
 )
-from service.progress.read.sync import OfflineSync, SyncItem
+from service.progress.read.sync import OfflineItem, OfflineSync, SyncItem
 from service.redis_client import connect_redis
 from tests.helpers import Servers, seed
 
@@ -265,13 +265,11 @@ async def test_500_items_in_one_sync_are_one_redis_round_trip(counted: Counted, 
     sync = OfflineSync(
         PositionWriter(counted.redis),
         counted.pool,
-        max_skew_s=300,
-        max_backdate_s=6 * 3600,
         max_concurrency=1,
     )
     listened_at = datetime.now(UTC) - timedelta(minutes=5)
     items = [
-        SyncItem(content_type=kind.name, content_id=cid, position=float(cid), listened_at=listened_at)
+        OfflineItem.of(SyncItem(content_type=kind.name, content_id=cid, position=float(cid), listened_at=listened_at))
         for kind in CONTENT_KINDS
         for cid in range(1, 126)
     ]

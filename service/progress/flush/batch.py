@@ -193,11 +193,7 @@ class BatchStep:
                 unusable.append((member, raw))
                 continue
             usable.append((member, raw))
-            heartbeats.append(
-                Heartbeat(
-                    content_id, user_id, stored.position, stored.received_ms, stored.peak, stored.completion_floor_ms
-                )
-            )
+            heartbeats.append(Heartbeat(content_id, user_id, *stored))  # position, received_ms, peak, floor
         if unusable:
             unreadable = [member for member, raw in unusable if raw is not None]
             await self._leases.ack(replace(claim, entries=unusable), dropped=unreadable)

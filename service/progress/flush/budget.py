@@ -1,20 +1,18 @@
 """The fleet's write budget: rows per second for every row every pod writes to the monolith's tables.
 
 The flush, degraded mode and the emails draw from it alike. A GCRA (a token bucket kept as one "theoretical
-arrival time"): each batch reserves its rows with one script call and waits until its reservation
-starts. Reservations follow one another on the server's clock (TIME), not the pods' clocks, so a
-backlog drains at the budget's pace, evenly, whatever the number of pods. The key lives on one hash
-slot (keys.FLUSH_BUDGET_KEY): on a cluster, every pod asks the same master.
+arrival time"): each batch reserves its rows with one script call and waits until its reservation starts.
+Reservations follow one another on Redis's clock (TIME), not the pods', so a backlog drains at the budget's
+pace, evenly, whatever the number of pods. The key lives on one hash slot (keys.FLUSH_BUDGET_KEY).
 
-While the fleet's budget cannot be reached (Redis down, or refusing the script at `maxmemory`), each
-pod keeps to its local share: the budget / PROGRESS_FLEET_MAX_PODS, so that a fleet of at most that
-many pods stays within the budget with Redis gone. It asks Redis again a second later.
+While the fleet's budget cannot be reached (Redis down, or refusing the script at `maxmemory`), each pod keeps
+to its local share, the budget / PROGRESS_FLEET_MAX_PODS, so a fleet of at most that many pods stays within
+the budget with Redis gone. It asks Redis again a second later.
 
 The budget is a brake, and a brake must not become a stall:
-- a wait is capped at a few batches' worth (`max_wait_s`), or at the caller's own deadline (degraded
-  mode's request): past it nothing is reserved (the flush asks again later, a request gets 503), and a
-  stored time further ahead than any reservation of this budget can end (a Redis clock stepped back,
-  a failover to a replica whose clock lags, a pod configured with a smaller budget) is not waited for;
+- a wait is capped at a few batches' worth (`max_wait_s`), or at the caller's own deadline: past it nothing is
+  reserved, and a stored time further ahead than any reservation of this budget can end (a Redis clock stepped
+  back, a failover to a replica whose clock lags, a pod configured with a smaller budget) is not waited for;
 - every wait ends on the stop event, and a reservation not used (stopped, cancelled) is given back.
 """
 
@@ -64,8 +62,7 @@ redis.call('SET', KEYS[1], string.format('%.0f', ends), 'PX', math.max(1, math.c
 return {1, math.floor(start - now)}
 """
 
-# the longest a reservation waits, in batches of the budget's own pace (at least a second): a future
-# time in the key, whatever it says, costs a few batches
+# the longest a reservation waits, in batches of the budget's own pace (at least a second)
 _MAX_WAIT_BATCHES = 4
 _MIN_MAX_WAIT_S = 1.0
 # after a refusal, the pod keeps to its local share this long before it asks Redis again: a Redis that does not
@@ -125,15 +122,13 @@ class FlushBudget:
                 reservation, wait_s = await self._ask(rows, longest_s)
                 if reservation is None and max_wait_s is not None:
                     return None
+                stopped = True  # unless the wait ends: cancelled (the final flush's deadline, a request gone) too
                 try:
                     stopped = wait_s > 0 and await sleep_unless_stopped(stop or asyncio.Event(), wait_s)
-                except BaseException:  # cancelled (the final flush's deadline, a request gone): its rows go back
-                    if reservation is not None:
+                finally:
+                    if stopped and reservation is not None:  # its rows go back
                         await asyncio.shield(self.refund(reservation, rows))
-                    raise
                 if stopped:
-                    if reservation is not None:
-                        await asyncio.shield(self.refund(reservation, rows))
                     return None
                 if reservation is not None:
                     return reservation

@@ -1,7 +1,6 @@
 """The background loop of every pod: pending Redis entries into Postgres, acked only after commit.
 
-A batch is one step (batch.py): claim, reserve from the fleet's write budget, write, ack, settle.
-PROGRESS_FLUSH_CONCURRENCY drains per pod run the batches, so a lock holds back only the keys behind it,
+PROGRESS_FLUSH_CONCURRENCY drains per pod run the batches (batch.py), so a lock holds back only the keys behind it,
 and a table a migration locks only its type. Types and shards take turns, a batch each, from a random
 first shard; a cycle claims at most what each shard held when it began, and a shard whose Redis node is
 down waits for the next cycle.
@@ -91,10 +90,9 @@ class Flusher:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Flush every interval until `stop`; then one last cycle within the shutdown timeout."""
-        # The loop is the only way out of the buffer: if it died, every pending value would expire.
-        # Jitter spreads the pods' cycles; a failed cycle is retried sooner, with exponential backoff. A cycle
-        # begins an interval after the last one began: one that a locked type held for lock_timeout (its
-        # drain waits, the others went on) delays no type's next turn.
+        # The loop is the only way out of the buffer. Jitter spreads the pods' cycles; a failed cycle is retried
+        # sooner, with backoff. A cycle begins an interval after the last one began: one that a locked type held
+        # for lock_timeout delays no type's next turn.
         metrics.FLUSH_INTERVAL.set(self._interval_s)
         await every(
             self._interval_s,
@@ -136,12 +134,8 @@ class Flusher:
         return not result.failed_batches
 
     async def flush_cycle(self, stop: asyncio.Event | None = None, on_batch: OnBatch | None = None) -> CycleResult:
-        """Drain every shard's pending set once. With `stop`, no new batch starts once it is set.
-
-        The content types and their shards take turns, a batch each (see _work): under the budget a
-        type with a few entries waits about one batch per other type, not for their whole backlogs.
-        `on_batch` is told how many entries each batch took out of the buffer (a progress display).
-        """
+        """Drain every shard's pending set once (see _work); with `stop`, no new batch starts once it is set.
+        `on_batch` is told how many entries each batch took out of the buffer (a progress display)."""
         started = time.monotonic()
         # what each shard holds now: the cycle claims no more than that (see Quota)
         cycle = Cycle(self._work(await measure_backlog(self._redis, self._layout)), stop, on_batch)
@@ -160,7 +154,8 @@ class Flusher:
         return result
 
     def _work(self, at_start: Backlog) -> deque[tuple[ContentKind, Shard, Quota]]:
-        """Every shard of every type that holds something, interleaved: one of each type in turn."""
+        """Every shard of every type that holds something, interleaved: one of each type in turn, so under the
+        budget a type with a few entries waits about one batch per other type, not for their whole backlogs."""
         per_type = []
         for kind in CONTENT_KINDS:
             # a node that did not answer: no quota (the drains find out which node, and skip its shards)

@@ -1,17 +1,13 @@
 """Claiming pending members with a lease, so a flusher that dies mid-batch loses nothing.
 
-A claimed member moves from the pending set to the in-flight sorted set, scored by its lease
-deadline, in the same script that reads its value. It leaves the in-flight set only when it is
-acked (after the Postgres commit; the values of the entries the batch dropped go with the ack) or
-released/requeued back to the pending set. A flusher killed
-at any point leaves its members in flight; once their lease is past, any flusher requeues them.
-Leases are scored and expired by Redis's clock (TIME inside the scripts), never a pod's: a pod whose
-clock is an hour ahead neither takes another's valid lease nor holds its own an hour too long.
-A value has no TTL while its member is pending or in flight (the write script sets none): its TTL starts
-at the ack, so it cleans up what was flushed and nothing else, however slow the drain (a budget, a
-Postgres outage, a dead flusher). A value written again since the claim is pending again and keeps none.
-Every script works on one shard (service/progress/keys.py): its keys share one hash slot, so the
-same scripts run on a Redis Cluster.
+A claimed member moves from the pending set to the in-flight sorted set, scored by its lease deadline, in the
+script that reads its value. It leaves the in-flight set only when it is acked (after the Postgres commit, with
+the values of the entries the batch dropped) or put back in the pending set. A flusher killed at any point
+leaves its members in flight; once their lease is past, any flusher requeues them. Leases are scored and
+expired by Redis's clock (TIME), never a pod's: a pod whose clock is an hour ahead neither takes another's
+valid lease nor holds its own an hour too long. A value's TTL starts at the ack, so it cleans up what was
+flushed and nothing else, however slow the drain; a value written again since the claim is pending and keeps
+none. Every script works on one shard's keys (one hash slot), so they run on a Redis Cluster too.
 """
 
 from collections.abc import Collection
@@ -118,10 +114,6 @@ class Claim:
     entries: list[tuple[str, bytes | None]]  # (member, raw value or None if expired)
 
     @property
-    def content_type(self) -> str:
-        return self.shard.content_type
-
-    @property
     def members(self) -> list[str]:
         return [member for member, _ in self.entries]
 
@@ -154,12 +146,8 @@ class Leases:
     async def _settle_claim(self, claim: Claim, *, requeue: bool, dropped: Collection[str] = ()) -> int:
         if not claim.entries:
             return 0
-        forget: list[str | bytes] = []
-        if dropped:
-            drop = set(dropped)
-            for member, raw in claim.entries:
-                if member in drop and raw is not None:
-                    forget += [member, raw]
+        drop = set(dropped)
+        forget = [part for member, raw in claim.entries if member in drop and raw is not None for part in (member, raw)]
         settled: int = await self._settle(
             keys=[claim.shard.in_flight_key, claim.shard.pending_key],
             args=[

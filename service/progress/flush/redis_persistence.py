@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from redis.exceptions import ResponseError
 
@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 SAMPLE_INTERVAL_S = 60.0
 
 Mode = Literal["aof", "rdb", "none", "unknown"]
-MODES: tuple[Mode, ...] = ("aof", "rdb", "none", "unknown")
 # weakest first: what one master forgets is lost whatever the others keep
 _STRENGTH: dict[Mode, int] = {"none": 0, "unknown": 1, "rdb": 2, "aof": 3}
 
@@ -129,11 +128,6 @@ def age_text(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def publish(persistence: Persistence) -> None:
-    for mode in MODES:
-        metrics.REDIS_PERSISTENCE.labels(mode).set(1 if mode == persistence.mode else 0)
-
-
 async def run_redis_persistence_sampler(
     redis: RedisClient, stop: asyncio.Event, *, flush_interval_s: float, interval_s: float = SAMPLE_INTERVAL_S
 ) -> None:
@@ -143,7 +137,8 @@ async def run_redis_persistence_sampler(
 
     async def sample() -> None:
         node, persistence = weakest(await read_persistence(redis))
-        publish(persistence)
+        for mode in get_args(Mode):
+            metrics.REDIS_PERSISTENCE.labels(mode).set(1 if mode == persistence.mode else 0)
         said = (persistence.mode, persistence.appendfsync, persistence.save, persistence.source)
         if said not in told:
             level = logging.INFO if persistence.mode == "aof" else logging.WARNING

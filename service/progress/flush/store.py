@@ -165,14 +165,8 @@ async def persist_batch(
         timeout=timeout_s,
     )
     assert record is not None
-    return BatchResult(
-        record["written"],
-        record["completions"],
-        list(record["dropped"]),
-        list(record["locked"]),
-        list(record["held_users"]),
-        list(record["held_content"]),
-    )
+    lists = (list(record[name]) for name in ("dropped", "locked", "held_users", "held_content"))
+    return BatchResult(record["written"], record["completions"], *lists)
 
 
 # keys named in a batch's log lines: enough to look into, not a line per key (a flood of made-up users

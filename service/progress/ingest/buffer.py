@@ -22,26 +22,20 @@ from service.progress.keys import STANDALONE, KeyLayout, Shard, pending_member
 from service.redis_client import RedisClient, execute_by_node, get_many, node_name
 from service.stores import REDIS_UNAVAILABLE
 
-# The value is "{position}:{receive time ms}:{peak}:{microseconds}": peak is the furthest position
-# heard while the value lived, so a listener who reaches the end and restarts within one flush interval
-# is still completed (the flush sees only the last position, the monolith used to see every heartbeat).
-# The receive time is whole milliseconds, as the monolith's readers and the previous release parse it;
-# the microseconds within it (0-999) come last, where those readers ignore them, so a rolling deploy
-# never makes a value unreadable. Values of two or three fields (older releases) still read.
-# An offline item is written with the time it was heard, however old (service/progress/read/sync.py), and
-# only then a fifth field, its completion floor (whole ms): the earliest date a completion of this
-# value may carry (its receipt minus 6 h); the flush and the reads date a
-# completion max(receive time, floor). No heartbeat writes one, and a value newer than its floor has none.
+# The value is "{position}:{receive time ms}:{peak}:{microseconds}". The peak is the furthest position heard
+# while the value lived, so a listener who reaches the end and restarts within one flush interval is still
+# completed. The receive time is whole ms and its microseconds (0-999) come last, where the monolith's readers
+# ignore them; values of two or three fields (a rolling deploy's older pods) still read. Only an offline item
+# (service/progress/read/sync.py) heard longer ago than the backdate window writes a fifth field, its completion
+# floor (whole ms): a completion of this value is dated max(receive time, floor).
 # write(): `now` is Redis's TIME (µs); `us` the write's own time (µs), nil for a heartbeat. A heartbeat is
-# the newest write of its key: stamped max(now, stored time + 1 µs), so the last heartbeat Redis receives
-# stands whichever pod sent it, and two in one microsecond never tie. A write with its own time received
-# earlier than the stored one (an older offline listen) never replaces its position, only raises its peak
-# (and then the floor, so the completion it brings is dated no earlier than its own floor); the member is
-# added either way: the flusher reads the newest value. An exact tie keeps what is stored: the same rule
-# as persist_batch's dedupe and the upsert's strict `<`. A write that stands drops the stored floor: its
-# own time (or floor) is later.
-# No TTL: a value whose member is pending never expires before the flush has written it, however slow
-# the drain; SET drops the TTL a flushed value had (service/progress/flush/leases.py: the ack sets it).
+# stamped max(now, stored time + 1 µs): the last one Redis receives stands whichever pod sent it, and two in
+# one microsecond never tie. A write with its own time earlier than the stored one (an older offline listen)
+# only raises the peak (and the floor); an exact tie keeps what is stored (as persist_batch's dedupe and the
+# upsert's strict `<`). The member is added either way: the flusher reads the newest value. A write that
+# stands drops the stored floor: its own time (or floor) is later.
+# No TTL: a value whose member is pending never expires before the flush has written it, however slow the
+# drain; SET drops the TTL a flushed value had (service/progress/flush/leases.py: the ack sets it).
 # Returns 1 when this write is now the stored position, 2 when the stored one is this very write
 # already (same time and position: a retried offline sync), 0 when a later one stands.
 _WRITE_FUNCTION = """
@@ -160,11 +154,6 @@ def split_ms(received_ms: float) -> tuple[int, int]:
     return us // 1000, us % 1000
 
 
-def now_ms() -> int:
-    """This pod's clock, for metrics only (how old a flushed heartbeat is): nothing is ordered or dated by it."""
-    return time.time_ns() // 1_000_000
-
-
 def write_args(
     content_type: str,
     content_id: int,
@@ -234,11 +223,8 @@ class PositionWriter:
         self, writes: Sequence[tuple[str, int, int, float, float, float]], *, max_skew_ms: int, max_backdate_ms: int
     ) -> list[int]:
         """(content type, content id, user id, position, heard ms, peak) writes, in order, in one round trip of
-        their own (one script call per shard), bounded against Redis's clock (WRITE_MANY_SCRIPT); for each,
-        write()'s answer: 1 stored, 2 stored already (a repeat), 0 a later value stands (only its peak may
-        rise), or TOO_FAR_AHEAD. An error of any call raises: the caller answers for the whole set, which is
-        safe to send again.
-        """
+        their own (one WRITE_MANY_SCRIPT call per shard); for each, its answer (1, 2, 0 or TOO_FAR_AHEAD).
+        An error of any call raises: the caller answers for the whole set, which is safe to send again."""
         by_shard: dict[Shard, list[int]] = {}
         for i, (content_type, content_id, user_id, _, _, _) in enumerate(writes):
             by_shard.setdefault(self.layout.shard(content_type, content_id, user_id), []).append(i)
@@ -279,8 +265,7 @@ class PositionWriter:
         return results
 
     async def _execute(self, commands: list[tuple[object, ...]]) -> list[object]:
-        # the 4th argument is a key of the command's one slot (a value key, or a batch's pending set): on a
-        # cluster, the node of that slot takes the command
+        # the 4th argument is a key of the command's one slot: on a cluster, the node of that slot takes it
         return await execute_by_node(self._redis, commands, key_index=3)
 
     async def aclose(self) -> None:

@@ -3,11 +3,10 @@
 Degraded mode keeps the promise of the 201 during a Redis outage. It writes with the flush's own
 statement (monotonic upsert, completion, one event), stamped by the database's clock, so a heartbeat
 written directly and an older one still in Redis settle the same way whichever lands last. It draws
-from the fleet's write budget like the flush (service/progress/flush/budget.py): with Redis down, each pod
-keeps to its local share, and a batch that does not fit within its requests' deadline is answered 503
-at once. Its statements take at most 4 (DEGRADED_CONNECTIONS) of the pool's connections: the flush,
-the reads and the relay keep theirs. On a Redis Cluster it is per node: only the heartbeats of an
-unreachable master's slots go to Postgres; the others stay on Redis.
+from the flush's write budget (budget.py): a batch that does not fit within its requests' deadline is
+answered 503 at once. Its statements take at most DEGRADED_CONNECTIONS of the pool's connections: the
+flush, the reads and the relay keep theirs. On a Redis Cluster it is per node: only the heartbeats of an
+unreachable master's slots go to Postgres.
 
 A 503 means nothing was written, then or later: each heartbeat carries its request's deadline; one
 whose deadline passed before its statement starts is left out of it, and a statement runs with the
@@ -39,8 +38,8 @@ log = logging.getLogger(__name__)
 
 
 # how long the client waits for a statement the server bounds itself (statement_timeout), and for its commit, which
-# the server does not bound (a synchronous standby's confirmation): asyncpg's own command timeout would cancel the wait
-# from here and answer "not written" for a commit already under way
+# it does not bound (a synchronous standby's confirmation): a client timeout would answer "not written" for a commit
+# already under way
 _WAIT_S = 24 * 3600.0
 
 
@@ -55,25 +54,14 @@ class _Queued:
     abandoned: bool = False  # its request went away (client gone): not written either
 
 
-def _row_locked() -> Unavailable:
-    return Unavailable(
-        "progress buffer unavailable and a row of this heartbeat is locked by another session, retry later"
-    )
+def _refused(why: str) -> Unavailable:
+    return Unavailable(f"progress buffer unavailable and {why}, retry later")
 
 
-def _late() -> Unavailable:
-    return Unavailable("progress buffer unavailable and the database did not take the write in time, retry later")
-
-
-def _over_budget() -> Unavailable:
-    return Unavailable("progress buffer unavailable and the database's write budget is spent, retry later")
+_LATE = "the database did not take the write in time"
 
 
 class DirectWriter:
-    @classmethod
-    def from_settings(cls, settings: DegradedSettings, pool: asyncpg.Pool, budget: FlushBudget) -> "DirectWriter":
-        return cls(pool, budget=budget, margin_s=settings.margin_s)
-
     def __init__(
         self, pool: asyncpg.Pool, *, budget: FlushBudget, margin_s: float, max_concurrency: int = DEGRADED_CONNECTIONS
     ) -> None:
@@ -112,7 +100,7 @@ class DirectWriter:
         # the budget's rows within the deadline, or 503 at once: what waits is bounded by the budget itself
         reservation = await self._budget.reserve(len(entries), max_wait_s=deadline - loop.time())
         if reservation is None:
-            return [_over_budget() for _ in entries]
+            return [_refused("the database's write budget is spent") for _ in entries]
         written: set[int] = set()
         rows_written = 0
         try:
@@ -120,16 +108,14 @@ class DirectWriter:
                 await self._statements.acquire()
         except TimeoutError:
             await self._budget.refund(reservation, reservation.rows)
-            return [_late() for _ in entries]
+            return [_refused(_LATE) for _ in entries]
         try:
             # left out before the statement runs: their requests were (or are being) answered 503
             live = [i for i, entry in enumerate(entries) if not entry.abandoned and entry.deadline > loop.time()]
             if not live:
-                return [_late() for _ in entries]
-            # The deadline is the server's (statement_timeout): a statement past it is rolled back there, so a 503
-            # means nothing was written. No client-side timeout: cancelling from here cannot undo a commit already
-            # under way (a synchronous standby's wait), so the answer waits for the commit's own outcome.
-            # a connection the outage ends after the statement answered: the batch stands as answered
+                return [_refused(_LATE) for _ in entries]
+            # The deadline is the server's (statement_timeout, see _WAIT_S): past it Postgres rolls back, so a 503
+            # means nothing was written; a connection the outage ends after the statement answered: it stands
             async with pooled_connection(self._pool, timeout_s=max(deadline - loop.time(), 0.001)) as conn:
                 timeout_ms = max(1, round((deadline - loop.time()) * 1000))
                 await conn.execute(f"BEGIN; SET LOCAL statement_timeout = {timeout_ms}")
@@ -153,9 +139,9 @@ class DirectWriter:
             await asyncio.shield(self._budget.refund(reservation, reservation.rows - rows_written))
         metrics.DEGRADED_WRITES.labels(kind.name).inc(len(written))
         report_batch(kind, result)
-        results: list[BaseException | None] = [_late() for _ in entries]
+        results: list[BaseException | None] = [_refused(_LATE) for _ in entries]
         for i in live:
-            results[i] = _row_locked() if i not in written else None
+            results[i] = _refused("a row of this heartbeat is locked by another session") if i not in written else None
         return results
 
     async def aclose(self) -> None:
@@ -168,12 +154,8 @@ class HeartbeatSink:
         cls, settings: DegradedSettings, writer: PositionWriter, pool: asyncpg.Pool | None, budget: FlushBudget
     ) -> "HeartbeatSink":
         """Redis through `writer`; without a database (`pool` None), no degraded mode."""
-        return cls(
-            writer,
-            None if pool is None else DirectWriter(pool, budget=budget, margin_s=settings.margin_s),
-            redis_retry_s=settings.redis_retry_s,
-            direct_timeout_s=settings.write_timeout_s,
-        )
+        direct = None if pool is None else DirectWriter(pool, budget=budget, margin_s=settings.margin_s)
+        return cls(writer, direct, redis_retry_s=settings.redis_retry_s, direct_timeout_s=settings.write_timeout_s)
 
     def __init__(
         self,

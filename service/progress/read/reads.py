@@ -1,26 +1,23 @@
 """Reading progress back at its freshest: the buffered value when it is newer than the row.
 
-A read costs one Redis MGET of the value keys and one query of the rows, whatever the number of
-ids; the reads of one type in one event-loop turn share both, and so do those that wait while
-one batch of their type are out. The answer is what the next flush
-will leave in Postgres, before it runs:
-- the position and `updated_at` of the buffered value when it was received after the row's
-  `updated_at` (the flush's upsert only moves forward the same way), else the row's;
-- `completed_at`: the row's, or, when the buffered peak reached `duration - margin` and the row
-  has none yet, the buffered value's receive time, or its completion floor when later (what the flush
-  will write);
+A read costs one Redis MGET of the value keys and one query of the rows, whatever the number of ids; the reads
+of one type in one event-loop turn share both (TurnBatcher). The answer is what the next flush will leave in
+Postgres, before it runs:
+- the position and `updated_at` of the buffered value when it was received after the row's `updated_at` (the
+  upsert only moves forward the same way), else the row's;
+- `completed_at`: the row's, or, when the buffered peak reached `duration - margin` and the row has none yet,
+  the buffered value's receive time, or its completion floor when later;
 - nothing for content or a user the database does not have: the flush drops those values.
-While the shard count changes (PROGRESS_BUFFER_PREVIOUS_SHARDS), the MGET names each value key of
-both layouts, and the newer of the two values stands: a pod still on the old count writes there.
+While the shard count changes, the MGET names each value key of both layouts, and the newer value stands.
 """
 
 import asyncio
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
-from typing import TypeAlias
+from typing import TypeAlias, TypeVar
 
 import asyncpg
 from redis.exceptions import RedisError
@@ -34,6 +31,8 @@ from service.progress.keys import STANDALONE, KeyLayout
 from service.redis_client import RedisClient, get_many
 
 _ONE_US = timedelta(microseconds=1)
+Q = TypeVar("Q")
+R = TypeVar("R")
 
 # Plain tuples, not NamedTuples: a read of 100 ids builds 100 of each, and a NamedTuple's __new__ costs
 # several times a tuple's. Times are whole microseconds since the epoch (exact: the rows and the buffer
@@ -98,6 +97,18 @@ async def fetch_rows(
     )
     # by position, in _ROWS_SQL's order: user_id, content_id, then the StoredRow (a slice of a record is a tuple)
     return {kind: {(r[0], r[1]): r[2:] for r in answer} for kind, answer in zip(pairs_by_kind, answers, strict=True)}
+
+
+async def alongside(query: Awaitable[Q], read: Awaitable[R]) -> tuple[Q, R]:
+    """Both stores at once: the query in a task of its own, the Redis read in this one; both are awaited to
+    their end before an error goes up."""
+    fetch = asyncio.ensure_future(query)
+    try:
+        values = await read
+    finally:
+        with contextlib.suppress(Exception):  # its error goes up below, or after the read's
+            await fetch
+    return fetch.result(), values
 
 
 def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | None]:
@@ -173,10 +184,8 @@ class _Lookup:
 class ProgressReader:
     """Freshest progress of one user for some ids of one content type; concurrent reads share round trips.
 
-    Per content type, at most `batches_in_flight` batches are out at once: the reads that come meanwhile go
-    together in the next, up to MAX_LOOKUPS_PER_BATCH of them, so a busier pod sends bigger batches, not more
-    of them; a type whose table is locked (a migration's, say) holds its own reads only. A read that waited
-    MAX_WAIT_S, or finds MAX_WAITING_LOOKUPS waiting, raises ReadsWaiting.
+    Per content type, at most `batches_in_flight` batches are out at once (TurnBatcher's group commit): a type
+    whose table is locked (a migration's, say) holds its own reads only.
     """
 
     def __init__(
@@ -222,15 +231,8 @@ class ProgressReader:
             keys += [
                 key for lookup in lookups for key in previous.value_keys(kind.name, lookup.user_id, lookup.content_ids)
             ]
-        # both stores at once: the query in a task of its own, the MGET in this one; both are awaited to their
-        # end before an error goes up
-        fetch = asyncio.ensure_future(fetch_rows(self._pool, {kind: pairs}))
-        try:
-            raw_values = await get_many(self._redis, keys)
-        finally:
-            with contextlib.suppress(Exception):  # its error goes up below, or after the MGET's
-                await fetch
-        rows = fetch.result()[kind]
+        rows_by_kind, raw_values = await alongside(fetch_rows(self._pool, {kind: pairs}), get_many(self._redis, keys))
+        rows = rows_by_kind[kind]
         decoded = decode_values(raw_values)
         if previous is not None:
             decoded = newer_of(decoded[: len(pairs)], decoded[len(pairs) :])

@@ -1,30 +1,24 @@
 """Positions listened offline, uploaded later: through the same buffer, with the time they were heard.
 
-Each accepted item is one run of WRITE_SCRIPT with `listened_at` as its receive time, so the buffer
-settles an offline position and a live heartbeat the way it settles two heartbeats: the later one
-stands whichever arrives last, in Redis and in the upsert (whose `updated_at` is that time), however
-old the listen, and the furthest position heard still raises the peak that decides completion
-(judged by the flush as for any heartbeat). The whole request is one Redis round trip (one
-WRITE_MANY_SCRIPT call per shard: its items in the order they are written, all keys in the
-shard's slot) after one query per content type present; while the shard count changes, the values
-of the previous layout are read beside that query (a second round trip, at the same time).
+Each accepted item is written by the buffer's script with `listened_at` as its receive time, so an offline
+position and a live heartbeat settle as two heartbeats do: the later one stands whichever arrives last, in
+Redis and in the upsert, however old the listen, and the furthest position heard still raises the peak that
+decides completion. The request is one Redis round trip (one WRITE_MANY_SCRIPT call per shard) after one
+query per content type present; while the shard count changes, the previous layout's values are read beside
+that query.
 
-`applied` is true only when the item's position is the one that now stands: written to the buffer
-as no older than its value (the script says so), no older than the row (`updated_at`), whose
-value may have expired after its flush, and no older than a value of the previous shard layout
-(the same time counts as applied: a retried request gets the same answer). An item older than any
-of them is still written, so its peak can complete the content, but reported `applied: false`.
+`applied` is true only when the item's position is the one that now stands: no older than the buffered value
+(the script says so), than the row's `updated_at` (the value may have expired after its flush), and than a
+value of the previous shard layout (the same time counts as applied: a retried request gets the same
+answer). An older item is still written, so its peak can complete the content, but reported `applied: false`.
 
-A client's clock is not evidence of a completion's date: an item heard more than `max_backdate_s`
-before its receipt carries a completion floor (receipt - max_backdate_s, see buffer.py), and a
-completion it brings is dated no earlier than that, so one request cannot fill a month of the
-monolith's journey. The floor bounds that date only; the order stays the listen's. The receipt is
-Redis's clock, read by the write script, as is the bound on items heard in the future: no pod's
-clock decides what is refused, stored as now or floored.
+A client's clock is not evidence of a completion's date: an item heard more than MAX_BACKDATE_S before its
+receipt carries a completion floor (see buffer.py), so one request cannot fill a month of the monolith's
+journey; the order stays the listen's. The receipt and the bound on items heard in the future are Redis's
+clock, read by the write script: no pod's clock decides what is refused, stored as now or floored.
 """
 
 import asyncio
-import contextlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,7 +40,7 @@ from service.progress.content import (
     Position,
 )
 from service.progress.ingest.buffer import TOO_FAR_AHEAD, PositionWriter
-from service.progress.read.reads import MAX_WAIT_S, StoredRow, StoredRows, as_ms, decode_values, fetch_rows
+from service.progress.read.reads import MAX_WAIT_S, StoredRow, StoredRows, alongside, as_ms, decode_values, fetch_rows
 
 SYNC_MAX_ITEMS = 500
 # No listen is older than the app: a date before this is a broken clock, not a position to order by. It also keeps
@@ -58,8 +52,7 @@ EARLIEST_LISTEN_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
 SYNC_MAX_WAIT_S = MAX_WAIT_S
 # an item further in the future than Redis's time is refused (within it, it is stored at Redis's time)
 MAX_CLOCK_SKEW_S = 300.0
-# a completion an item brings is dated no earlier than its receipt minus this (the item itself is stored and
-# ordered at its own listened_at, however old): a client's clock is not evidence of when a lesson was finished
+# a completion an item brings is dated no earlier than its receipt minus this (see the module's docstring)
 MAX_BACKDATE_S = 6 * 3600.0
 
 ContentType = Literal["lesson", "audio", "meditation", "live"]
@@ -205,28 +198,16 @@ class OfflineSync:
     once, so syncs stalled on a locked table leave the rest of the pool to the reads, the flush and degraded
     mode. A sync that waited SYNC_MAX_WAIT_S for its turn raises SyncsWaiting."""
 
-    def __init__(
-        self,
-        writer: PositionWriter,
-        pool: asyncpg.Pool,
-        *,
-        max_skew_s: float = MAX_CLOCK_SKEW_S,
-        max_backdate_s: float = MAX_BACKDATE_S,
-        max_concurrency: int = SYNC_CONNECTIONS,
-    ) -> None:
+    def __init__(self, writer: PositionWriter, pool: asyncpg.Pool, *, max_concurrency: int = SYNC_CONNECTIONS) -> None:
         self._writer = writer
         self._pool = pool
         self._max_concurrency = max_concurrency
         self._connections = asyncio.Semaphore(max_concurrency)
-        self._max_skew_ms = int(max_skew_s * 1000)
-        self._max_backdate_ms = int(max_backdate_s * 1000)
 
-    async def apply(self, user_id: int, items: Sequence[OfflineItem | SyncItem]) -> list[SyncOutcome]:
+    async def apply(self, user_id: int, items: Sequence[OfflineItem]) -> list[SyncOutcome]:
         outcomes: list[SyncOutcome | None] = [None] * len(items)
         accepted: list[_Accepted] = []
         for index, item in enumerate(items):
-            if not isinstance(item, OfflineItem):
-                item = OfflineItem.of(item)
             if item.listened_ms < EARLIEST_LISTEN_MS:
                 outcomes[index] = _TOO_EARLY
                 continue
@@ -251,8 +232,8 @@ class OfflineSync:
                 (content_type, content_id, user_id, group[-1].position, heard_ms, max(a.position for a in group))
                 for (content_type, content_id, heard_ms), group in writes.items()
             ],
-            max_skew_ms=self._max_skew_ms,
-            max_backdate_ms=self._max_backdate_ms,
+            max_skew_ms=round(MAX_CLOCK_SKEW_S * 1000),
+            max_backdate_ms=round(MAX_BACKDATE_S * 1000),
         )
         latest: dict[tuple[str, int], _Accepted] = {}  # per content, the item that stands: the last written
         for group, answer in zip(writes.values(), answers, strict=True):
@@ -273,7 +254,7 @@ class OfflineSync:
     ) -> SyncOutcome:
         updated_at = row[2]
         if answer == TOO_FAR_AHEAD:
-            return SyncOutcome(False, f"listened_at is more than {self._max_skew_ms / 1000:g} s in the future")
+            return SyncOutcome(False, f"listened_at is more than {MAX_CLOCK_SKEW_S:g} s in the future")
         if latest[(a.kind.name, a.content_id)] is not a:
             return _SUPERSEDED
         if answer == 0 or (updated_at is not None and as_ms(updated_at) > a.listened_ms):  # 0: a later value stands
@@ -292,15 +273,9 @@ class OfflineSync:
             return await self._rows(user_id, accepted), None
         items = list({(a.kind.name, a.content_id): None for a in accepted})
         keys = [previous.value_key(content_type, content_id, user_id) for content_type, content_id in items]
-        # both stores at once, as a read does: the query in a task of its own, both awaited before an error goes up
-        fetch = asyncio.ensure_future(self._rows(user_id, accepted))
-        try:
-            raw_values = await self._writer.read_values(keys)
-        finally:
-            with contextlib.suppress(Exception):  # its error goes up below, or after the read's
-                await fetch
+        rows, raw_values = await alongside(self._rows(user_id, accepted), self._writer.read_values(keys))
         times = {item: value[1] for item, value in zip(items, decode_values(raw_values), strict=True) if value}
-        return fetch.result(), times
+        return rows, times
 
     async def _rows(self, user_id: int, accepted: list[_Accepted]) -> dict[ContentKind, StoredRows]:
         ids_by_kind: dict[ContentKind, set[int]] = {}
