@@ -82,7 +82,7 @@ async def test_the_periodic_sweep_enqueues_once_however_often_it_runs(
     done_before = metric("progress_trial_journey_sweeps_total", outcome="done")
     stop = asyncio.Event()
     sweeper = asyncio.create_task(
-        periodic_sweep(every(settings, 0.05), trials_db, stop, FlushBudget.from_settings(settings, redis))
+        periodic_sweep(every(settings, 0.05), trials_db, stop, FlushBudget.from_settings(settings.flush, redis))
     )
     try:
         await wait_for(lambda: done_above(done_before + 3))
@@ -104,7 +104,7 @@ async def test_the_periodic_sweep_waits_while_another_pod_holds_the_lock(
     async with trials_db.acquire() as other_pod:
         await other_pod.execute("SELECT pg_advisory_lock($1)", SWEEP_LOCK_KEY)
         sweeper = asyncio.create_task(
-            periodic_sweep(every(settings, 0.05), trials_db, stop, FlushBudget.from_settings(settings, redis))
+            periodic_sweep(every(settings, 0.05), trials_db, stop, FlushBudget.from_settings(settings.flush, redis))
         )
         try:
             await wait_for(lambda: locked_above(locked_before + 1))
@@ -131,7 +131,7 @@ async def test_the_periodic_sweep_survives_a_failed_sweep_and_stops_on_request(
             await transaction.start()
             await migration.execute("LOCK TABLE emails_emaildispatch IN ACCESS EXCLUSIVE MODE")
             sweeper = asyncio.create_task(
-                periodic_sweep(every(settings, 0.5), impatient, stop, FlushBudget.from_settings(settings, redis))
+                periodic_sweep(every(settings, 0.5), impatient, stop, FlushBudget.from_settings(settings.flush, redis))
             )
             await wait_for(lambda: failed_above(failed_before))
             await transaction.rollback()
@@ -153,7 +153,9 @@ async def test_an_interval_of_zero_disables_the_periodic_sweep(
 ) -> None:
     await add_journeys_and_strays(trials_db, datetime.now(UTC), in_journey=1)
     await asyncio.wait_for(
-        periodic_sweep(every(settings, 0), trials_db, asyncio.Event(), FlushBudget.from_settings(settings, redis)),
+        periodic_sweep(
+            every(settings, 0), trials_db, asyncio.Event(), FlushBudget.from_settings(settings.flush, redis)
+        ),
         timeout=1,
     )
     assert await reserved(trials_db) == set()
