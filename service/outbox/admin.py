@@ -9,7 +9,7 @@ of these, and nothing here holds a transaction open. A row already published is 
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime
 
 import asyncpg
@@ -29,13 +29,10 @@ SELECT {key} AS id, publish_error AS error, publish_failed_at AS failed_at, publ
 _COUNT_SQL = """
 SELECT count(*) FROM {table} WHERE {parked} AND ($1::bigint[] IS NULL OR {key} = ANY($1::bigint[]))
 """
-# One chunk: the next parked rows by key after $1 (at most $2; only $3 when given), locked in key order and
-# made owed again. The chunk locks its rows itself (FOR UPDATE, applied after its ORDER BY), so every
-# re-drive waits on another's rows in the one order of their keys and two at once cannot deadlock; an
-# UPDATE ... FROM a chunk that took no lock would lock in the join's order, which the planner picks (a
-# hash join probing the table goes in heap or index order). A row another re-drive made owed while we
-# waited for it is re-checked once its lock is granted and skipped, so each row is counted once and the
-# chunk fills up with the rows after it; `last` moves the cursor past them. The relay is woken.
+# One chunk: the next parked rows after key $1 (at most $2; only ids $3 when given) made owed again, the relay woken.
+# The chunk locks its rows itself (FOR UPDATE after its ORDER BY), in key order, so two re-drives cannot deadlock;
+# an UPDATE ... FROM an unlocked chunk would lock in the join order the planner picks (heap or index order). A row
+# another re-drive made owed while we waited is re-checked once locked and skipped (counted once); `last` moves past.
 _REDRIVE_SQL = """
 WITH chunk AS MATERIALIZED (
     SELECT {key} AS id FROM {table}
@@ -64,13 +61,7 @@ class ParkedRow:
     attempts: int
 
     def as_json(self) -> dict[str, object]:
-        return {
-            "outbox": self.outbox,
-            "id": self.id,
-            "error": self.error,
-            "failed_at": self.failed_at.isoformat(),
-            "attempts": self.attempts,
-        }
+        return asdict(self) | {"failed_at": self.failed_at.isoformat()}
 
 
 def _sql(template: str, outbox: Outbox) -> str:

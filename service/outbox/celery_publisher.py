@@ -26,15 +26,10 @@ log = logging.getLogger(__name__)
 def _connection_errors() -> tuple[type[BaseException], ...]:
     """What says "the broker is not reachable now" rather than "this message is refused"."""
     from kombu.exceptions import OperationalError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    errors: list[type[BaseException]] = [OperationalError, OSError]
-    try:
-        from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import TimeoutError as RedisTimeoutError
-
-        errors += [RedisConnectionError, RedisTimeoutError]
-    except ImportError:  # pragma: no cover - redis is a dependency of the service
-        pass
+    errors: list[type[BaseException]] = [OperationalError, OSError, RedisConnectionError, RedisTimeoutError]
     try:
         from botocore.exceptions import ConnectionError as BotoConnectionError
         from botocore.exceptions import EndpointConnectionError
@@ -57,10 +52,9 @@ _REDIS_TRANSIENT_CODES = {"BUSY", "LOADING", "OOM", "READONLY", "MISCONF", "MAST
 def _broker_reply(exc: BaseException) -> str | None:
     """What the broker answered, if it answered: "temporary" (wait, it passes), "refused" (this message), or None.
 
-    kombu wraps a Redis error reply (NOPERM, BUSY, ...) in its OperationalError, the type it also uses
-    for lost connections: the cause chain tells them apart. redis-py gives some replies a type of their
-    own (the code taken off the message, kept in status_code) and leaves the others a plain
-    ResponseError whose message starts with the code.
+    kombu wraps a Redis error reply (NOPERM, BUSY, ...) in its OperationalError, the type it also uses for lost
+    connections: the cause chain tells them apart. redis-py gives some replies a type of their own (the code taken
+    off the message, kept in status_code) and leaves the others a plain ResponseError whose message starts with it.
     """
     from redis.exceptions import (
         BusyLoadingError,
@@ -93,9 +87,7 @@ def _broker_reply(exc: BaseException) -> str | None:
 class CeleryPublisher:
     """Owns the Celery app object and the threads that publish with it."""
 
-    def __init__(
-        self, broker_url: str, transport_options: dict[str, Any], *, timeout_s: float, max_threads: int = 2
-    ) -> None:
+    def __init__(self, broker_url: str, transport_options: dict[str, Any], *, timeout_s: float) -> None:
         from celery import Celery
 
         check_transport(broker_url)
@@ -112,7 +104,7 @@ class CeleryPublisher:
             broker_connection_timeout=min(timeout_s, 4.0),
         )
         self._connection_errors = _connection_errors()
-        self._executor = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="celery-publish")
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="celery-publish")
 
     async def publish(self, messages: Sequence[Message]) -> PublishResult:
         """Send `messages` in order; stop at the first connection error, or at the timeout after the message in hand.

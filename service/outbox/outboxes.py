@@ -1,12 +1,8 @@
 """The two outboxes and their SQL: which rows are owed, how a relay claims, marks and parks them.
 
-A claim is one statement that leases a batch (claimed_until) under FOR UPDATE SKIP LOCKED, so
-relays racing on the same table take disjoint rows, and commits at once: no transaction stays open
-while the broker is slow. A relay killed after publishing and before marking leaves its lease to
-expire: the rows are claimed again and republished with the same task id (publish_attempts > 1
-says so). A row the broker refuses is leased again for a backoff that doubles with each attempt,
-and parked (publish_failed_at) once it has had its OUTBOX_MAX_ATTEMPTS. Marks and refusals are one
-statement per batch.
+A claim leases a batch (claimed_until) under FOR UPDATE SKIP LOCKED, so racing relays take disjoint
+rows. A relay killed after publishing and before marking leaves its lease to expire: the rows are
+claimed again and republished with the same task id (publish_attempts > 1 says so).
 """
 
 import uuid
@@ -141,12 +137,13 @@ def completion_message(row: asyncpg.Record, task_name: str, queue: str) -> Messa
     return Message(row["id"], task_name, queue, task_id, kwargs)
 
 
-def email_kwargs(dispatch_id: int, user_id: int, email_key: str, source: str) -> dict[str, object]:
-    return {"dispatch_id": dispatch_id, "user_id": user_id, "email_key": email_key, "source": source}
-
-
 def email_message(row: asyncpg.Record, task_name: str, queue: str) -> Message:
-    kwargs = email_kwargs(row["id"], row["user_id"], row["email_key"], row["source"])
+    kwargs = {
+        "dispatch_id": row["id"],
+        "user_id": row["user_id"],
+        "email_key": row["email_key"],
+        "source": row["source"],
+    }
     return Message(
         row["id"], task_name, queue, email_task_id(row["id"]), kwargs, extra={"reserved_at": row["reserved_at"]}
     )

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from service import checkpoints, metrics
+from service.config import RelaySettings
 from service.outbox.messages import PublishResult
 from service.outbox.outboxes import Outbox
 from service.stores import POSTGRES_UNAVAILABLE
@@ -43,19 +44,12 @@ class RelayResult:
 class Settler:
     """Records a relay's published batches in their outbox, for that relay alone."""
 
-    def __init__(
-        self,
-        *,
-        pool: asyncpg.Pool,
-        lease_s: float,
-        statement_timeout_s: float,
-        max_attempts: int,
-        retry_backoff_s: float,
-    ) -> None:
+    def __init__(self, pool: asyncpg.Pool, settings: RelaySettings, retry_backoff_s: float) -> None:
         self._pool = pool
-        self._lease_s = lease_s
-        self._statement_s = statement_timeout_s  # how long a statement may take (0: unbounded, no retry near the end)
-        self._max_attempts = max_attempts
+        self._lease_s = settings.lease_s
+        # how long a statement may take (0: unbounded, no retry near the end)
+        self._statement_s = settings.statement_timeout_s
+        self._max_attempts = settings.max_attempts
         self._retry_backoff_s = retry_backoff_s
 
     async def record(
@@ -106,9 +100,7 @@ class Settler:
     async def _settle(self, outbox: Outbox, sent: list[int], refused: dict[int, str], lease_ends: float) -> set[int]:
         """Mark what the broker took; lease the refused rows for their backoff, or park them. Returns the parked.
 
-        Each statement is tried again while the batch's lease lasts: the broker has these messages, and a mark
-        lost to a lock, a statement timeout or a blip of the database would send them all again once the lease
-        ran out, with every process up. Past the lease another relay may have them: the error goes up.
+        Past the batch's lease another relay may have these rows: a statement still failing then goes up.
         """
         if sent:
             await self._while_leased(outbox, "mark", len(sent), lease_ends, self._pool.execute, outbox.mark_sql, sent)

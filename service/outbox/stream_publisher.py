@@ -9,12 +9,10 @@ from service.outbox.messages import Message, PublishResult
 from service.redis_client import RedisClient, same_slot_prefix
 from service.stores import REDIS_FAILED
 
-# KEYS: stream, guard key (in the stream's slot: the script runs on a cluster). ARGV: guard TTL (s), then field,
-# value, ...
-# The client retries a command once after a timeout (service.redis_client.connect_redis), and a timed-out
-# XADD may have been applied: the guard, set in the same script, makes that retry a no-op instead
-# of a second entry. The guard names the dispatch row, so a relay that republishes it within the
-# guard's TTL (killed between the publish and the mark) adds no second entry either.
+# KEYS: stream, guard key (in the stream's slot: the script runs on a cluster). ARGV: guard TTL (s), field, value, ...
+# The client retries a command once after a timeout (service.redis_client.connect_redis), and a timed-out XADD may
+# have been applied: the guard, set in the same script, makes that retry a no-op instead of a second entry. The guard
+# names the dispatch row, so a relay that republishes it within the guard's TTL adds no second entry either.
 PUBLISH_ONCE_SCRIPT = """
 if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[1]) then
   redis.call('XADD', KEYS[1], '*', unpack(ARGV, 2))

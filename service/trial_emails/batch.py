@@ -1,13 +1,10 @@
 """One batch of trials: load, resolve every due email in memory, reserve in blocks; the relay publishes.
 
 Each block is one statement that reserves its pairs, writes an outbox row per winner and wakes the
-outbox relay (service.outbox.relay), the only publisher. So nothing is published before its
-reservation commits, and a crash, a cancellation or a broker outage at any point leaves nothing
-reserved unpublished: what a statement won is in the outbox, or the statement did not commit.
-
-The reservations are rows of the monolith's table: each block takes its rows from the pod's write budget
-(service/progress/flush/budget.py, the flush's and degraded mode's) before its statement, so a sweep of a
-thousand trials is paced like a flush backlog, never a burst (DESIGN §12).
+outbox relay, the only publisher. So nothing is published before its reservation commits, and a crash,
+a cancellation or a broker outage at any point leaves nothing reserved unpublished: what a statement
+won is in the outbox, or the statement did not commit. Each block takes its rows from the pod's write
+budget (the flush's) first, so a sweep of a thousand trials is paced like a flush backlog, never a burst.
 """
 
 import asyncio
@@ -25,8 +22,6 @@ from service.trial_emails.reservations import Pair, load_sent_keys, load_trials,
 
 @dataclass(frozen=True, slots=True)
 class BatchOptions:
-    """The numbers of a batch."""
-
     send_email: bool  # SEND_EMAIL: false, nothing is reserved or sent
     batch_size: int = 200  # the most trials one call may be given (one sweep's page)
     block_size: int = 200  # pairs reserved per statement (one INSERT ... RETURNING)

@@ -96,7 +96,6 @@ async def run_periodic_sweep(
     *, pool: asyncpg.Pool, options: BatchOptions, interval_s: float, stop: asyncio.Event, budget: FlushBudget
 ) -> None:
     """Sweep at start, then every `interval_s` (TRIAL_JOURNEY_INTERVAL_SECONDS), until `stop` (0 disables it).
-    `budget`: the pod's write budget, the flush's and degraded mode's.
 
     A failed sweep is logged and counted, and the next one runs on schedule: the reservations make
     a retry safe, and a database outage must not end the loop.

@@ -1,8 +1,9 @@
-"""A slow broker: the publish times out mid-batch, and what the broker took is marked, not sent again."""
+"""A slow broker: the publish times out mid-batch, and what the broker took is marked, not sent again; a publish that
+takes its whole deadline ends within its batch's lease, so a second relay never sends the batch too."""
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -12,7 +13,7 @@ from redis.asyncio import Redis
 from service.compose import completion_route
 from service.config import Settings
 from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
-from service.outbox.messages import Message
+from service.outbox.messages import Message, PublishResult
 from service.outbox.relay import Relay
 from tests.helpers import add_events
 from tests.monolith.fixtures import Broker, Executions
@@ -105,3 +106,47 @@ async def test_a_publish_timing_out_mid_batch_marks_what_the_broker_took_and_sen
     admin = Redis.from_url(broker.url)
     await admin.delete(WARM_UP_QUEUE)
     await admin.aclose()
+
+
+class LeaseEatingBroker:
+    """Takes every message; the i-th publish lasts `took_s[i]` by the database's clock (time moved, not waited: every
+    lease on the outbox ends that much sooner). `during_last` runs before the last publish returns (another relay)."""
+
+    def __init__(self, db: asyncpg.Pool, took_s: list[float], during_last: Callable[[], Awaitable[object]]) -> None:
+        self._db, self._took_s, self._during_last = db, took_s, during_last
+        self.task_ids: list[str] = []
+
+    async def publish(self, messages: Sequence[Message]) -> PublishResult:
+        if self._took_s:
+            await asyncio.sleep(0.2)  # whatever the relay does while the broker takes a batch, it has done
+            await self._db.execute(
+                "UPDATE progress_completion_event SET claimed_until = claimed_until - make_interval(secs => $1)",
+                self._took_s.pop(0),
+            )
+            if not self._took_s:
+                await self._during_last()
+        self.task_ids += [message.task_id for message in messages]
+        return PublishResult(sent=[message.row_id for message in messages])
+
+
+@pytest.mark.regression
+async def test_a_publish_that_takes_its_deadline_ends_within_its_batch_lease_and_a_second_relay_sends_nothing_twice(
+    relay_settings: Settings, db: asyncpg.Pool
+) -> None:
+    """Found by an attack: the relay claimed its next batch while the broker took one, and published it while at least
+    half its lease was left; a slow broker (a publish within CELERY_PUBLISH_TIMEOUT_SECONDS, plus the message in hand)
+    ran it past the lease, and a second relay claimed and sent the same 500 messages."""
+    await add_events(db, 1000)  # two full batches
+    # the defaults: a 60 s lease, a 10 s deadline
+    settings = relay_settings.model_copy(update={"celery_publish_timeout_seconds": 10.0, "relay_lease_seconds": 60.0})
+    other = LeaseEatingBroker(db, [], lambda: asyncio.sleep(0))
+    other_relay = Relay.from_settings(settings.relay, db, [completion_route(settings, other)])
+    # the first batch takes 47 s, the second its 10 s and 4 s for the message in hand (a socket timeout is 5 s);
+    # then the other relay makes a pass
+    slow = LeaseEatingBroker(db, [47.0, 14.0], other_relay.relay_once)
+    result = await Relay.from_settings(settings.relay, db, [completion_route(settings, slow)]).relay_once()
+
+    assert result.published == {"completion": 1000}
+    assert other.task_ids == []  # it found every row marked or leased
+    assert len(slow.task_ids) == len(set(slow.task_ids)) == 1000
+    assert await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE published_at IS NULL") == 0
