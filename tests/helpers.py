@@ -419,7 +419,7 @@ def rng_position(round_: int, key: tuple[int, int], *, near_end: bool) -> float:
 
 # --- the outbox: a real broker, the relay, the monolith's worker ------------------------------------------
 
-RELAY_LEASE_S = 3.0  # the relay's lease in the outbox tests (in-process and `relay --once`)
+RELAY_LEASE_S = 10.0  # the relay's lease in the outbox tests (in-process and `relay --once`)
 
 
 def with_broker(settings: Settings, broker_url: str, **update: object) -> Settings:
@@ -430,7 +430,7 @@ def with_broker(settings: Settings, broker_url: str, **update: object) -> Settin
             "email_publisher": "celery",
             "relay_poll_interval_seconds": 0.5,
             "relay_lease_seconds": RELAY_LEASE_S,
-            "celery_publish_timeout_seconds": 2.0,
+            "celery_publish_timeout_seconds": 5.0,
             "relay_max_backoff_seconds": 1.0,
             **update,
         }
@@ -462,7 +462,7 @@ def relay_env(servers: Servers, broker: "Broker", **extra: str) -> dict[str, str
     defaults = {
         "CELERY_BROKER_URL": broker.url,
         "RELAY_LEASE_SECONDS": str(RELAY_LEASE_S),
-        "CELERY_PUBLISH_TIMEOUT_SECONDS": "2",
+        "CELERY_PUBLISH_TIMEOUT_SECONDS": "5",
     }
     return service_env(servers, **{**defaults, **extra})
 

@@ -68,7 +68,10 @@ class DirectWriter:
         self._pool = pool
         self._budget = budget
         self._margin_s = margin_s
-        self._statements = asyncio.Semaphore(max_concurrency)  # the pool's share of degraded mode
+        # the pool's share of degraded mode, split by content type: a table held by a migration holds its own
+        # type's statements (each waits out lock_timeout), never another type's
+        per_type = max(1, max_concurrency // len(CONTENT_KINDS))
+        self._statements = {kind.name: asyncio.Semaphore(per_type) for kind in CONTENT_KINDS}
         self._batchers: dict[str, TurnBatcher[_Queued]] = {
             kind.name: TurnBatcher(partial(self._send, kind), interrupted=lambda: Unavailable("write interrupted"))
             for kind in CONTENT_KINDS
@@ -105,7 +108,7 @@ class DirectWriter:
         rows_written = 0
         try:
             async with asyncio.timeout_at(deadline):
-                await self._statements.acquire()
+                await self._statements[kind.name].acquire()
         except TimeoutError:
             await self._budget.refund(reservation, reservation.rows)
             return [_refused(_LATE) for _ in entries]
@@ -135,7 +138,7 @@ class DirectWriter:
                 if pending_member(entries[i].heartbeat.content_id, entries[i].heartbeat.user_id) not in locked
             }
         finally:
-            self._statements.release()
+            self._statements[kind.name].release()
             await asyncio.shield(self._budget.refund(reservation, reservation.rows - rows_written))
         metrics.DEGRADED_WRITES.labels(kind.name).inc(len(written))
         report_batch(kind, result)
