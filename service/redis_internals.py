@@ -123,19 +123,15 @@ GUARDED: dict[type[AbstractConnection], type[AbstractConnection]] = {
     SSLConnection: _GuardedSSLConnection,
     UnixDomainSocketConnection: _GuardedUnixDomainSocketConnection,
 }
-_GUARDED_NODE: dict[type[Connection], type[Connection]] = {
-    Connection: _GuardedConnection,
-    SSLConnection: _GuardedSSLConnection,
-}
 
 
 def guard_cluster_connections(cluster: RedisCluster) -> None:
     """Our connection class on every node `cluster` makes: it passes its own (plain or SSL) to each node
     from one dict of node arguments, and the node the URL names exists already (redis-py #3558)."""
-    guarded = _GUARDED_NODE[cluster.connection_kwargs["connection_class"]]
+    guarded = GUARDED[cluster.connection_kwargs["connection_class"]]  # plain or SSL: a cluster has no unix://
     cluster.connection_kwargs["connection_class"] = guarded
     for node in cluster.nodes_manager.startup_nodes.values():
-        node.connection_class = guarded
+        node.connection_class = guarded  # type: ignore[assignment]
 
 
 def topology_is_stale(cluster: RedisCluster) -> None:

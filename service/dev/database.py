@@ -107,37 +107,23 @@ class EmbeddedPostgres(_ChildServer):
             )
         _wait_until(self._accepts, timeout_s=30, what="postgres", log_path=self.log_path)
 
+    def _client(self, name: str, *args: str) -> list[str]:
+        return [self._bin(name), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", *args]
+
     def _accepts(self) -> bool:
         if not self.is_running():
             raise EmbeddedServerError(f"postgres exited at start; log {self.log_path}")
-        done = subprocess.run(
-            [self._bin("pg_isready"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-q"], check=False
-        )
-        return done.returncode == 0
+        return subprocess.run(self._client("pg_isready", "-q"), check=False).returncode == 0
 
     def create_database(self, name: str) -> None:
         exists = subprocess.run(
-            [
-                self._bin("psql"),
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "-U",
-                "postgres",
-                "-tAc",
-                f"SELECT 1 FROM pg_database WHERE datname = '{name}'",
-            ],
+            self._client("psql", "-tAc", f"SELECT 1 FROM pg_database WHERE datname = '{name}'"),
             check=True,
             capture_output=True,
             text=True,
         ).stdout.strip()
         if not exists:
-            subprocess.run(
-                [self._bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", name],
-                check=True,
-                capture_output=True,
-            )
+            subprocess.run(self._client("createdb", name), check=True, capture_output=True)
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"

@@ -68,6 +68,7 @@ def _wait_until(ready: Callable[[], bool], *, timeout_s: float, what: str, log_p
 
 class _ChildServer:
     name = "server"
+    _stop_signal = signal.SIGTERM
 
     def __init__(self, data_dir: Path, port: int | None) -> None:
         self.data_dir = data_dir.resolve()
@@ -82,26 +83,19 @@ class _ChildServer:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if not self.is_running():
-            return
-        assert self.process is not None
-        self.process.send_signal(self._stop_signal)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
-            self.process.kill()
-            self.process.wait()
-        self.process = None
+        if self.process is not None and self.is_running():
+            self.process.send_signal(self._stop_signal)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
+        self.kill()
 
     def kill(self) -> None:
-        if self.is_running():
-            assert self.process is not None
+        if self.process is not None and self.is_running():
             self.process.kill()
             self.process.wait()
         self.process = None
-
-    _stop_signal = signal.SIGTERM
 
 
 class EmbeddedRedis(_ChildServer):
