@@ -33,14 +33,12 @@ def _closed(writer: asyncio.StreamWriter | None) -> bool:
 class _ClosedTransportIsConnectionError(AbstractConnection):
     """A call on a connection whose transport closed under it fails with redis's ConnectionError.
 
-    redis-py reaches for the transport a connection had, and two ways that is gone raise errors that
-    are not a RedisError (redis-py #4287, #3546): a disconnect from another task while a write is
-    pending (the cluster client closes every connection of every node on CLUSTERDOWN, in a failover;
-    the write then finds `None`: "'NoneType' object has no attribute 'writelines'"), and, on CPython
-    3.12+, a transport the peer reset, whose own internals raise TypeError/AttributeError. Neither is
-    retried by redis-py, and the request path would answer 500 instead of going to degraded mode.
-    Only those are converted, after the connection is dropped: an AttributeError or TypeError while
-    the transport is open is a bug, and goes up as it is.
+    Two ways the transport goes raise errors that are not a RedisError (redis-py #4287, #3546): a disconnect
+    from another task while a write is pending (the cluster client closes every connection on CLUSTERDOWN,
+    in a failover: "'NoneType' object has no attribute 'writelines'"), and, on CPython 3.12+, a transport
+    the peer reset. redis-py retries neither, and the request path would answer 500 instead of going to
+    degraded mode. Only those are converted, after the connection is dropped: an AttributeError or
+    TypeError while the transport is open is a bug, and goes up as it is.
     """
 
     async def _send_packed_command(self, command: Iterable[bytes]) -> None:

