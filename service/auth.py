@@ -21,10 +21,8 @@ _MAX_USER_ID = 2**63 - 1
 _CANONICAL_ID = re.compile(rb"[1-9][0-9]{0,18}")
 # exp beyond the year 9999 is not a date; a float() of 10**400 would raise OverflowError
 _MAX_EXP_S = 253_402_300_799
-# The app repeats one token every 5 s for its whole lifetime: verify each token once, then only
-# re-check its expiry. Two generations of this size: when the young one is full it becomes the old
-# one, so a flood of distinct tokens costs at most twice this many entries and a token in use
-# survives a turnover (a hit in the old generation moves it back to the young one).
+# The app repeats one token every 5 s: verify each once, then only re-check its expiry. Two generations:
+# a flood of distinct tokens costs at most twice this many entries, and a token in use survives a turnover.
 _VERIFIED_GENERATION_SIZE = 50_000
 
 

@@ -43,25 +43,29 @@ class _Parts:
     stop: asyncio.Event
 
 
-def _run_command(name: str, check: Callable[[Settings], bool], body: Callable[[_Parts], Awaitable[int]]) -> int:
+def _run_command(name: str, body: Callable[[_Parts], Awaitable[int]], *, publishes: bool = False) -> int:
     """The skeleton of flush, relay, trial-emails run-once and outbox: settings, JSON logs, the stores, the exit code.
 
-    `check` raises ConfigError for what the command cannot run without, and says whether it publishes
-    with Celery. The stores are opened in order (publisher, Postgres, Redis) and closed in reverse;
-    SIGTERM or Ctrl-C sets `stop`, the body finishes what it has in hand and its code is the exit code.
+    Each needs DATABASE_URL (the primary: a sweep's reservations never go to a replica), one that
+    `publishes` with Celery its broker too. The stores are opened in order (publisher, Postgres, Redis)
+    and closed in reverse; SIGTERM or Ctrl-C sets `stop`, the body finishes what it has in hand and its
+    code is the exit code.
     A store that cannot be reached is one line on stderr and exit 1 (whatever it could not do waits in
     the store for the next run: nothing is lost), not a traceback.
     """
     settings = load_settings()
     configure_logging(settings.log_level)
-    with_publisher = check(settings)
+    if not settings.database_url:
+        raise ConfigError(f"{name} needs DATABASE_URL (postgresql://...)")
+    if publishes and not settings.celery_broker_url:
+        raise ConfigError(f"{name} needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or amqp://)")
 
     async def main(stop: asyncio.Event) -> int:
         lifecycle = Lifecycle()
         try:
             if tracing.configure():  # stopped last: the spans of the last batch are exported too
                 lifecycle.started_part("tracing", tracing.aclose)
-            publisher = start_publisher(settings, lifecycle) if with_publisher else None
+            publisher = start_publisher(settings, lifecycle) if publishes else None
             pool = await create_db_pool(settings.database)
             lifecycle.started_part("postgres", pool.close)
             redis = connect_redis(settings.redis)
@@ -78,12 +82,7 @@ def _run_command(name: str, check: Callable[[Settings], bool], body: Callable[[_
 
 
 def flush_command(args: argparse.Namespace) -> int:
-    def check(settings: Settings) -> bool:
-        if not settings.database_url:
-            raise ConfigError("flush needs DATABASE_URL (postgresql://...)")
-        return False
-
-    return _run_command("flush --once" if args.once else "flush", check, partial(_run_flusher, once=args.once))
+    return _run_command("flush --once" if args.once else "flush", partial(_run_flusher, once=args.once))
 
 
 async def _run_flusher(parts: _Parts, *, once: bool) -> int:
@@ -104,14 +103,8 @@ async def _run_flusher(parts: _Parts, *, once: bool) -> int:
 
 
 def relay_command(args: argparse.Namespace) -> int:
-    def check(settings: Settings) -> bool:
-        if not settings.database_url:
-            raise ConfigError("relay needs DATABASE_URL (postgresql://...)")
-        if not settings.celery_broker_url:
-            raise ConfigError("relay needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or amqp://)")
-        return True
-
-    return _run_command("relay --once" if args.once else "relay", check, partial(_run_relay, once=args.once))
+    name = "relay --once" if args.once else "relay"
+    return _run_command(name, partial(_run_relay, once=args.once), publishes=True)
 
 
 async def _run_relay(parts: _Parts, *, once: bool) -> int:
@@ -138,13 +131,7 @@ def trial_emails_command(args: argparse.Namespace) -> int:
     finishes, no new batch starts, the partial result is printed with "status": "stopped", and the exit
     code is 0.
     """
-
-    def check(settings: Settings) -> bool:
-        if not settings.database_url:
-            raise ConfigError("DATABASE_URL is required (the primary: reservations never go to a replica)")
-        return False
-
-    return _run_command("trial-emails run-once", check, _sweep_once)
+    return _run_command("trial-emails run-once", _sweep_once)
 
 
 async def _sweep_once(parts: _Parts) -> int:
@@ -173,14 +160,8 @@ async def _sweep_once(parts: _Parts) -> int:
 
 def outbox_command(args: argparse.Namespace) -> int:
     """`outbox list` and `outbox redrive`: parked rows seen and made owed again, in short statements."""
-
-    def check(settings: Settings) -> bool:
-        if not settings.database_url:
-            raise ConfigError(f"outbox {args.outbox_action} needs DATABASE_URL (postgresql://...)")
-        return False
-
     body = _list_parked if args.outbox_action == "list" else _redrive_parked
-    return _run_command(f"outbox {args.outbox_action}", check, partial(body, args=args))
+    return _run_command(f"outbox {args.outbox_action}", partial(body, args=args))
 
 
 def _chosen_outboxes(args: argparse.Namespace) -> list[Outbox]:

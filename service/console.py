@@ -46,13 +46,9 @@ class _RateColumn(ProgressColumn):
 
 
 class Progress:
-    """Counts of a long command: a bar on a terminal, else a log line per interval and a summary.
-
-    `total` may be unknown at first (None: the bar pulses, the lines show no percentage) and given
-    later with `set_total`. `console` is where the bar would go (stderr by default); the bar is used
-    only when it is a terminal. Off a terminal a line is logged every `interval_s` (LOG_INTERVAL_S).
-    The summary is logged either way, with the count in `extra["count"]`.
-    """
+    """`total` may be unknown at first (None: the bar pulses, the lines show no percentage) and given
+    later with `set_total`. The bar goes to `console` (stderr) when it is a terminal; the summary is
+    logged either way, with the count in `extra["count"]`."""
 
     def __init__(
         self,

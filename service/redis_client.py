@@ -150,23 +150,6 @@ def same_slot_prefix(key: str) -> str:
     return "{" + key + "}"
 
 
-async def _node_pipeline(
-    redis: RedisCluster, node: ClusterNode, commands: Sequence[tuple[object, ...]]
-) -> list[object]:
-    """Commands already grouped by node, in one round trip; a command whose slot moved follows the move."""
-    results = await node_pipeline(node, commands)
-    for i, result in enumerate(results):
-        if isinstance(result, (MovedError, AskError, TryAgainError)):
-            # its slot moved (resharding, failover): redis-py follows the redirection for this command
-            try:
-                results[i] = await redis.execute_command(*commands[i])  # type: ignore[arg-type]
-            except RedisError as exc:
-                results[i] = exc
-            except RedisClusterException as exc:  # not a RedisError: callers know "Redis is down" by that
-                results[i] = RedisConnectionError(f"Redis Cluster unavailable: {exc}")
-    return results
-
-
 def node_name(redis: RedisClient, key: object) -> str:
     """The cluster node that holds `key` ("host:port"); "" on a standalone server."""
     if not isinstance(redis, RedisCluster):
@@ -190,5 +173,16 @@ async def _pipeline(
                 pipe.execute_command(*args)  # type: ignore[arg-type]
             results: list[object] = await pipe.execute(raise_on_error=False)
             return results
+    # a cluster's commands already grouped by node: one round trip, and a command whose slot moved follows the move
     assert isinstance(redis, RedisCluster)
-    return await _node_pipeline(redis, node, commands)
+    results = await node_pipeline(node, commands)
+    for i, result in enumerate(results):
+        if isinstance(result, (MovedError, AskError, TryAgainError)):
+            # its slot moved (resharding, failover): redis-py follows the redirection for this command
+            try:
+                results[i] = await redis.execute_command(*commands[i])  # type: ignore[arg-type]
+            except RedisError as exc:
+                results[i] = exc
+            except RedisClusterException as exc:  # not a RedisError: callers know "Redis is down" by that
+                results[i] = RedisConnectionError(f"Redis Cluster unavailable: {exc}")
+    return results

@@ -33,14 +33,12 @@ def _closed(writer: asyncio.StreamWriter | None) -> bool:
 class _ClosedTransportIsConnectionError(AbstractConnection):
     """A call on a connection whose transport closed under it fails with redis's ConnectionError.
 
-    redis-py reaches for the transport a connection had, and two ways that is gone raise errors that
-    are not a RedisError (redis-py #4287, #3546): a disconnect from another task while a write is
-    pending (the cluster client closes every connection of every node on CLUSTERDOWN, in a failover;
-    the write then finds `None`: "'NoneType' object has no attribute 'writelines'"), and, on CPython
-    3.12+, a transport the peer reset, whose own internals raise TypeError/AttributeError. Neither is
-    retried by redis-py, and the request path would answer 500 instead of going to degraded mode.
-    Only those are converted, after the connection is dropped: an AttributeError or TypeError while
-    the transport is open is a bug, and goes up as it is.
+    Two ways the transport goes raise errors that are not a RedisError (redis-py #4287, #3546): a disconnect
+    from another task while a write is pending (the cluster client closes every connection on CLUSTERDOWN,
+    in a failover: "'NoneType' object has no attribute 'writelines'"), and, on CPython 3.12+, a transport
+    the peer reset. redis-py retries neither, and the request path would answer 500 instead of going to
+    degraded mode. Only those are converted, after the connection is dropped: an AttributeError or
+    TypeError while the transport is open is a bug, and goes up as it is.
     """
 
     async def _send_packed_command(self, command: Iterable[bytes]) -> None:
@@ -123,19 +121,15 @@ GUARDED: dict[type[AbstractConnection], type[AbstractConnection]] = {
     SSLConnection: _GuardedSSLConnection,
     UnixDomainSocketConnection: _GuardedUnixDomainSocketConnection,
 }
-_GUARDED_NODE: dict[type[Connection], type[Connection]] = {
-    Connection: _GuardedConnection,
-    SSLConnection: _GuardedSSLConnection,
-}
 
 
 def guard_cluster_connections(cluster: RedisCluster) -> None:
     """Our connection class on every node `cluster` makes: it passes its own (plain or SSL) to each node
     from one dict of node arguments, and the node the URL names exists already (redis-py #3558)."""
-    guarded = _GUARDED_NODE[cluster.connection_kwargs["connection_class"]]
+    guarded = GUARDED[cluster.connection_kwargs["connection_class"]]  # plain or SSL: a cluster has no unix://
     cluster.connection_kwargs["connection_class"] = guarded
     for node in cluster.nodes_manager.startup_nodes.values():
-        node.connection_class = guarded
+        node.connection_class = guarded  # type: ignore[assignment]
 
 
 def topology_is_stale(cluster: RedisCluster) -> None:

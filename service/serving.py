@@ -1,23 +1,18 @@
 """`serve`'s HTTP server: uvicorn, with a drain between SIGTERM and the stop.
 
 uvicorn stops listening and closes idle keep-alive connections as soon as SIGTERM arrives, while the load
-balancer still sends requests until its health check sees the pod down: those requests find a closed socket or
-a connection closed under them (502/503, or an EOF in the client). A pod stopped this way drains first:
+balancer still sends requests until its health check sees the pod down: those requests fail (502/503, or
+an EOF in the client). A pod stopped this way drains first:
 
 1. SIGTERM: `/health/ready` answers 503 at once (service/api/health.py reads `DRAINING`), and every answer carries
-   `Connection: close`, so each client and load balancer leaves its connection after its next answer instead
-   of sending on one the pod is about to close.
+   `Connection: close`, so each client leaves its connection after its next answer.
 2. For `drain_s` the pod goes on serving whatever still comes, new connections included.
 3. Then uvicorn's own shutdown: stop listening, close the idle connections, finish the requests in flight, run the
    lifespan's shutdown (the final flush).
 
-SIGINT (Ctrl-C) skips the drain, and cuts one short. With `--workers N`, uvicorn's supervisor sends SIGTERM to
-every worker when it gets one: each drains, all at the same time.
-
-uvicorn has no such delay (its open pull request #2414, "delayed shutdown", would give one; drop this then).
-What this takes from uvicorn's internals (Server.handle_exit/on_tick, the headers of its config and server
-state, the lifespan's state, the supervisor's `Process`) is held in place by tests/api/test_uvicorn_internals.py,
-and uvicorn is pinned below its next minor.
+SIGINT (Ctrl-C) skips the drain, and cuts one short. With `--workers N` every worker drains, all at once.
+uvicorn has no such delay (its open pull request #2414 would give one: drop this then). What this takes from
+uvicorn's internals is held in place by tests/api/test_uvicorn_internals.py; uvicorn is pinned below its next minor.
 """
 
 import logging

@@ -1,15 +1,11 @@
 """Known content at the door: a heartbeat for an id that does not exist is refused before any write.
 
-The guarantee: a known id costs no round trip (a bisect in a sorted in-memory array); an unknown
-id is looked up once per cache period, that lookup shared by every concurrent request naming it; and an
-id whose lookup fails or times out (Postgres unreachable, its content table locked) is accepted (and
-counted), so an outage never costs a real heartbeat. A failed lookup answers for its own id only:
-every other id, of any type, still gets its own lookup. The lookups of a type go as the reads do (a
-TurnBatcher): one query at a time on one connection, with every id that waited for it, so a locked
-table holds one connection, its own type's share of the pool, and nothing of the others'.
-Content published since the last snapshot is found by the lookup at once, and within about a second
-when it was asked about before it existed: an "unknown" answer is kept at most UNKNOWN_ANSWER_TTL_S,
-a known one for the configured cache period.
+A known id costs no round trip (a bisect in a sorted in-memory array). An unknown id is looked up once
+per cache period, the lookup shared by every concurrent request naming it; a type's lookups go one query
+at a time with every id waiting (a TurnBatcher), so a locked table holds one connection of its own type.
+A lookup that fails or times out accepts its own id only (counted): an outage never costs a real heartbeat.
+Content published since the last snapshot is found by its lookup at once; an "unknown" answer is kept at
+most UNKNOWN_ANSWER_TTL_S, so content asked about just before it existed is found within about a second.
 """
 
 import asyncio
@@ -35,12 +31,10 @@ log = logging.getLogger(__name__)
 # after a failed lookup, its id is accepted without asking for this long: an outage must not cost each of
 # its heartbeats a connection attempt (other ids are still asked, a type's in one query at a time)
 _DB_RETRY_S = 1.0
-# answers for ids outside the snapshot (~100 bytes each), and distinct ids of a type waiting for a lookup
-# (and looked up in one query)
+# answers for ids outside the snapshot (~100 bytes each); distinct ids of a type waiting for (one) lookup
 CATALOG_MAX_ANSWERS = 100_000
 CATALOG_MAX_LOOKUPS = 64
-# a lesson asked about a moment before the monolith created it must not be refused for the whole cache
-# period (its heartbeats would be lost); a made-up id still costs one query per id and this period
+# a lesson asked about just before the monolith created it is not refused for the whole cache period
 UNKNOWN_ANSWER_TTL_S = 1.0
 # how often each pod reloads the known ids; a lesson created meanwhile is looked up on its first heartbeat
 REFRESH_S = 60.0

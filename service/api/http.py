@@ -1,17 +1,19 @@
 """The door's HTTP plumbing, shared by the routes served as plain ASGI (`ingest.py`, `reads.py`, `sync.py`).
 
-A route answers its success itself and raises `HttpError` for anything else, from wherever the
-refusal is found; its `__call__` sends the error with `send_json`. The answers keep the shapes of
+A route's handler returns its success's body and raises `HttpError` for anything else, from wherever
+the refusal is found; `respond` sends either. The answers keep the shapes of
 FastAPI's (`{"detail": ...}`, validation errors with `loc`/`msg`/`type`), so the OpenAPI document
 describes one API whichever part serves a route.
 """
 
 import asyncio
+import functools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
+from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 
 from service import metrics
@@ -51,10 +53,6 @@ def json_body(data: object) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
-def error_body(detail: object) -> bytes:
-    return json_body({"detail": detail})
-
-
 async def send_json(send: Send, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]]) -> None:
     """One answer: content-type, then `headers`, then content-length."""
     headers = [(b"content-type", b"application/json"), *headers, (b"content-length", str(len(body)).encode())]
@@ -64,7 +62,30 @@ async def send_json(send: Send, status: int, body: bytes, headers: Sequence[tupl
 
 async def send_error(send: Send, error: HttpError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """`error` as JSON, after the route's own `headers` (cache-control on the reads)."""
-    await send_json(send, error.status, error_body(error.detail), [*headers, *error.headers])
+    await send_json(send, error.status, json_body({"detail": error.detail}), [*headers, *error.headers])
+
+
+@functools.cache  # a counter per route and status, looked up once
+def requests_total(route: str, status: int) -> Counter:
+    return metrics.HTTP_REQUESTS.labels(route, str(status))
+
+
+async def respond(
+    send: Send, route: str, handled: Awaitable[bytes], *, status: int = 200, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """`status` with the body `handled` gives, or the error it raises; each answer counted in
+    progress_http_requests_total. Nothing is sent to a client that hung up (ClientGone)."""
+    try:
+        body = await handled
+    except ClientGone:
+        return
+    except Exception as exc:
+        error = as_http_error(exc, route)
+        await send_error(send, error, headers)
+        requests_total(route, error.status).inc()
+        return
+    await send_json(send, status, body, headers)
+    requests_total(route, status).inc()
 
 
 def identify(authenticator: Authenticator, headers: Headers) -> tuple[int, int]:

@@ -24,14 +24,8 @@ HEADER_READ_TIMEOUT_S = 10.0
 
 def _refusal(status: bytes, detail: str) -> bytes:
     body = json.dumps({"detail": detail}).encode()
-    return (
-        b"HTTP/1.1 "
-        + status
-        + b"\r\ncontent-type: application/json\r\ncontent-length: "
-        + str(len(body)).encode()
-        + b"\r\nconnection: close\r\n\r\n"
-        + body
-    )
+    head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+    return head % (status, len(body)) + body
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -63,10 +57,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_deadline = self.loop.call_later(HEADER_READ_TIMEOUT_S, self._head_too_slow)
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
+        self._end_head()
         # a head that arrived in one chunk is measured here, once parsed (bounded by the read size)
         size = self._head_bytes + len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
         if size > MAX_HEADER_BYTES:
@@ -83,8 +74,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
+        self._end_head()
         super().connection_lost(exc)
 
     def _head_too_slow(self) -> None:
@@ -92,10 +82,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._in_head and not self.transport.is_closing():
             self._refuse(b"408 Request Timeout", f"request head not received within {HEADER_READ_TIMEOUT_S:g} s")
 
-    def _refuse(self, status: bytes, detail: str) -> None:
+    def _end_head(self) -> None:
         self._in_head = False
         if self._head_deadline is not None:
             self._head_deadline.cancel()
             self._head_deadline = None
+
+    def _refuse(self, status: bytes, detail: str) -> None:
+        self._end_head()
         self.transport.write(_refusal(status, detail))
         self.transport.close()

@@ -10,7 +10,7 @@ import time
 
 from service import metrics
 from service.api.catalog import ContentCatalog, LookupsSaturated
-from service.api.http import ClientGone, HttpError, as_http_error, identify, read_json, send_error
+from service.api.http import HttpError, identify, read_json, requests_total, respond
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.content import CONTENT_KINDS, ContentKind
@@ -18,8 +18,7 @@ from service.progress.ingest.sink import HeartbeatSink, Unavailable
 
 log = logging.getLogger(__name__)
 
-CREATED_BODY = b'{"data":true}'
-_CREATED_HEADERS = [(b"content-type", b"application/json"), (b"content-length", str(len(CREATED_BODY)).encode())]
+_CREATED_BODY = b'{"data":true}'
 _ALLOW_POST = [(b"allow", b"POST")]
 
 # at most one log line per interval while heartbeats are refused: an outage is thousands per second
@@ -50,28 +49,15 @@ class ProgressIngest:
         self.catalog = catalog  # None: the door is off, every id is accepted
         self._refused_since_log = 0
         self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S
-        self._requests = {
-            (kind.path, status): metrics.HTTP_REQUESTS.labels(kind.path, str(status))
-            for kind in CONTENT_KINDS
-            for status in (201, 400, 401, 404, 405, 408, 413, 422, 500, 503)
-        }
+        for kind in CONTENT_KINDS:  # every answer's series exported from the start, at 0
+            for status in (201, 400, 401, 404, 405, 408, 413, 422, 500, 503):
+                requests_total(kind.path, status)
 
     async def answer(self, kind: ContentKind, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await self._handle(kind, scope, receive)
-        except ClientGone:
-            return
-        except Exception as exc:
-            error = as_http_error(exc, kind.path)
-            await send_error(send, error)
-            self._requests[(kind.path, error.status)].inc()
-            return
-        await send({"type": "http.response.start", "status": 201, "headers": _CREATED_HEADERS})
-        await send({"type": "http.response.body", "body": CREATED_BODY})
-        self._requests[(kind.path, 201)].inc()
+        await respond(send, kind.path, self._handle(kind, scope, receive), status=201)
 
-    async def _handle(self, kind: ContentKind, scope: Scope, receive: Receive) -> None:
-        """Returns once the heartbeat is stored (201); raises HttpError for any other answer."""
+    async def _handle(self, kind: ContentKind, scope: Scope, receive: Receive) -> bytes:
+        """The 201's body once the heartbeat is stored; raises HttpError for any other answer."""
         if scope["method"] != "POST":
             raise HttpError(405, "method not allowed: use POST", _ALLOW_POST)
         user_id, declared_length = identify(self.authenticator, scope["headers"])
@@ -94,6 +80,7 @@ class ProgressIngest:
         except Unavailable as exc:
             self._log_refusal(kind, exc)
             raise HttpError(503, str(exc)) from None
+        return _CREATED_BODY
 
     def _log_refusal(self, kind: ContentKind, exc: Unavailable) -> None:
         self._refused_since_log += 1

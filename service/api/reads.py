@@ -12,10 +12,8 @@ import math
 from datetime import timedelta
 from urllib.parse import parse_qsl
 
-from prometheus_client import Counter
-
-from service import metrics, tracing
-from service.api.http import HttpError, as_http_error, identify, retry_soon, send_error, send_json
+from service import tracing
+from service.api.http import HttpError, identify, respond, retry_soon
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.content import EPOCH, KIND_BY_NAME, MAX_ID, ContentKind
@@ -127,26 +125,11 @@ class ProgressReads:
     def __init__(self, reader: ProgressReader | None, *, authenticator: Authenticator) -> None:
         self.reader = reader  # None: no database (DATABASE_URL), every read is a 503
         self.authenticator = authenticator
-        self._requests: dict[tuple[str, int], Counter] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         parts = scope["path"][len(PREFIX) :].split("/")
         route = ONE_ROUTE if len(parts) == 2 else MANY_ROUTE
-        try:
-            body = await self._handle(route, parts, scope)
-        except Exception as exc:
-            error = as_http_error(exc, route)
-            await send_error(send, error, _NO_STORE)
-            self._counter(route, error.status).inc()
-            return
-        await send_json(send, 200, body, _NO_STORE)
-        self._counter(route, 200).inc()
-
-    def _counter(self, route: str, status: int) -> Counter:
-        counter = self._requests.get((route, status))
-        if counter is None:
-            counter = self._requests[(route, status)] = metrics.HTTP_REQUESTS.labels(route, str(status))
-        return counter
+        await respond(send, route, self._handle(route, parts, scope), headers=_NO_STORE)
 
     async def _handle(self, route: str, parts: list[str], scope: Scope) -> bytes:
         if scope["method"] != "GET":

@@ -10,19 +10,8 @@ import logging
 
 from pydantic import ValidationError
 
-from service import metrics, tracing
-from service.api.http import (
-    ClientGone,
-    HttpError,
-    as_http_error,
-    identify,
-    invalid_body,
-    json_body,
-    read_body,
-    retry_soon,
-    send_error,
-    send_json,
-)
+from service import tracing
+from service.api.http import HttpError, identify, invalid_body, json_body, read_body, respond, retry_soon
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.read.sync import OfflineSync, SyncOutcome, SyncsWaiting, parse_request
@@ -55,17 +44,7 @@ class ProgressSync:
         self.body_read_timeout_s = body_read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            body = await self._handle(scope, receive)
-        except ClientGone:
-            return
-        except Exception as exc:
-            error = as_http_error(exc, SYNC_ROUTE)
-            await send_error(send, error)
-            metrics.HTTP_REQUESTS.labels(SYNC_ROUTE, str(error.status)).inc()
-            return
-        await send_json(send, 200, body, ())
-        metrics.HTTP_REQUESTS.labels(SYNC_ROUTE, "200").inc()
+        await respond(send, SYNC_ROUTE, self._handle(scope, receive))
 
     async def _handle(self, scope: Scope, receive: Receive) -> bytes:
         if scope["method"] != "POST":

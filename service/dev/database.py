@@ -63,37 +63,16 @@ class EmbeddedPostgres(_ChildServer):
         uid, gid = (user.pw_uid, user.pw_gid) if user else (None, None)
         if not (self.pgdata / "PG_VERSION").exists():
             shutil.rmtree(self.pgdata, ignore_errors=True)
+            initdb = [self._bin("initdb"), "-D", str(self.pgdata), "-U", "postgres"]
             subprocess.run(
-                [
-                    self._bin("initdb"),
-                    "-D",
-                    str(self.pgdata),
-                    "-U",
-                    "postgres",
-                    "--auth=trust",
-                    "--encoding=UTF8",
-                    "--no-sync",
-                ],
+                [*initdb, "--auth=trust", "--encoding=UTF8", "--no-sync"],
                 check=True,
                 capture_output=True,
                 preexec_fn=_die_with_parent(signal.SIGKILL, uid=uid, gid=gid),
             )
         (self.pgdata / "postmaster.pid").unlink(missing_ok=True)  # left by a SIGKILLed server
-        args = [
-            self._bin("postgres"),
-            "-D",
-            str(self.pgdata),
-            "-p",
-            str(self.port),
-            "-h",
-            "127.0.0.1",
-            "-k",
-            str(self.data_dir),
-            "-c",
-            "max_connections=200",
-            "-c",
-            "shared_buffers=128MB",
-        ]
+        args = [self._bin("postgres"), "-D", str(self.pgdata), "-p", str(self.port), "-h", "127.0.0.1"]
+        args += ["-k", str(self.data_dir), "-c", "max_connections=200", "-c", "shared_buffers=128MB"]
         if not self.durable:
             # tests only: no fsync makes a throwaway cluster several times faster
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
@@ -107,37 +86,23 @@ class EmbeddedPostgres(_ChildServer):
             )
         _wait_until(self._accepts, timeout_s=30, what="postgres", log_path=self.log_path)
 
+    def _client(self, name: str, *args: str) -> list[str]:
+        return [self._bin(name), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", *args]
+
     def _accepts(self) -> bool:
         if not self.is_running():
             raise EmbeddedServerError(f"postgres exited at start; log {self.log_path}")
-        done = subprocess.run(
-            [self._bin("pg_isready"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-q"], check=False
-        )
-        return done.returncode == 0
+        return subprocess.run(self._client("pg_isready", "-q"), check=False).returncode == 0
 
     def create_database(self, name: str) -> None:
         exists = subprocess.run(
-            [
-                self._bin("psql"),
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "-U",
-                "postgres",
-                "-tAc",
-                f"SELECT 1 FROM pg_database WHERE datname = '{name}'",
-            ],
+            self._client("psql", "-tAc", f"SELECT 1 FROM pg_database WHERE datname = '{name}'"),
             check=True,
             capture_output=True,
             text=True,
         ).stdout.strip()
         if not exists:
-            subprocess.run(
-                [self._bin("createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", name],
-                check=True,
-                capture_output=True,
-            )
+            subprocess.run(self._client("createdb", name), check=True, capture_output=True)
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"

