@@ -15,7 +15,7 @@ import asyncio
 import logging
 import os
 import threading
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -30,19 +30,12 @@ class Span(Protocol):
 
 
 class _NoSpan:
-    """What `span` gives while tracing is off: one object, entered and left for nothing."""
-
-    def __enter__(self) -> "_NoSpan":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        return None
-
     def set_attribute(self, key: str, value: Any) -> None:
         return None
 
 
-_NO_SPAN = _NoSpan()
+# what `span` gives while tracing is off: one context, entered and left for nothing
+_NO_SPAN: AbstractContextManager[Span] = nullcontext(_NoSpan())
 _provider: Any = None  # the SDK's TracerProvider while tracing is on
 _tracer: Any = None
 _propagator: Any = None
