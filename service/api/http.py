@@ -17,7 +17,7 @@ from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 
 from service import metrics
-from service.asgi import Receive, Send
+from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator, AuthError
 
 Headers = list[tuple[bytes, bytes]]
@@ -86,6 +86,11 @@ async def respond(
         return
     await send_json(send, status, body, headers)
     requests_total(route, status).inc()
+
+
+def check_method(scope: Scope, method: str) -> None:
+    if scope["method"] != method:
+        raise HttpError(405, f"method not allowed: use {method}", [(b"allow", method.encode())])
 
 
 def identify(authenticator: Authenticator, headers: Headers) -> tuple[int, int]:

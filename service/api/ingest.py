@@ -10,7 +10,7 @@ import time
 
 from service import metrics
 from service.api.catalog import ContentCatalog, LookupsSaturated
-from service.api.http import HttpError, identify, read_json, requests_total, respond
+from service.api.http import HttpError, check_method, identify, read_json, requests_total, respond
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.content import CONTENT_KINDS, ContentKind
@@ -19,7 +19,6 @@ from service.progress.ingest.sink import HeartbeatSink, Unavailable
 log = logging.getLogger(__name__)
 
 _CREATED_BODY = b'{"data":true}'
-_ALLOW_POST = [(b"allow", b"POST")]
 
 # at most one log line per interval while heartbeats are refused: an outage is thousands per second
 _REFUSAL_LOG_INTERVAL_S = 10.0
@@ -58,8 +57,7 @@ class ProgressIngest:
 
     async def _handle(self, kind: ContentKind, scope: Scope, receive: Receive) -> bytes:
         """The 201's body once the heartbeat is stored; raises HttpError for any other answer."""
-        if scope["method"] != "POST":
-            raise HttpError(405, "method not allowed: use POST", _ALLOW_POST)
+        check_method(scope, "POST")
         user_id, declared_length = identify(self.authenticator, scope["headers"])
         heartbeat = await read_json(
             receive, kind.body, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s

@@ -13,7 +13,7 @@ from datetime import timedelta
 from urllib.parse import parse_qsl
 
 from service import tracing
-from service.api.http import HttpError, identify, respond, retry_soon
+from service.api.http import HttpError, check_method, identify, respond, retry_soon
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.content import EPOCH, KIND_BY_NAME, MAX_ID, ContentKind
@@ -132,8 +132,7 @@ class ProgressReads:
         await respond(send, route, self._handle(route, parts, scope), headers=_NO_STORE)
 
     async def _handle(self, route: str, parts: list[str], scope: Scope) -> bytes:
-        if scope["method"] != "GET":
-            raise HttpError(405, "method not allowed: use GET", [(b"allow", b"GET")])
+        check_method(scope, "GET")
         user_id, _ = identify(self.authenticator, scope["headers"])
         kind = _kind(parts[0])
         if route == ONE_ROUTE:

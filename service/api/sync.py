@@ -11,7 +11,7 @@ import logging
 from pydantic import ValidationError
 
 from service import tracing
-from service.api.http import HttpError, identify, invalid_body, json_body, read_body, respond, retry_soon
+from service.api.http import check_method, identify, invalid_body, json_body, read_body, respond, retry_soon
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.read.sync import OfflineSync, SyncOutcome, SyncsWaiting, parse_request
@@ -47,8 +47,7 @@ class ProgressSync:
         await respond(send, SYNC_ROUTE, self._handle(scope, receive))
 
     async def _handle(self, scope: Scope, receive: Receive) -> bytes:
-        if scope["method"] != "POST":
-            raise HttpError(405, "method not allowed: use POST", [(b"allow", b"POST")])
+        check_method(scope, "POST")
         user_id, declared_length = identify(self.authenticator, scope["headers"])
         body = await read_body(receive, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s)
         try:

@@ -120,7 +120,8 @@ KIND = {kind.name: kind for kind in CONTENT_KINDS}
 STEADY_WEIGHTS = (4, 2, 2, 2)  # lessons are the common case
 COMPLETES_AT = DURATION_S - 5  # above duration - the 10 s margin: completes
 STORM_SYNCS = 10
-# with 18 sync users each storms every 6 s: 10 requests within the limit's burst of 20, which refills 12 meanwhile
+# with 18 sync users each storms every 6 s: 10 syncs at once against SYNC_CONNECTIONS (2) per process, the rest shed
+# as 503 with Retry-After
 STORMERS = 3
 
 
