@@ -68,8 +68,7 @@ class DirectWriter:
         self._pool = pool
         self._budget = budget
         self._margin_s = margin_s
-        # the pool's share of degraded mode, split by content type: a table held by a migration holds its own
-        # type's statements (each waits out lock_timeout), never another type's
+        # the pool's share of degraded mode, per content type: a table a migration holds holds only its own type
         per_type = max(1, max_concurrency // len(CONTENT_KINDS))
         self._statements = {kind.name: asyncio.Semaphore(per_type) for kind in CONTENT_KINDS}
         self._batchers: dict[str, TurnBatcher[_Queued]] = {
