@@ -646,3 +646,45 @@ BAD_SYNCS = [
                  "listened_at", id="listened-at-unix-time-in-a-string"),
     pytest.param(b'{"items": [', 400, "JSON", id="malformed-json"),
 ]  # fmt: skip
+
+
+class InsertLog:
+    """When Postgres inserted rows into one table: (clock_timestamp of each statement, its rows)."""
+
+    def __init__(self, db: asyncpg.Pool) -> None:
+        self.db = db
+
+    async def entries(self) -> list[tuple[float, int]]:
+        rows = await self.db.fetch("SELECT extract(epoch FROM at)::float8 AS at, rows FROM test_insert_log ORDER BY at")
+        return [(row["at"], row["rows"]) for row in rows]
+
+    async def peak_per_second(self) -> int:
+        """The most rows inserted within any one-second window."""
+        entries = await self.entries()
+        return max(
+            (sum(rows for at, rows in entries[i:] if at < start + 1.0) for i, (start, _) in enumerate(entries)),
+            default=0,
+        )
+
+
+@asynccontextmanager
+async def insert_log(db: asyncpg.Pool, table: str) -> AsyncIterator[InsertLog]:
+    """A statement-level trigger on `table` logging the rows each statement inserts, as Postgres counts them."""
+    await db.execute(f"""
+        CREATE TABLE test_insert_log (at timestamptz NOT NULL, rows bigint NOT NULL);
+        CREATE FUNCTION test_log_inserts() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO test_insert_log SELECT clock_timestamp(), count(*) FROM inserted;
+            RETURN NULL;
+        END $$;
+        CREATE TRIGGER test_log_inserts AFTER INSERT ON {table}
+            REFERENCING NEW TABLE AS inserted FOR EACH STATEMENT EXECUTE FUNCTION test_log_inserts();
+    """)
+    try:
+        yield InsertLog(db)
+    finally:
+        await db.execute(f"""
+            DROP TRIGGER test_log_inserts ON {table};
+            DROP FUNCTION test_log_inserts();
+            DROP TABLE test_insert_log;
+        """)

@@ -20,48 +20,23 @@ from service.config import Settings
 from service.progress.flush.budget import FlushBudget, Reservation
 from service.progress.ingest.buffer import WRITE_SCRIPT
 from service.progress.keys import FLUSH_BUDGET_KEY
-from tests.helpers import Servers, assert_all_persisted, backlog, fill, flusher_env, flusher_with, metric
-
-
-class WriteLog:
-    """When Postgres inserted the lesson rows: (clock_timestamp of the statement, rows)."""
-
-    def __init__(self, db: asyncpg.Pool) -> None:
-        self._db = db
-
-    async def entries(self) -> list[tuple[float, int]]:
-        rows = await self._db.fetch("SELECT extract(epoch FROM at)::float8 AS at, rows FROM test_write_log ORDER BY at")
-        return [(row["at"], row["rows"]) for row in rows]
-
-    async def peak_per_second(self) -> int:
-        """The most rows inserted within any one-second window."""
-        entries = await self.entries()
-        peak = 0
-        for i, (start, _) in enumerate(entries):
-            peak = max(peak, sum(rows for at, rows in entries[i:] if at < start + 1.0))
-        return peak
+from tests.helpers import (
+    InsertLog,
+    Servers,
+    assert_all_persisted,
+    backlog,
+    fill,
+    flusher_env,
+    flusher_with,
+    insert_log,
+    metric,
+)
 
 
 @pytest.fixture
-async def write_log(db: asyncpg.Pool) -> AsyncIterator[WriteLog]:
-    await db.execute("""
-        CREATE TABLE test_write_log (at timestamptz NOT NULL, rows bigint NOT NULL);
-        CREATE FUNCTION test_log_writes() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            INSERT INTO test_write_log SELECT clock_timestamp(), count(*) FROM inserted;
-            RETURN NULL;
-        END $$;
-        CREATE TRIGGER test_log_writes AFTER INSERT ON engagements_lessonprogress
-            REFERENCING NEW TABLE AS inserted FOR EACH STATEMENT EXECUTE FUNCTION test_log_writes();
-    """)
-    try:
-        yield WriteLog(db)
-    finally:
-        await db.execute("""
-            DROP TRIGGER test_log_writes ON engagements_lessonprogress;
-            DROP FUNCTION test_log_writes();
-            DROP TABLE test_write_log;
-        """)
+async def write_log(db: asyncpg.Pool) -> AsyncIterator[InsertLog]:
+    async with insert_log(db, "engagements_lessonprogress") as log:
+        yield log
 
 
 @pytest.fixture(autouse=True)
@@ -96,7 +71,7 @@ async def test_no_budget_asks_nothing_of_redis(redis: Redis) -> None:
 
 @pytest.mark.slow
 async def test_a_backlog_drains_at_the_budget_never_in_a_burst(
-    settings: Settings, redis: Redis, db: asyncpg.Pool, write_log: WriteLog
+    settings: Settings, redis: Redis, db: asyncpg.Pool, write_log: InsertLog
 ) -> None:
     # six seconds of budget: the first is free, the other five are waited for
     rows, budget = 24_000, 4_000
@@ -120,7 +95,7 @@ async def test_a_backlog_drains_at_the_budget_never_in_a_burst(
 
 @pytest.mark.slow
 async def test_two_flusher_processes_share_one_budget(
-    servers: Servers, redis: Redis, db: asyncpg.Pool, write_log: WriteLog
+    servers: Servers, redis: Redis, db: asyncpg.Pool, write_log: InsertLog
 ) -> None:
     last = await fill(redis, db, 20_000)
     env = flusher_env(

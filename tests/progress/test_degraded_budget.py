@@ -20,7 +20,7 @@ from redis.asyncio import Redis
 from service.config import Settings
 from service.dev import embedded
 from service.progress.flush.flusher import Flusher
-from tests.helpers import degraded_settings, metric, running_app, seed, wait_for
+from tests.helpers import InsertLog, degraded_settings, insert_log, metric, running_app, seed, wait_for
 
 pytestmark = pytest.mark.regression
 
@@ -35,43 +35,19 @@ async def _send(client: httpx.AsyncClient, user_id: int, position: float) -> int
 
 
 @pytest.fixture
-async def statement_log(db: asyncpg.Pool) -> AsyncIterator[asyncpg.Pool]:
+async def statement_log(db: asyncpg.Pool) -> AsyncIterator[InsertLog]:
     """Per statement on the meditations' progress table: when Postgres inserted its rows, and how many."""
-    await db.execute("""
-        CREATE TABLE test_statement_log (at timestamptz NOT NULL, rows bigint NOT NULL);
-        CREATE FUNCTION test_log_statement() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            INSERT INTO test_statement_log SELECT clock_timestamp(), count(*) FROM inserted;
-            RETURN NULL;
-        END $$;
-        CREATE TRIGGER test_log_statement AFTER INSERT ON audios_meditationprogress
-            REFERENCING NEW TABLE AS inserted FOR EACH STATEMENT EXECUTE FUNCTION test_log_statement();
-    """)
-    try:
-        yield db
-    finally:
-        await db.execute("""
-            DROP TRIGGER test_log_statement ON audios_meditationprogress;
-            DROP FUNCTION test_log_statement();
-            DROP TABLE test_statement_log;
-        """)
-
-
-async def _peak_rows_per_second(db: asyncpg.Pool) -> int:
-    entries = await db.fetch("SELECT extract(epoch FROM at)::float8 AS at, rows FROM test_statement_log ORDER BY at")
-    return max(
-        (sum(e["rows"] for e in entries[i:] if e["at"] < start["at"] + 1.0) for i, start in enumerate(entries)),
-        default=0,
-    )
+    async with insert_log(db, "audios_meditationprogress") as log:
+        yield log
 
 
 @pytest.mark.slow
 async def test_with_redis_down_the_pods_keep_the_fleets_budget_together(
-    settings: Settings, own_redis: embedded.EmbeddedRedis, statement_log: asyncpg.Pool
+    settings: Settings, own_redis: embedded.EmbeddedRedis, statement_log: InsertLog
 ) -> None:
     """Found by an attack: with Redis down, degraded mode ignored the fleet's budget (600 rows/s on 200)."""
     pods, per_pod = 3, 1500
-    await seed(statement_log, users=pods * per_pod, contents=1)
+    await seed(statement_log.db, users=pods * per_pod, contents=1)
     pod_settings = degraded_settings(
         settings,
         own_redis,
@@ -91,11 +67,11 @@ async def test_with_redis_down_the_pods_keep_the_fleets_budget_together(
             answers.update(zip(users, statuses, strict=True))
 
     await asyncio.gather(*(pod(1 + i * per_pod) for i in range(pods)))
-    peak = await _peak_rows_per_second(statement_log)
+    peak = await statement_log.peak_per_second()
     assert peak <= 200 + pods * 50, peak  # the budget, plus one batch per pod landing in the same second
     acknowledged = {user_id for user_id, status in answers.items() if status == 201}
     assert acknowledged and set(answers.values()) == {201, 503}
-    rows = await statement_log.fetch("SELECT user_id FROM audios_meditationprogress")
+    rows = await statement_log.db.fetch("SELECT user_id FROM audios_meditationprogress")
     assert {row["user_id"] for row in rows} == acknowledged  # every 201 written, no 503
 
 

@@ -13,42 +13,19 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 import pytest
 
-from tests.helpers import Servers, add_trials, reserved, service_env, start_service_command
+from service.trial_emails.batch import BatchOptions
+from tests.helpers import InsertLog, Servers, add_trials, insert_log, reserved, service_env, start_service_command
 
 pytestmark = [pytest.mark.regression, pytest.mark.slow]
 
 BUDGET = 200  # rows per second
-BLOCK = 200  # RESERVATION_BLOCK_SIZE's default
+BLOCK = BatchOptions(send_email=True).block_size
 
 
 @pytest.fixture
-async def dispatch_log(trials_db: asyncpg.Pool) -> AsyncIterator[asyncpg.Pool]:
-    await trials_db.execute("""
-        CREATE TABLE test_dispatch_log (at timestamptz NOT NULL, rows bigint NOT NULL);
-        CREATE FUNCTION test_log_dispatches() RETURNS trigger LANGUAGE plpgsql AS $$
-        BEGIN
-            INSERT INTO test_dispatch_log SELECT clock_timestamp(), count(*) FROM inserted;
-            RETURN NULL;
-        END $$;
-        CREATE TRIGGER test_log_dispatches AFTER INSERT ON emails_emaildispatch
-            REFERENCING NEW TABLE AS inserted FOR EACH STATEMENT EXECUTE FUNCTION test_log_dispatches();
-    """)
-    try:
-        yield trials_db
-    finally:
-        await trials_db.execute("""
-            DROP TRIGGER test_log_dispatches ON emails_emaildispatch;
-            DROP FUNCTION test_log_dispatches();
-            DROP TABLE test_dispatch_log;
-        """)
-
-
-async def _peak_rows_per_second(db: asyncpg.Pool) -> int:
-    entries = await db.fetch("SELECT extract(epoch FROM at)::float8 AS at, rows FROM test_dispatch_log ORDER BY at")
-    return max(
-        (sum(e["rows"] for e in entries[i:] if e["at"] < start["at"] + 1.0) for i, start in enumerate(entries)),
-        default=0,
-    )
+async def dispatch_log(trials_db: asyncpg.Pool) -> AsyncIterator[InsertLog]:
+    async with insert_log(trials_db, "emails_emaildispatch") as log:
+        yield log
 
 
 def _closed_port() -> int:
@@ -59,13 +36,13 @@ def _closed_port() -> int:
 
 @pytest.mark.parametrize(("redis_up", "trials"), [(True, 2000), (False, 1000)], ids=["fleet budget", "local share"])
 async def test_run_once_reserves_within_the_write_budget(
-    servers: Servers, dispatch_log: asyncpg.Pool, redis_up: bool, trials: int
+    servers: Servers, dispatch_log: InsertLog, redis_up: bool, trials: int
 ) -> None:
     """Found by an attack: 3000 trials' emails reserved by `trial-emails run-once` with the budget at 100 rows/s
     went in within one second (9000 dispatch rows), outside the budget the flush and degraded mode keep to."""
     now = datetime.now(UTC)
     # a day into a 14-day trial: each owes its welcome email, one row
-    await add_trials(dispatch_log, trials, started_at=now - timedelta(days=1), ends_at=now + timedelta(days=13))
+    await add_trials(dispatch_log.db, trials, started_at=now - timedelta(days=1), ends_at=now + timedelta(days=13))
     env = service_env(
         servers,
         PROGRESS_FLUSH_MAX_ROWS_PER_SECOND=str(BUDGET),
@@ -80,9 +57,9 @@ async def test_run_once_reserves_within_the_write_budget(
 
     assert process.returncode == 0, stderr.decode()
     assert json.loads(stdout.decode().splitlines()[-1]) == {"status": "ok", "user_trials": trials, "sent": trials}
-    peak = await _peak_rows_per_second(dispatch_log)
+    peak = await dispatch_log.peak_per_second()
     assert peak <= BUDGET + BLOCK, peak  # the budget, plus one block landing in the same second
     # exactly once, and nothing reserved without its outbox row
-    assert len(await reserved(dispatch_log)) == trials
-    assert await dispatch_log.fetchval("SELECT sum(rows) FROM test_dispatch_log") == trials
-    assert await dispatch_log.fetchval("SELECT count(*) FROM trial_email_outbox") == trials
+    assert len(await reserved(dispatch_log.db)) == trials
+    assert sum(rows for _, rows in await dispatch_log.entries()) == trials
+    assert await dispatch_log.db.fetchval("SELECT count(*) FROM trial_email_outbox") == trials
