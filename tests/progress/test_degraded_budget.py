@@ -190,3 +190,32 @@ async def test_a_degraded_write_whose_commit_is_slow_is_answered_by_its_outcome_
     written = await db.fetchval("SELECT count(*) FROM audios_meditationprogress WHERE user_id = 1")
     events = await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE user_id = 1")
     assert (status, written, events) == (201, 1, 1)
+
+
+@pytest.mark.slow
+async def test_a_degraded_commit_whose_connection_ends_is_answered_by_what_the_database_kept(
+    settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool
+) -> None:
+    """Found by a second attack: the backend of a commit a synchronous standby held was terminated; Postgres kept the
+    commit (committed locally) and the lost connection was answered 503 (a 503 that was written)."""
+    await seed(db, users=1, contents=1, duration_s=600)
+    database = await db.fetchval("SELECT current_database()")
+    await db.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
+    await db.execute(f'ALTER DATABASE "{database}" SET synchronous_commit = on')
+    await db.execute("SELECT pg_reload_conf()")
+    try:
+        pod = degraded_settings(settings, own_redis, auth_mode="gateway", degraded_write_timeout_seconds=1.0)
+        async with running_app(pod) as (_, client):
+            own_redis.stop()
+            sent = asyncio.ensure_future(_send(client, 1, 595.0))
+            await wait_for(lambda: db.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'"))
+            # the standby still missing: the commit's own connection is the one to go
+            await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
+            status = await sent
+    finally:
+        await db.execute("ALTER SYSTEM RESET synchronous_standby_names")
+        await db.execute(f'ALTER DATABASE "{database}" RESET synchronous_commit')
+        await db.execute("SELECT pg_reload_conf()")
+    written = await db.fetchval("SELECT count(*) FROM audios_meditationprogress WHERE user_id = 1")
+    assert (status, written) in ((201, 1), (503, 0))  # never a 503 that was written
+    assert (status, written) == (201, 1)  # a commit kept locally is a write: Postgres says so (txid_status)

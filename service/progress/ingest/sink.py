@@ -1,19 +1,13 @@
 """Where a heartbeat goes: Redis normally; straight into Postgres while Redis cannot be reached.
 
-Degraded mode keeps the promise of the 201 during a Redis outage. It writes with the flush's own
-statement (monotonic upsert, completion, one event), stamped by the database's clock, so a heartbeat
-written directly and an older one still in Redis settle the same way whichever lands last. It draws
-from the flush's write budget (budget.py): a batch that does not fit within its requests' deadline is
-answered 503 at once. Its statements take at most DEGRADED_CONNECTIONS of the pool's connections: the
-flush, the reads and the relay keep theirs. On a Redis Cluster it is per node: only the heartbeats of an
-unreachable master's slots go to Postgres.
+Degraded mode keeps the 201's promise through a Redis outage: the flush's own statement (monotonic upsert,
+completion, one event), dated by the database, within the write budget (budget.py) and DEGRADED_CONNECTIONS of the
+pool. On a Redis Cluster only an unreachable master's slots come here.
 
-A 503 means nothing was written, then or later: each heartbeat carries its request's deadline; one
-whose deadline passed before its statement starts is left out of it, and a statement runs with the
-earliest deadline of its heartbeats as its server-side statement_timeout, so Postgres rolls it back
-past it. Once a statement runs, its answer is its commit's outcome: a commit that finishes late (a
-synchronous standby slow to confirm) answers 201 late, never 503. Nothing of a degraded write is kept
-to be written later by another path.
+A 503 means nothing was written, then or later: a heartbeat whose deadline passed before its statement starts is
+left out, and the statement's deadline is its server-side statement_timeout (Postgres rolls it back). Once it runs,
+the answer is its commit's outcome: late (a synchronous standby slow to confirm) is 201 late; a connection lost
+during the commit is 201 or 503 as the database says (txid_status). Nothing is kept to be written later.
 """
 
 import asyncio
@@ -32,15 +26,15 @@ from service.progress.flush.budget import FlushBudget
 from service.progress.flush.store import Heartbeat, persist_batch, report_batch
 from service.progress.ingest.buffer import PositionWriter
 from service.progress.keys import pending_member
-from service.stores import POSTGRES_FAILED, REDIS_FAILED, pooled_connection
+from service.stores import POSTGRES_FAILED, POSTGRES_UNAVAILABLE, REDIS_FAILED, pooled_connection
 
 log = logging.getLogger(__name__)
 
 
-# how long the client waits for a statement the server bounds itself (statement_timeout), and for its commit, which
-# it does not bound (a synchronous standby's confirmation): a client timeout would answer "not written" for a commit
-# already under way
+# the client's wait for what the server bounds (statement_timeout) or only the database ends (a commit a standby
+# holds): a client timeout would answer "not written" for a commit under way
 _WAIT_S = 24 * 3600.0
+_ASK_S = 2.0  # txid_status of a commit whose connection ended; past it (or unreachable) 503: see Known limits
 
 
 class Unavailable(Exception):
@@ -116,26 +110,26 @@ class DirectWriter:
             live = [i for i, entry in enumerate(entries) if not entry.abandoned and entry.deadline > loop.time()]
             if not live:
                 return [_refused(_LATE) for _ in entries]
-            # The deadline is the server's (statement_timeout, see _WAIT_S): past it Postgres rolls back, so a 503
-            # means nothing was written; a connection the outage ends after the statement answered: it stands
+            # the deadline is the server's (statement_timeout, see _WAIT_S): past it Postgres rolls back
             async with pooled_connection(self._pool, timeout_s=max(deadline - loop.time(), 0.001)) as conn:
                 timeout_ms = max(1, round((deadline - loop.time()) * 1000))
                 await conn.execute(f"BEGIN; SET LOCAL statement_timeout = {timeout_ms}")
                 try:
+                    txid = await conn.fetchval("SELECT txid_current()")
                     heartbeats = [entries[i].heartbeat for i in live]
                     result = await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s, timeout_s=_WAIT_S)
                 except BaseException:
                     await asyncio.shield(conn.execute("ROLLBACK"))
                     raise
-                await conn.execute("COMMIT", timeout=_WAIT_S)
-            # a row another session holds (the progress row, its user's or content's): that heartbeat alone is
-            # refused (503), the rest written
+                try:
+                    await conn.execute("COMMIT", timeout=_WAIT_S)
+                except POSTGRES_UNAVAILABLE:  # the connection ended in the commit: did the database keep it?
+                    if not await self._committed(txid):
+                        raise
+            # a row another session holds (progress, user or content row): that heartbeat alone is refused (503)
             rows_written, locked = result.written, set(result.locked)
-            written = {
-                i
-                for i in live
-                if pending_member(entries[i].heartbeat.content_id, entries[i].heartbeat.user_id) not in locked
-            }
+            members = {i: pending_member(entries[i].heartbeat.content_id, entries[i].heartbeat.user_id) for i in live}
+            written = {i for i, member in members.items() if member not in locked}
         finally:
             self._statements[kind.name].release()
             await asyncio.shield(self._budget.refund(reservation, reservation.rows - rows_written))
@@ -145,6 +139,10 @@ class DirectWriter:
         for i in live:
             results[i] = _refused("a row of this heartbeat is locked by another session") if i not in written else None
         return results
+
+    async def _committed(self, txid: int) -> bool:
+        async with pooled_connection(self._pool, timeout_s=_ASK_S) as conn:
+            return bool(await conn.fetchval("SELECT txid_status($1) = 'committed'", txid, timeout=_ASK_S))
 
     async def aclose(self) -> None:
         await close_all(self._batchers.values())
