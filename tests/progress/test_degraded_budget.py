@@ -10,6 +10,7 @@ import asyncio
 import signal
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import asyncpg
@@ -159,6 +160,21 @@ async def test_a_pod_whose_clock_is_ahead_dates_no_degraded_write_in_the_future(
     assert await db.fetchval("SELECT position FROM audios_meditationprogress WHERE user_id = 1") == 120.0
 
 
+@asynccontextmanager
+async def standby_missing(db: asyncpg.Pool) -> AsyncIterator[None]:
+    """Every commit of a new connection waits for a synchronous standby that does not come (until reset)."""
+    database = await db.fetchval("SELECT current_database()")
+    await db.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
+    await db.execute(f'ALTER DATABASE "{database}" SET synchronous_commit = on')
+    await db.execute("SELECT pg_reload_conf()")
+    try:
+        yield
+    finally:
+        await db.execute("ALTER SYSTEM RESET synchronous_standby_names")
+        await db.execute(f'ALTER DATABASE "{database}" RESET synchronous_commit')
+        await db.execute("SELECT pg_reload_conf()")
+
+
 @pytest.mark.slow
 async def test_a_degraded_write_whose_commit_is_slow_is_answered_by_its_outcome_never_503_once_written(
     settings: Settings, own_redis: embedded.EmbeddedRedis, db: asyncpg.Pool
@@ -166,12 +182,7 @@ async def test_a_degraded_write_whose_commit_is_slow_is_answered_by_its_outcome_
     """Found by an attack: a commit waiting for a synchronous standby outlived the request's deadline; the client-side
     timeout answered 503 while the commit went through, completion event included (a 503 that was written)."""
     await seed(db, users=1, contents=1, duration_s=600)
-    database = await db.fetchval("SELECT current_database()")
-    # every commit waits for a standby that does not come, until the setting is taken back
-    await db.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
-    await db.execute(f'ALTER DATABASE "{database}" SET synchronous_commit = on')
-    await db.execute("SELECT pg_reload_conf()")
-    try:
+    async with standby_missing(db):
         pod = degraded_settings(settings, own_redis, auth_mode="gateway", degraded_write_timeout_seconds=1.0)
         async with running_app(pod) as (_, client):  # its pool's connections are new: synchronous commits
             own_redis.stop()
@@ -183,10 +194,6 @@ async def test_a_degraded_write_whose_commit_is_slow_is_answered_by_its_outcome_
             await db.execute("ALTER SYSTEM RESET synchronous_standby_names")
             await db.execute("SELECT pg_reload_conf()")
             status = await sent
-    finally:
-        await db.execute("ALTER SYSTEM RESET synchronous_standby_names")
-        await db.execute(f'ALTER DATABASE "{database}" RESET synchronous_commit')
-        await db.execute("SELECT pg_reload_conf()")
     written = await db.fetchval("SELECT count(*) FROM audios_meditationprogress WHERE user_id = 1")
     events = await db.fetchval("SELECT count(*) FROM progress_completion_event WHERE user_id = 1")
     assert (status, written, events) == (201, 1, 1)
@@ -199,11 +206,7 @@ async def test_a_degraded_commit_whose_connection_ends_is_answered_by_what_the_d
     """Found by a second attack: the backend of a commit a synchronous standby held was terminated; Postgres kept the
     commit (committed locally) and the lost connection was answered 503 (a 503 that was written)."""
     await seed(db, users=1, contents=1, duration_s=600)
-    database = await db.fetchval("SELECT current_database()")
-    await db.execute("ALTER SYSTEM SET synchronous_standby_names = 'nobody'")
-    await db.execute(f'ALTER DATABASE "{database}" SET synchronous_commit = on')
-    await db.execute("SELECT pg_reload_conf()")
-    try:
+    async with standby_missing(db):
         pod = degraded_settings(settings, own_redis, auth_mode="gateway", degraded_write_timeout_seconds=1.0)
         async with running_app(pod) as (_, client):
             own_redis.stop()
@@ -212,10 +215,6 @@ async def test_a_degraded_commit_whose_connection_ends_is_answered_by_what_the_d
             # the standby still missing: the commit's own connection is the one to go
             await db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
             status = await sent
-    finally:
-        await db.execute("ALTER SYSTEM RESET synchronous_standby_names")
-        await db.execute(f'ALTER DATABASE "{database}" RESET synchronous_commit')
-        await db.execute("SELECT pg_reload_conf()")
     written = await db.fetchval("SELECT count(*) FROM audios_meditationprogress WHERE user_id = 1")
     assert (status, written) in ((201, 1), (503, 0))  # never a 503 that was written
     assert (status, written) == (201, 1)  # a commit kept locally is a write: Postgres says so (txid_status)
