@@ -22,7 +22,7 @@ from service.api.reads import ProgressReads
 from service.api.routes import Handlers, Routes
 from service.api.sync import ProgressSync
 from service.auth import Authenticator
-from service.compose import periodic_sweep, relay_routes, start_publisher
+from service.compose import check_startup, periodic_sweep, relay_routes, start_publisher
 from service.config import Settings, load_settings
 from service.lifecycle import Lifecycle
 from service.logs import RequestIdMiddleware, configure_logging
@@ -218,7 +218,7 @@ def create_app(
 ) -> Routes:
     """The route table over FastAPI; `clock` (the door's catalog) and `wall_clock` (token expiry) are for tests."""
     settings = settings or load_settings()
-    settings.check_can_serve()
+    check_startup(settings)
     api = FastAPI(
         title="progress-service",
         version="1.0.0",

@@ -12,8 +12,10 @@ import time
 from collections.abc import Callable
 
 import jwt
+from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
+from cryptography.hazmat.primitives.serialization import load_pem_public_key
 
-from service.config import AuthSettings, Settings
+from service.config import AuthSettings, ConfigError, Settings
 from service.metrics import AUTH_PREVIOUS_KEY
 
 _MAX_USER_ID = 2**63 - 1
@@ -24,6 +26,15 @@ _MAX_EXP_S = 253_402_300_799
 # The app repeats one token every 5 s: verify each once, then only re-check its expiry. Two generations:
 # a flood of distinct tokens costs at most twice this many entries, and a token in use survives a turnover.
 _VERIFIED_GENERATION_SIZE = 50_000
+# JWT_PUBLIC_KEY may hold several keys during a rotation: concatenated PEM blocks, the current one first
+_PEM_BLOCK = re.compile(r"-----BEGIN [A-Z ]+-----.+?-----END [A-Z ]+-----", re.DOTALL)
+_ALGORITHM_KEY_KIND = {
+    **{f"HS{bits}": "HMAC secret" for bits in (256, 384, 512)},
+    **{f"{family}{bits}": "RSA public key" for family in ("RS", "PS") for bits in (256, 384, 512)},
+    **{f"ES{bits}": "EC public key" for bits in (256, 384, 512)},
+    "ES256K": "EC public key",
+    "EdDSA": "EdDSA public key",
+}
 
 
 class AuthError(Exception):
@@ -57,8 +68,8 @@ class Authenticator:
         self._clock = clock  # a cached token's expiry is checked against it (tests move it)
         self.gateway_header = settings.gateway_header.lower().encode("latin-1")
         self.use_gateway = settings.mode == "gateway"
-        self._current_key, *self._previous_keys = settings.keys
-        self._algorithms = settings.algorithms
+        self._current_key, *self._previous_keys = verifying_keys(settings)
+        self._algorithms = _listed(settings.algorithms)
         self._claim = settings.user_id_claim
         self._audience = settings.audience or None
         self._issuer = settings.issuer or None
@@ -142,6 +153,69 @@ class Authenticator:
         if previous_key:
             AUTH_PREVIOUS_KEY.inc()
         return user_id
+
+
+def _listed(text: str) -> list[str]:
+    """The entries of a comma-separated setting (JWT_ALGORITHMS, JWT_PREVIOUS_SECRETS)."""
+    return [entry.strip() for entry in text.split(",") if entry.strip()]
+
+
+def verifying_keys(settings: AuthSettings) -> list[str]:
+    """What verifies a token, the current key first: each PEM block of JWT_PUBLIC_KEY, or JWT_SECRET and then
+    JWT_PREVIOUS_SECRETS."""
+    if settings.public_key:
+        return _PEM_BLOCK.findall(settings.public_key) or [settings.public_key]
+    return [settings.secret, *_listed(settings.previous_secrets)]
+
+
+def check_keys(settings: AuthSettings) -> None:
+    """Refuse at start-up the keys and algorithms that would answer every token 401, or trust a forged one."""
+    if settings.mode != "jwt":
+        return
+    algorithms, previous_secrets = _listed(settings.algorithms), _listed(settings.previous_secrets)
+    if not (settings.public_key or settings.secret):
+        raise ConfigError(
+            "AUTH_MODE=jwt needs a key: set JWT_SECRET (HS256, shared with the monolith) "
+            "or JWT_PUBLIC_KEY with JWT_ALGORITHMS=RS256/ES256; "
+            "or set AUTH_MODE=gateway behind a gateway that authenticates"
+        )
+    if not settings.public_key and any(not a.startswith("HS") for a in algorithms):
+        raise ConfigError(f"JWT_ALGORITHMS={settings.algorithms} needs JWT_PUBLIC_KEY (PEM)")
+    # Every key verifies every token (JWT_PUBLIC_KEY with HS256 too): an algorithm of another key kind can only
+    # fail (PyJWT's InvalidKeyError) or, worse, let HS256 use the public key as a shared secret.
+    key_kinds = [_public_key_kind(pem) for pem in verifying_keys(settings)] if settings.public_key else ["HMAC secret"]
+    for key_kind in key_kinds:
+        for algorithm in algorithms:
+            if _ALGORITHM_KEY_KIND.get(algorithm) != key_kind:
+                raise ConfigError(
+                    f"JWT_ALGORITHMS={settings.algorithms}: {algorithm} cannot be verified with the configured "
+                    f"key ({key_kind}); list only algorithms of that key kind"
+                )
+    if settings.secret and not settings.public_key and len(settings.secret) < 32:
+        raise ConfigError("JWT_SECRET is too short to be a real secret (at least 32 characters)")
+    if previous_secrets and settings.public_key:
+        raise ConfigError(
+            "JWT_PREVIOUS_SECRETS are HS256 secrets: with JWT_PUBLIC_KEY, put the previous public keys "
+            "in JWT_PUBLIC_KEY after the current one (concatenated PEM blocks)"
+        )
+    if any(len(secret) < 32 for secret in previous_secrets):
+        raise ConfigError(
+            "JWT_PREVIOUS_SECRETS holds a secret too short to be a real one (each at least 32 characters)"
+        )
+
+
+def _public_key_kind(pem: str) -> str:
+    try:
+        key = load_pem_public_key(pem.encode())
+    except ValueError as exc:
+        raise ConfigError(f"JWT_PUBLIC_KEY is not a PEM public key: {exc}") from None
+    if isinstance(key, rsa.RSAPublicKey):
+        return "RSA public key"
+    if isinstance(key, ec.EllipticCurvePublicKey):
+        return "EC public key"
+    if isinstance(key, ed25519.Ed25519PublicKey | ed448.Ed448PublicKey):
+        return "EdDSA public key"
+    return type(key).__name__
 
 
 def make_token(settings: Settings, user_id: int, *, ttl_s: int = 30 * 24 * 3600) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from service.commands import flush_command, outbox_command, relay_command, trial_emails_command
+from service.compose import check_startup
 from service.config import ConfigError, Settings, load_settings
 from service.logs import configure_logging
 
@@ -39,7 +40,7 @@ def uvicorn_options(host: str, port: int, settings: Settings) -> dict[str, Any]:
 def _serve(args: argparse.Namespace) -> int:
     settings = load_settings()
     configure_logging(settings.log_level)
-    settings.check_can_serve()  # in the parent too: a bad config fails once, with its message
+    check_startup(settings)  # in the parent too: a bad config fails once, with its message
     from service.serving import ServeConfig, run
 
     # uvicorn shuts down gracefully on SIGTERM, then re-raises it so the process dies "by signal".

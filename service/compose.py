@@ -8,9 +8,10 @@ from typing import Any
 
 import asyncpg
 
+from service.auth import check_keys
 from service.config import Settings
 from service.lifecycle import Lifecycle
-from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
+from service.outbox.celery_publisher import CeleryPublisher, check_transport, publisher_from_settings
 from service.outbox.messages import Publisher
 from service.outbox.outboxes import COMPLETIONS, EMAILS
 from service.outbox.relay import Route
@@ -19,6 +20,15 @@ from service.progress.flush.budget import FlushBudget
 from service.redis_client import RedisClient
 from service.trial_emails.batch import BatchOptions
 from service.trial_emails.sweep import run_periodic_sweep
+
+
+def check_startup(settings: Settings) -> None:
+    """What `serve` refuses before it starts: the settings' own checks, then the token keys and the broker's
+    transport, each checked beside its part."""
+    settings.check_can_serve()
+    check_keys(settings.auth)
+    if settings.database_url and settings.celery_broker_url:  # the publisher start_publishing will build
+        check_transport(settings.celery_broker_url)
 
 
 def start_publisher(settings: Settings, lifecycle: Lifecycle) -> CeleryPublisher:

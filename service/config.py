@@ -2,14 +2,11 @@
 
 import logging
 import os
-import re
 import socket
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
-from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
-from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -59,9 +56,6 @@ READ_LANES = 4
 SYNC_CONNECTIONS = 2  # POST /progress/sync reading Postgres at once per process
 DEGRADED_CONNECTIONS = 4  # direct-to-Postgres statements at once while Redis is down (the budget's rows either way)
 
-# JWT_PUBLIC_KEY may hold several keys during a rotation: concatenated PEM blocks, the current one first
-_PEM_BLOCK = re.compile(r"-----BEGIN [A-Z ]+-----.+?-----END [A-Z ]+-----", re.DOTALL)
-
 
 class ConfigError(Exception):
     """The environment does not describe a service that can start; the message says what to set."""
@@ -101,8 +95,10 @@ class DatabaseSettings:
 class AuthSettings:
     mode: str = field(metadata={"setting": "auth_mode"})
     gateway_header: str = field(metadata={"setting": "auth_gateway_header"})
-    keys: list[str] = field(metadata={"setting": "jwt_keys"})  # the current one first
-    algorithms: list[str] = field(metadata={"setting": "jwt_algorithm_list"})
+    secret: str = field(metadata={"setting": "jwt_secret"})
+    previous_secrets: str = field(metadata={"setting": "jwt_previous_secrets"})  # comma-separated
+    public_key: str = field(metadata={"setting": "jwt_public_key"})  # PEM blocks, the current one first
+    algorithms: str = field(metadata={"setting": "jwt_algorithms"})  # comma-separated
     user_id_claim: str = field(metadata={"setting": "jwt_user_id_claim"})
     audience: str = field(metadata={"setting": "jwt_audience"})
     issuer: str = field(metadata={"setting": "jwt_issuer"})
@@ -268,24 +264,9 @@ class Settings(BaseSettings):
     def relay_listen_dsn(self) -> str:
         return (self.relay_listen_database_url or self.database_url) if self.relay_listen else ""
 
-    @property
-    def jwt_algorithm_list(self) -> list[str]:
-        return [name.strip() for name in self.jwt_algorithms.split(",") if name.strip()]
-
-    @property
-    def jwt_previous_secret_list(self) -> list[str]:
-        return [secret.strip() for secret in self.jwt_previous_secrets.split(",") if secret.strip()]
-
-    @property
-    def jwt_keys(self) -> list[str]:
-        """What verifies a token, the current key first: each PEM block of JWT_PUBLIC_KEY, or JWT_SECRET and then
-        JWT_PREVIOUS_SECRETS."""
-        if self.jwt_public_key:
-            return _PEM_BLOCK.findall(self.jwt_public_key) or [self.jwt_public_key]
-        return [self.jwt_secret, *self.jwt_previous_secret_list]
-
     def check_can_serve(self) -> None:
-        """Refuse a configuration that would start but answer every heartbeat wrongly."""
+        """Refuse a configuration that would start but answer every heartbeat wrongly. The token keys and the
+        broker's transport are checked beside their parts (service/compose.py check_startup)."""
         if self.redis_cluster and urlsplit(self.redis_url).path.strip("/") not in ("", "0"):
             raise ConfigError("REDIS_CLUSTER=true: a cluster has only database 0; end REDIS_URL with /0 or nothing")
         if self.progress_flusher_enabled and not self.database_url:
@@ -298,37 +279,15 @@ class Settings(BaseSettings):
                 "the content catalog (404 for unknown content) needs DATABASE_URL; "
                 "for an API-only pod without a database set CONTENT_CATALOG_ENABLED=false"
             )
-        if self.auth_mode == "jwt":
-            if not (self.jwt_public_key or self.jwt_secret):
-                raise ConfigError(
-                    "AUTH_MODE=jwt needs a key: set JWT_SECRET (HS256, shared with the monolith) "
-                    "or JWT_PUBLIC_KEY with JWT_ALGORITHMS=RS256/ES256; "
-                    "or set AUTH_MODE=gateway behind a gateway that authenticates"
-                )
-            if not self.jwt_public_key and any(not a.startswith("HS") for a in self.jwt_algorithm_list):
-                raise ConfigError(f"JWT_ALGORITHMS={self.jwt_algorithms} needs JWT_PUBLIC_KEY (PEM)")
-            self._check_algorithms_fit_key()  # JWT_PUBLIC_KEY with HS256 too
-            if self.jwt_secret and not self.jwt_public_key and len(self.jwt_secret) < 32:
-                raise ConfigError("JWT_SECRET is too short to be a real secret (at least 32 characters)")
-            if self.jwt_previous_secret_list and self.jwt_public_key:
-                raise ConfigError(
-                    "JWT_PREVIOUS_SECRETS are HS256 secrets: with JWT_PUBLIC_KEY, put the previous public keys "
-                    "in JWT_PUBLIC_KEY after the current one (concatenated PEM blocks)"
-                )
-            if any(len(secret) < 32 for secret in self.jwt_previous_secret_list):
-                raise ConfigError(
-                    "JWT_PREVIOUS_SECRETS holds a secret too short to be a real one (each at least 32 characters)"
-                )
-        # a process that would owe the monolith messages it cannot send
+        # a process that would owe the monolith messages it has no broker to send
         owes_messages = self.database_url and (self.relay_enabled or self.trial_journey_interval_seconds > 0)
-        if owes_messages and self.celery_broker_url:
-            check_transport(self.celery_broker_url)
-        elif owes_messages and self.email_publisher == "celery":
+        no_broker = owes_messages and not self.celery_broker_url
+        if no_broker and self.email_publisher == "celery":
             raise ConfigError(
                 "EMAIL_PUBLISHER=celery needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or "
                 "amqp://); or set EMAIL_PUBLISHER=redis-stream"
             )
-        elif owes_messages and self.relay_enabled:
+        if no_broker and self.relay_enabled:
             raise ConfigError(
                 "RELAY_ENABLED=true needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or amqp://) "
                 "to deliver completions; or set RELAY_ENABLED=false where another process runs the relay"
@@ -355,64 +314,6 @@ class Settings(BaseSettings):
                 f"held at once, and the relay, the email sweep, the catalog and the probes need at least one more; "
                 f"set DATABASE_POOL_MAX_SIZE to {needed} or more, or lower PROGRESS_FLUSH_CONCURRENCY"
             )
-
-    def _check_algorithms_fit_key(self) -> None:
-        # Every key verifies every token: an algorithm of another key kind can only fail (PyJWT's
-        # InvalidKeyError) or, worse, let HS256 use the public key as a shared secret.
-        key_kinds = [_public_key_kind(pem) for pem in self.jwt_keys] if self.jwt_public_key else ["HMAC secret"]
-        for key_kind in key_kinds:
-            for algorithm in self.jwt_algorithm_list:
-                if _ALGORITHM_KEY_KIND.get(algorithm) != key_kind:
-                    raise ConfigError(
-                        f"JWT_ALGORITHMS={self.jwt_algorithms}: {algorithm} cannot be verified with the configured "
-                        f"key ({key_kind}); list only algorithms of that key kind"
-                    )
-
-
-_ALGORITHM_KEY_KIND = {
-    **{f"HS{bits}": "HMAC secret" for bits in (256, 384, 512)},
-    **{f"{family}{bits}": "RSA public key" for family in ("RS", "PS") for bits in (256, 384, 512)},
-    **{f"ES{bits}": "EC public key" for bits in (256, 384, 512)},
-    "ES256K": "EC public key",
-    "EdDSA": "EdDSA public key",
-}
-
-
-def _public_key_kind(pem: str) -> str:
-    try:
-        key = load_pem_public_key(pem.encode())
-    except ValueError as exc:
-        raise ConfigError(f"JWT_PUBLIC_KEY is not a PEM public key: {exc}") from None
-    if isinstance(key, rsa.RSAPublicKey):
-        return "RSA public key"
-    if isinstance(key, ec.EllipticCurvePublicKey):
-        return "EC public key"
-    if isinstance(key, ed25519.Ed25519PublicKey | ed448.Ed448PublicKey):
-        return "EdDSA public key"
-    return type(key).__name__
-
-
-# scheme -> the extra that installs its transport (the transports celery needs nothing more for are absent)
-_TRANSPORT_EXTRAS = {"sqs": "sqs"}
-_BUILT_IN_SCHEMES = {"redis", "rediss", "amqp", "amqps", "pyamqp", "memory"}
-
-
-def check_transport(broker_url: str) -> None:
-    """Fail at start-up, naming what to install, rather than at the first publish (in the relay's thread)."""
-    from kombu.transport import resolve_transport  # kombu is imported only when a broker is used
-
-    scheme = urlsplit(broker_url).scheme.split("+")[0]
-    if scheme not in _BUILT_IN_SCHEMES and scheme not in _TRANSPORT_EXTRAS:
-        raise ConfigError(f"CELERY_BROKER_URL: unsupported transport {scheme!r} (use sqs://, redis:// or amqp://)")
-    try:
-        if scheme in _TRANSPORT_EXTRAS:
-            import boto3  # noqa: F401  # what kombu's SQS transport needs, imported by it only on first use
-        # kombu imports a transport's module (and what it needs) only at the first connection
-        resolve_transport(scheme)
-    except ImportError as exc:
-        extra = _TRANSPORT_EXTRAS.get(scheme)
-        hint = f"pip install 'progress-service[{extra}]'" if extra else f"install the missing module ({exc.name})"
-        raise ConfigError(f"CELERY_BROKER_URL uses {scheme}://, whose transport cannot load ({exc}): {hint}") from None
 
 
 # what this process has warned of already: `serve` loads the settings twice (its own, then the app's)

@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from service import tracing
-from service.config import RelaySettings, check_transport
+from service.config import ConfigError, RelaySettings
 from service.outbox.messages import Message, PublishResult
 
 log = logging.getLogger(__name__)
@@ -186,3 +186,26 @@ def _transport_defaults(broker_url: str) -> dict[str, Any]:
 
 def publisher_from_settings(settings: RelaySettings) -> CeleryPublisher:
     return CeleryPublisher(settings.broker_url, settings.broker_transport_options, timeout_s=settings.publish_timeout_s)
+
+
+# scheme -> the extra that installs its transport (the transports celery needs nothing more for are absent)
+_TRANSPORT_EXTRAS = {"sqs": "sqs"}
+_BUILT_IN_SCHEMES = {"redis", "rediss", "amqp", "amqps", "pyamqp", "memory"}
+
+
+def check_transport(broker_url: str) -> None:
+    """Fail at start-up, naming what to install, rather than at the first publish (in the relay's thread)."""
+    from kombu.transport import resolve_transport  # kombu is imported only when a broker is used
+
+    scheme = urlsplit(broker_url).scheme.split("+")[0]
+    if scheme not in _BUILT_IN_SCHEMES and scheme not in _TRANSPORT_EXTRAS:
+        raise ConfigError(f"CELERY_BROKER_URL: unsupported transport {scheme!r} (use sqs://, redis:// or amqp://)")
+    try:
+        if scheme in _TRANSPORT_EXTRAS:
+            import boto3  # noqa: F401  # what kombu's SQS transport needs, imported by it only on first use
+        # kombu imports a transport's module (and what it needs) only at the first connection
+        resolve_transport(scheme)
+    except ImportError as exc:
+        extra = _TRANSPORT_EXTRAS.get(scheme)
+        hint = f"pip install 'progress-service[{extra}]'" if extra else f"install the missing module ({exc.name})"
+        raise ConfigError(f"CELERY_BROKER_URL uses {scheme}://, whose transport cannot load ({exc}): {hint}") from None

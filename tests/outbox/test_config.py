@@ -7,8 +7,9 @@ import sys
 import pytest
 
 from service.app import create_app
-from service.config import ConfigError, Settings, check_transport
+from service.config import ConfigError, Settings
 from service.outbox import stream_publisher
+from service.outbox.celery_publisher import check_transport
 
 
 @pytest.mark.parametrize(
@@ -41,7 +42,8 @@ def test_with_a_broker_url_or_without_the_relay_it_starts(settings: Settings) ->
 def test_sqs_without_its_extra_names_the_extra_to_install() -> None:
     # boto3 is installed here (the tests use SQS): hide it, as in an image built without the extra
     code = (
-        "import sys; sys.modules['boto3'] = None\nfrom service.config import check_transport\ncheck_transport('sqs://')"
+        "import sys; sys.modules['boto3'] = None\n"
+        "from service.outbox.celery_publisher import check_transport\ncheck_transport('sqs://')"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
