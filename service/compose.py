@@ -23,10 +23,10 @@ from service.trial_emails.sweep import run_periodic_sweep
 
 
 def check_startup(settings: Settings) -> None:
-    """What `serve` refuses before it starts: the settings' own checks, then the token keys and the broker's
-    transport, each checked beside its part."""
-    settings.check_can_serve()
+    """What `serve` refuses before it starts: the token keys, the settings' own checks, the broker's transport
+    (the keys and the transport are checked beside their parts)."""
     check_keys(settings.auth)
+    settings.check_can_serve()
     if settings.database_url and settings.celery_broker_url:  # the publisher start_publishing will build
         check_transport(settings.celery_broker_url)
 

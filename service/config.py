@@ -4,7 +4,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, model_validator
@@ -64,9 +64,14 @@ class ConfigError(Exception):
 G = TypeVar("G", bound="DataclassInstance")
 
 
-def _group(group: type[G], settings: object) -> G:
-    """`group` with each field read from the attribute of `settings` its metadata names."""
-    return group(**{f.name: getattr(settings, f.metadata["setting"]) for f in fields(group)})
+class _Group(Generic[G]):
+    """`Settings.<group>`: the dataclass `group`, each field read from the attribute of Settings its metadata names."""
+
+    def __init__(self, group: type[G]) -> None:
+        self.group = group
+
+    def __get__(self, settings: object, owner: object = None) -> G:
+        return self.group(**{f.name: getattr(settings, f.metadata["setting"]) for f in fields(self.group)})
 
 
 # Each part is built from the group of its subsystem (Settings.redis, .database, ...), never from the whole
@@ -232,29 +237,12 @@ class Settings(BaseSettings):
             )
         return self
 
-    @property
-    def redis(self) -> RedisSettings:
-        return _group(RedisSettings, self)
-
-    @property
-    def database(self) -> DatabaseSettings:
-        return _group(DatabaseSettings, self)
-
-    @property
-    def auth(self) -> AuthSettings:
-        return _group(AuthSettings, self)
-
-    @property
-    def flush(self) -> FlushSettings:
-        return _group(FlushSettings, self)
-
-    @property
-    def degraded(self) -> DegradedSettings:
-        return _group(DegradedSettings, self)
-
-    @property
-    def relay(self) -> RelaySettings:
-        return _group(RelaySettings, self)
+    redis: ClassVar[_Group[RedisSettings]] = _Group(RedisSettings)
+    database: ClassVar[_Group[DatabaseSettings]] = _Group(DatabaseSettings)
+    auth: ClassVar[_Group[AuthSettings]] = _Group(AuthSettings)
+    flush: ClassVar[_Group[FlushSettings]] = _Group(FlushSettings)
+    degraded: ClassVar[_Group[DegradedSettings]] = _Group(DegradedSettings)
+    relay: ClassVar[_Group[RelaySettings]] = _Group(RelaySettings)
 
     @property
     def redis_client_name(self) -> str:

@@ -58,7 +58,6 @@ class Progress:
         unit: str = "items",
         interval_s: float | None = None,
         console: Console | None = None,
-        logger: logging.Logger = log,
     ) -> None:
         self.label = label
         self.unit = unit
@@ -66,7 +65,6 @@ class Progress:
         self.done = 0
         self._interval_s = interval_s or LOG_INTERVAL_S
         self._console = console or Console(stderr=True)
-        self._log = logger
         self._started = 0.0
         self._bar: RichProgress | None = None
         self._task = TaskID(0)
@@ -106,17 +104,8 @@ class Progress:
         elapsed_s = time.monotonic() - self._started
         outcome = "done" if kind is None else f"stopped ({kind.__name__})"
         of = f" of {self.total}" if self.total is not None else ""
-        self._log.info(
-            "%s %s: %d%s %s in %.1f s (%s)",
-            self.label,
-            outcome,
-            self.done,
-            of,
-            self.unit,
-            elapsed_s,
-            self._rate(elapsed_s),
-            extra={"count": self.done},
-        )
+        summary = f"{self.done}{of} {self.unit} in {elapsed_s:.1f} s ({self._rate(elapsed_s)})"
+        log.info("%s %s: %s", self.label, outcome, summary, extra={"count": self.done})
 
     def advance(self, n: int = 1) -> None:
         self.done += n
@@ -137,7 +126,7 @@ class Progress:
                 of = f"/{total} ({100 * done / total:.0f} %)"
                 if 0 < done < total:
                     left = f", ~{(total - done) * elapsed_s / done:.0f} s left"
-            self._log.info(
+            log.info(
                 "%s: %d%s %s, %s%s", self.label, done, of, self.unit, self._rate(elapsed_s), left, extra={"count": done}
             )
 
