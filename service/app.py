@@ -90,18 +90,6 @@ class Services:
     offline: OfflineSync | None
 
 
-async def start_redis(settings: Settings, lifecycle: Lifecycle) -> RedisClient:
-    redis = connect_redis(settings.redis)
-    lifecycle.started_part("redis", redis.aclose)
-    try:
-        for script in (WRITE_SCRIPT, WRITE_MANY_SCRIPT):
-            await redis.script_load(script)
-    except REDIS_FAILED as exc:
-        # not fatal: readiness reports it, and the writer loads the scripts once Redis is back
-        log.warning("Redis not reachable at start-up (%s); /health/ready will say so", exc)
-    return redis
-
-
 def start_publishing(
     settings: Settings,
     redis: RedisClient,
@@ -132,7 +120,14 @@ async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock 
     before the relay's final pass, and those before the publisher, the pool and Redis close."""
     if tracing.configure():  # stopped last: the spans of the final flush and pass are exported too
         lifecycle.started_part("tracing", tracing.aclose)
-    redis = await start_redis(settings, lifecycle)
+    redis = connect_redis(settings.redis)
+    lifecycle.started_part("redis", redis.aclose)
+    try:
+        for script in (WRITE_SCRIPT, WRITE_MANY_SCRIPT):
+            await redis.script_load(script)
+    except REDIS_FAILED as exc:
+        # not fatal: readiness reports it, and the writer loads the scripts once Redis is back
+        log.warning("Redis not reachable at start-up (%s); /health/ready will say so", exc)
     checks = dict[str, "asyncio.Task[object]"]()
     lifecycle.started_part("readiness checks", _cancel_all, checks)
     background = BackgroundTasks()

@@ -1,8 +1,5 @@
-"""The commands that run without HTTP: `flush`, `relay`, `trial-emails run-once` and `outbox list|redrive`.
-
-One skeleton for all of them (`_run_command`: settings, JSON logs, the stores opened and closed in order,
-SIGTERM as a stop, the exit code), then each command's body.
-"""
+"""The commands that run without HTTP: `flush`, `relay`, `trial-emails run-once` and `outbox list|redrive`:
+one skeleton for all of them (`_run_command`), then each command's body."""
 
 import argparse
 import asyncio

@@ -23,8 +23,7 @@ from service.trial_emails.sweep import run_periodic_sweep
 
 
 def check_startup(settings: Settings) -> None:
-    """What `serve` refuses before it starts: the token keys, the settings' own checks, the broker's transport
-    (the keys and the transport are checked beside their parts)."""
+    """What `serve` refuses to start with: the token keys, the settings' own checks, the broker's transport."""
     check_keys(settings.auth)
     settings.check_can_serve()
     if settings.database_url and settings.celery_broker_url:  # the publisher start_publishing will build

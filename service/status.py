@@ -209,19 +209,16 @@ def render(report: Report) -> str:
         lines.append(
             f"  {name:<22}{_memory(node['used_memory_bytes'], node['maxmemory_bytes'])}, {node['persistence']}"
         )
-    lines.append(f"{'Persistence':<14}{_persistence(redis['persistence'])}")
+    persistence = redis["persistence"]
+    if persistence is not None:
+        where = f" on {persistence['node']}, the weakest master" if persistence.get("node") else ""
+        read = " (INFO only: CONFIG refused)" if persistence["source"] == "info" else ""
+        persistence = f"{persistence['mode']}{where}{read}: a restart loses {persistence['restart_loses']}"
+    lines.append(f"{'Persistence':<14}{persistence or '?'}")
     lines.append(f"{'Postgres':<14}{'reachable' if report['postgres']['ok'] else 'NOT REACHABLE'}")
     catalog = "   ".join(f"{content_type} {_n(size)}" for content_type, size in report["catalog"].items())
     lines.append(f"{'Catalog':<14}{catalog}")
     return "\n".join(lines)
-
-
-def _persistence(persistence: dict[str, Any] | None) -> str:
-    if persistence is None:
-        return "?"
-    where = f" on {persistence['node']}, the weakest master" if persistence.get("node") else ""
-    read = " (INFO only: CONFIG refused)" if persistence["source"] == "info" else ""
-    return f"{persistence['mode']}{where}{read}: a restart loses {persistence['restart_loses']}"
 
 
 def _n(count: int | None) -> str:
