@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields, replace
 import asyncpg
 
 from service import checkpoints, metrics, tracing
+from service.config import FlushSettings
+from service.postgres import local_timeouts_sql
 from service.progress.content import ContentKind
 from service.progress.flush.budget import FlushBudget, Reservation
 from service.progress.flush.leases import Claim, Leases
@@ -78,22 +80,16 @@ class Cycle:
 class BatchStep:
     """The batches of one pod's flusher: each drain of a cycle runs them, a shard's batch in its turn."""
 
-    def __init__(
-        self,
-        *,
-        pool: asyncpg.Pool,
-        leases: Leases,
-        budget: FlushBudget,
-        lease_ms: int,
-        margin_s: float,
-        timeouts_sql: str,
-    ) -> None:
+    def __init__(self, settings: FlushSettings, pool: asyncpg.Pool, leases: Leases, budget: FlushBudget) -> None:
         self._pool = pool
         self._leases = leases
         self.budget = budget
-        self._lease_ms = lease_ms
-        self._margin_s = margin_s
-        self._timeouts_sql = timeouts_sql
+        self._lease_ms = int(settings.lease_s * 1000)
+        self._margin_s = settings.margin_s
+        # the timeouts for each batch's transaction only (behind PgBouncer too)
+        self._timeouts_sql = local_timeouts_sql(
+            statement_timeout_s=settings.statement_timeout_s, lock_timeout_s=settings.lock_timeout_s
+        )
 
     async def run(self, cycle: Cycle, kind: ContentKind, shard: Shard, quota: Quota) -> bool:
         """Claim, reserve, write, ack, settle one batch; True when it was full (the shard may hold more)."""
@@ -115,7 +111,21 @@ class BatchStep:
                     return False  # stopping: the claim goes back below
                 unsettled = await self._write(unsettled, kind, heartbeats, result)
         except POSTGRES_FAILED as exc:
-            self._failed(claim, kind, exc, result)
+            metrics.FLUSH_REQUEUED.inc(len(claim.entries))
+            metrics.FLUSH_FAILURES.labels(kind.name).inc()
+            # an outage (or a lock, a timeout) is expected weather; any other database error is a bug or a schema drift
+            outage = isinstance(exc, POSTGRES_UNAVAILABLE)
+            why = ("database busy" if isinstance(exc, POSTGRES_BUSY) else "database unavailable") if outage else "error"
+            log.log(
+                logging.WARNING if outage else logging.ERROR,
+                "batch of %d requeued: %s (%s: %s)",
+                len(claim.entries),
+                why,
+                type(exc).__name__,
+                exc,
+                extra={"content_type": kind.name, "batch_size": len(claim.entries)},
+            )
+            result.requeued, result.failed_batches = len(claim.entries), 1
             cycle.failed.add(kind.name)  # the rest of this type waits for the next cycle; the loop backs off
         finally:
             # the one way back for what was not acked (a failure, a stop, a cancellation): now, not after
@@ -137,7 +147,7 @@ class BatchStep:
     ) -> Claim | None:
         """One statement, then the ack; the keys a lock held go back to pending. None: all settled."""
         started = time.perf_counter()
-        # the pool's acquire deadline; the timeouts for this transaction only (behind PgBouncer too)
+        # the pool's acquire deadline, then the transaction's own timeouts
         with tracing.span("flush batch", content_type=kind.name, rows=len(heartbeats)) as span:
             async with pooled_connection(self._pool) as conn, conn.transaction():
                 if self._timeouts_sql:
@@ -178,41 +188,21 @@ class BatchStep:
                     "value expired before it was flushed: position lost",
                     extra={"content_type": kind.name, "key": member},
                 )
-                unusable.append((member, raw))
-                continue
-            try:
-                content_id, user_id = parse_member(member)
-                stored = decode_value(raw)
-            except ValueError:  # not written by this service's script: retrying cannot help
-                result.dropped += 1
-                metrics.FLUSH_DROPPED.labels(kind.name).inc()
-                log.error(
-                    "unreadable pending entry dropped",
-                    extra={"content_type": kind.name, "key": member, "error": repr(raw)[:200]},
-                )
-                unusable.append((member, raw))
-                continue
-            usable.append((member, raw))
-            heartbeats.append(Heartbeat(content_id, user_id, *stored))  # position, received_ms, peak, floor
+            else:
+                try:
+                    content_id, user_id = parse_member(member)
+                    heartbeats.append(Heartbeat(content_id, user_id, *decode_value(raw)))
+                    usable.append((member, raw))
+                    continue
+                except ValueError:  # not written by this service's script: retrying cannot help
+                    result.dropped += 1
+                    metrics.FLUSH_DROPPED.labels(kind.name).inc()
+                    log.error(
+                        "unreadable pending entry dropped",
+                        extra={"content_type": kind.name, "key": member, "error": repr(raw)[:200]},
+                    )
+            unusable.append((member, raw))
         if unusable:
             unreadable = [member for member, raw in unusable if raw is not None]
             await self._leases.ack(replace(claim, entries=unusable), dropped=unreadable)
         return (replace(claim, entries=usable) if usable else None), heartbeats
-
-    @staticmethod
-    def _failed(claim: Claim, kind: ContentKind, exc: Exception, result: CycleResult) -> None:
-        metrics.FLUSH_REQUEUED.inc(len(claim.entries))
-        metrics.FLUSH_FAILURES.labels(kind.name).inc()
-        # an outage (or a lock, a timeout) is expected weather; any other database error is a bug or a schema drift
-        outage = isinstance(exc, POSTGRES_UNAVAILABLE)
-        reason = ("database busy" if isinstance(exc, POSTGRES_BUSY) else "database unavailable") if outage else "error"
-        log.log(
-            logging.WARNING if outage else logging.ERROR,
-            "batch of %d requeued: %s (%s: %s)",
-            len(claim.entries),
-            reason,
-            type(exc).__name__,
-            exc,
-            extra={"content_type": kind.name, "batch_size": len(claim.entries)},
-        )
-        result.requeued, result.failed_batches = len(claim.entries), 1

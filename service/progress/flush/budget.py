@@ -177,10 +177,3 @@ class FlushBudget:
 
     def _args(self, rows: int, longest_s: float) -> list[float]:
         return [self.rows_per_second, rows, round(longest_s * 1e6), round(self._horizon_s * 1e6)]
-
-    def drain_s(self, backlog: int, measured_rows_per_s: float) -> float:
-        """The backlog's estimated drain time: at the budget when there is one, else at the rate measured."""
-        if backlog <= 0:
-            return 0.0
-        rate = self.rows_per_second if self.limited else measured_rows_per_s
-        return backlog / rate if rate > 0 else float("inf")

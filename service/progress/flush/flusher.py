@@ -19,7 +19,6 @@ import asyncpg
 from service import metrics
 from service.config import FlushSettings
 from service.loops import Backoff, every
-from service.postgres import local_timeouts_sql
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.flush.backlog import Backlog, measure_backlog
 from service.progress.flush.batch import BatchStep, Cycle, CycleResult, OnBatch, Quota
@@ -31,62 +30,27 @@ from service.stores import REDIS_FAILED, REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
-_MAX_BACKOFF_S = 30.0
-
 
 class Flusher:
+    def __init__(
+        self, settings: FlushSettings, redis: RedisClient, pool: asyncpg.Pool, budget: FlushBudget | None = None
+    ) -> None:
+        """`budget`: the pod's one budget, shared with degraded mode (a `flush --once` makes its own)."""
+        self._redis = redis
+        self._leases = Leases(redis, value_ttl_s=settings.value_ttl_s)
+        self._layout = KeyLayout.from_settings(settings.buffer)
+        self.budget = budget or FlushBudget.from_settings(settings, redis)
+        self._interval_s = settings.interval_s
+        self._concurrency = settings.concurrency
+        self._shutdown_timeout_s = settings.shutdown_timeout_s
+        self._measured_rows_per_s = 0.0  # this pod's own rate in its last cycle that wrote
+        self._step = BatchStep(settings, pool, self._leases, self.budget)
+
     @classmethod
     def from_settings(
         cls, settings: FlushSettings, redis: RedisClient, pool: asyncpg.Pool, budget: FlushBudget | None = None
     ) -> "Flusher":
-        """`budget`: the pod's one budget, shared with degraded mode (a `flush --once` makes its own)."""
-        return cls(
-            redis=redis,
-            pool=pool,
-            layout=KeyLayout.from_settings(settings.buffer),
-            budget=budget or FlushBudget.from_settings(settings, redis),
-            lease_s=settings.lease_s,
-            margin_s=settings.margin_s,
-            interval_s=settings.interval_s,
-            concurrency=settings.concurrency,
-            shutdown_timeout_s=settings.shutdown_timeout_s,
-            statement_timeout_s=settings.statement_timeout_s,
-            lock_timeout_s=settings.lock_timeout_s,
-            value_ttl_s=settings.value_ttl_s,
-        )
-
-    def __init__(
-        self,
-        *,
-        redis: RedisClient,
-        pool: asyncpg.Pool,
-        layout: KeyLayout,
-        budget: FlushBudget,
-        lease_s: float,
-        margin_s: float,
-        interval_s: float,
-        concurrency: int,
-        shutdown_timeout_s: float,
-        statement_timeout_s: float = 0.0,
-        lock_timeout_s: float = 0.0,
-        value_ttl_s: int = 3600,
-    ) -> None:
-        self._redis = redis
-        self._leases = Leases(redis, value_ttl_s=value_ttl_s)
-        self._layout = layout
-        self.budget = budget
-        self._interval_s = interval_s
-        self._concurrency = concurrency
-        self._shutdown_timeout_s = shutdown_timeout_s
-        self._measured_rows_per_s = 0.0  # this pod's own rate in its last cycle that wrote
-        self._step = BatchStep(
-            pool=pool,
-            leases=self._leases,
-            budget=budget,
-            lease_ms=int(lease_s * 1000),
-            margin_s=margin_s,
-            timeouts_sql=local_timeouts_sql(statement_timeout_s=statement_timeout_s, lock_timeout_s=lock_timeout_s),
-        )
+        return cls(settings, redis, pool, budget)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Flush every interval until `stop`; then one last cycle within the shutdown timeout."""
@@ -101,7 +65,7 @@ class Flusher:
             name="flush cycle",
             jitter=0.1,
             from_start=True,
-            backoff=Backoff(1.0, min(_MAX_BACKOFF_S, self._interval_s)),
+            backoff=Backoff(1.0, min(30.0, self._interval_s)),
             errors=metrics.FLUSH_CYCLE_ERRORS,
             logger=log,
         )
@@ -171,39 +135,37 @@ class Flusher:
         return deque(item for items in itertools.zip_longest(*per_type) for item in items if item is not None)
 
     async def _drain(self, cycle: Cycle) -> None:
-        """Batches of the cycle's work until none is left: a batch of a shard, then it goes to the back."""
+        """Batches of the cycle's work until none is left: a batch of a shard, then it goes to the back, unless its
+        node is down this cycle or it holds no more."""
         while cycle.work and not cycle.stopped:
             kind, shard, quota = cycle.work.popleft()
-            if await self._turn(cycle, kind, shard, quota):
-                cycle.work.append((kind, shard, quota))
-
-    async def _turn(self, cycle: Cycle, kind: ContentKind, shard: Shard, quota: Quota) -> bool:
-        """One batch of `shard`, unless its node is down this cycle; True when the shard may hold more."""
-        try:
-            node = node_name(self._redis, shard.pending_key)
-        except REDIS_UNAVAILABLE:
-            node = "?"  # no master known for its slot yet: try it, and skip it if it fails
-        if node in cycle.unreachable:
-            cycle.result.failed_batches += 1
-            return False
-        try:
-            if shard not in cycle.requeued:
-                cycle.requeued.add(shard)
-                if moved := await self._leases.requeue_expired(shard):
-                    cycle.result.requeued += moved
-                    metrics.FLUSH_REQUEUED.inc(moved)
-                    log.warning(
-                        "requeued %d entries whose lease expired (a flusher died)", moved, extra={"count": moved}
-                    )
-            return await self._step.run(cycle, kind, shard, quota)
-        except REDIS_UNAVAILABLE as exc:
-            # that shard's node is down (or failing over): its members wait there, under lease if
-            # claimed; the shards of the other nodes are still flushed
-            cycle.unreachable.add(node)
-            cycle.result.failed_batches += 1
-            metrics.FLUSH_FAILURES.labels(kind.name).inc()
-            log.warning("flush of %s skipped: Redis unavailable (%s: %s)", shard.pending_key, type(exc).__name__, exc)
-            return False
+            try:
+                node = node_name(self._redis, shard.pending_key)
+            except REDIS_UNAVAILABLE:
+                node = "?"  # no master known for its slot yet: try it, and skip it if it fails
+            if node in cycle.unreachable:
+                cycle.result.failed_batches += 1
+                continue
+            try:
+                if shard not in cycle.requeued:
+                    cycle.requeued.add(shard)
+                    if moved := await self._leases.requeue_expired(shard):
+                        cycle.result.requeued += moved
+                        metrics.FLUSH_REQUEUED.inc(moved)
+                        log.warning(
+                            "requeued %d entries whose lease expired (a flusher died)", moved, extra={"count": moved}
+                        )
+                if await self._step.run(cycle, kind, shard, quota):
+                    cycle.work.append((kind, shard, quota))
+            except REDIS_UNAVAILABLE as exc:
+                # that shard's node is down (or failing over): its members wait there, under lease if
+                # claimed; the shards of the other nodes are still flushed
+                cycle.unreachable.add(node)
+                cycle.result.failed_batches += 1
+                metrics.FLUSH_FAILURES.labels(kind.name).inc()
+                log.warning(
+                    "flush of %s skipped: Redis unavailable (%s: %s)", shard.pending_key, type(exc).__name__, exc
+                )
 
     async def _record_backlog(self) -> None:
         # a node that does not answer counts as empty here; its shards' flush failures show it
@@ -213,4 +175,6 @@ class Flusher:
             metrics.PENDING_ENTRIES.labels(content_type).set(sizes.pending)
             metrics.IN_FLIGHT_ENTRIES.labels(content_type).set(sizes.in_flight)
             total += sizes.pending + sizes.in_flight
-        metrics.FLUSH_DRAIN_SECONDS.set(self.budget.drain_s(total, self._measured_rows_per_s))
+        # the backlog's estimated drain time: at the budget when there is one, else at the rate measured
+        rate = self.budget.rows_per_second if self.budget.limited else self._measured_rows_per_s
+        metrics.FLUSH_DRAIN_SECONDS.set(total / rate if rate > 0 else float("inf") if total else 0.0)
