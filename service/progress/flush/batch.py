@@ -46,25 +46,13 @@ class CycleResult:
 
 
 @dataclass
-class Quota:
-    """What a cycle may still claim of one shard: what it held at the start (None: not known). A backlog that
-    keeps growing cannot keep the cycle (and the types after it) going."""
-
-    left: int | None
-
-    def take(self, rows: int) -> int:
-        if self.left is None:
-            return rows
-        taken = min(rows, self.left)
-        self.left -= taken
-        return taken
-
-
-@dataclass
 class Cycle:
     """What the drains of one cycle share: the work left, the nodes down, and the counts."""
 
-    work: deque[tuple[ContentKind, Shard, Quota]]
+    work: deque[tuple[ContentKind, Shard]]
+    # what the cycle may still claim of each shard: what it held at the start (None: not known), so a backlog
+    # that keeps growing cannot keep the cycle (and the types after it) going
+    left: dict[Shard, int | None]
     stop: asyncio.Event | None
     on_batch: OnBatch | None
     result: CycleResult = field(default_factory=CycleResult)
@@ -91,9 +79,11 @@ class BatchStep:
             statement_timeout_s=settings.statement_timeout_s, lock_timeout_s=settings.lock_timeout_s
         )
 
-    async def run(self, cycle: Cycle, kind: ContentKind, shard: Shard, quota: Quota) -> bool:
+    async def run(self, cycle: Cycle, kind: ContentKind, shard: Shard) -> bool:
         """Claim, reserve, write, ack, settle one batch; True when it was full (the shard may hold more)."""
-        rows = quota.take(self.budget.batch_rows)
+        left = cycle.left[shard]
+        rows = self.budget.batch_rows if left is None else min(self.budget.batch_rows, left)
+        cycle.left[shard] = None if left is None else left - rows
         if not rows or kind.name in cycle.failed or cycle.stopped:
             return False
         claim = await self._leases.claim_batch(shard, count=rows, lease_ms=self._lease_ms)

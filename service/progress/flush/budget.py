@@ -151,7 +151,15 @@ class FlushBudget:
             try:
                 granted, wait_us = await self._script(keys=[FLUSH_BUDGET_KEY], args=self._args(rows, longest_s))
             except REDIS_FAILED as exc:
-                self._refused(exc)
+                if self._redis_retry_at is None:
+                    log.warning(
+                        "write budget: the fleet's budget cannot be reached (%s: %s); this pod keeps to its share, "
+                        "%g rows/s",
+                        type(exc).__name__,
+                        exc,
+                        self.local_rows_per_second,
+                    )
+                self._redis_retry_at = time.monotonic() + _REDIS_RETRY_S
             else:
                 if self._redis_retry_at is not None:
                     self._redis_retry_at = None
@@ -164,16 +172,6 @@ class FlushBudget:
             return None, start - now - longest_s
         self._local_until = start + rows / self.local_rows_per_second
         return Reservation(rows, local=True), start - now
-
-    def _refused(self, exc: Exception) -> None:
-        if self._redis_retry_at is None:
-            log.warning(
-                "write budget: the fleet's budget cannot be reached (%s: %s); this pod keeps to its share, %g rows/s",
-                type(exc).__name__,
-                exc,
-                self.local_rows_per_second,
-            )
-        self._redis_retry_at = time.monotonic() + _REDIS_RETRY_S
 
     def _args(self, rows: int, longest_s: float) -> list[float]:
         return [self.rows_per_second, rows, round(longest_s * 1e6), round(self._horizon_s * 1e6)]

@@ -21,7 +21,7 @@ from service.config import FlushSettings
 from service.loops import Backoff, every
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.flush.backlog import Backlog, measure_backlog
-from service.progress.flush.batch import BatchStep, Cycle, CycleResult, OnBatch, Quota
+from service.progress.flush.batch import BatchStep, Cycle, CycleResult, OnBatch
 from service.progress.flush.budget import FlushBudget
 from service.progress.flush.leases import Leases
 from service.progress.keys import KeyLayout, Shard
@@ -101,8 +101,9 @@ class Flusher:
         """Drain every shard's pending set once (see _work); with `stop`, no new batch starts once it is set.
         `on_batch` is told how many entries each batch took out of the buffer (a progress display)."""
         started = time.monotonic()
-        # what each shard holds now: the cycle claims no more than that (see Quota)
-        cycle = Cycle(self._work(await measure_backlog(self._redis, self._layout)), stop, on_batch)
+        # what each shard holds now: the cycle claims no more than that (see Cycle.left)
+        at_start = await measure_backlog(self._redis, self._layout)
+        cycle = Cycle(self._work(at_start), at_start.by_shard, stop, on_batch)
         # every drain is awaited to its end before an error goes up: none is left running unowned
         drains = min(self._concurrency, len(cycle.work))
         results = await asyncio.gather(*(self._drain(cycle) for _ in range(drains)), return_exceptions=True)
@@ -117,28 +118,27 @@ class Flusher:
             metrics.FLUSH_LAST_SUCCESS.set_to_current_time()
         return result
 
-    def _work(self, at_start: Backlog) -> deque[tuple[ContentKind, Shard, Quota]]:
+    def _work(self, at_start: Backlog) -> deque[tuple[ContentKind, Shard]]:
         """Every shard of every type that holds something, interleaved: one of each type in turn, so under the
         budget a type with a few entries waits about one batch per other type, not for their whole backlogs."""
         per_type = []
         for kind in CONTENT_KINDS:
-            # a node that did not answer: no quota (the drains find out which node, and skip its shards)
-            quotas = {shard: Quota(at_start.by_shard.get(shard)) for shard in self._layout.shards_to_flush(kind.name)}
-            shards = [shard for shard, quota in quotas.items() if quota.left != 0]
+            # a node that did not answer: None, not 0 (the drains find out which node, and skip its shards)
+            shards = [shard for shard in self._layout.shards_to_flush(kind.name) if at_start.by_shard[shard] != 0]
             if not shards:
                 continue
             first = random.randrange(len(shards))  # pods start at different shards
             shards = shards[first:] + shards[:first]
             # fewer shards than drains (one on a standalone server): several drains share a shard
             shards = (shards * -(-self._concurrency // len(shards)))[: max(self._concurrency, len(shards))]
-            per_type.append([(kind, shard, quotas[shard]) for shard in shards])
+            per_type.append([(kind, shard) for shard in shards])
         return deque(item for items in itertools.zip_longest(*per_type) for item in items if item is not None)
 
     async def _drain(self, cycle: Cycle) -> None:
         """Batches of the cycle's work until none is left: a batch of a shard, then it goes to the back, unless its
         node is down this cycle or it holds no more."""
         while cycle.work and not cycle.stopped:
-            kind, shard, quota = cycle.work.popleft()
+            kind, shard = cycle.work.popleft()
             try:
                 node = node_name(self._redis, shard.pending_key)
             except REDIS_UNAVAILABLE:
@@ -155,8 +155,8 @@ class Flusher:
                         log.warning(
                             "requeued %d entries whose lease expired (a flusher died)", moved, extra={"count": moved}
                         )
-                if await self._step.run(cycle, kind, shard, quota):
-                    cycle.work.append((kind, shard, quota))
+                if await self._step.run(cycle, kind, shard):
+                    cycle.work.append((kind, shard))
             except REDIS_UNAVAILABLE as exc:
                 # that shard's node is down (or failing over): its members wait there, under lease if
                 # claimed; the shards of the other nodes are still flushed
