@@ -53,16 +53,12 @@ class Cycle:
     # what the cycle may still claim of each shard: what it held at the start (None: not known), so a backlog
     # that keeps growing cannot keep the cycle (and the types after it) going
     left: dict[Shard, int | None]
-    stop: asyncio.Event | None
+    stop: asyncio.Event  # no new batch starts once it is set
     on_batch: OnBatch | None
     result: CycleResult = field(default_factory=CycleResult)
     unreachable: set[str] = field(default_factory=set)  # Redis nodes that failed: their shards wait
     requeued: set[Shard] = field(default_factory=set)  # shards whose expired leases were requeued
     failed: set[str] = field(default_factory=set)  # types a batch of which failed: no more of them this cycle
-
-    @property
-    def stopped(self) -> bool:
-        return self.stop is not None and self.stop.is_set()
 
 
 class BatchStep:
@@ -84,7 +80,7 @@ class BatchStep:
         left = cycle.left[shard]
         rows = self.budget.batch_rows if left is None else min(self.budget.batch_rows, left)
         cycle.left[shard] = None if left is None else left - rows
-        if not rows or kind.name in cycle.failed or cycle.stopped:
+        if not rows or kind.name in cycle.failed or cycle.stop.is_set():
             return False
         claim = await self._leases.claim_batch(shard, count=rows, lease_ms=self._lease_ms)
         if not claim.entries:

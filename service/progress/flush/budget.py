@@ -62,9 +62,6 @@ redis.call('SET', KEYS[1], string.format('%.0f', ends), 'PX', math.max(1, math.c
 return {1, math.floor(start - now)}
 """
 
-# the longest a reservation waits, in batches of the budget's own pace (at least a second)
-_MAX_WAIT_BATCHES = 4
-_MIN_MAX_WAIT_S = 1.0
 # after a refusal, the pod keeps to its local share this long before it asks Redis again: a Redis that does not
 # answer (blackholed: a socket timeout per ask) costs degraded mode's requests no wait
 _REDIS_RETRY_S = 1.0
@@ -97,7 +94,7 @@ class FlushBudget:
         # a batch is at most one second of the budget: a small budget is paced within the second too
         self.batch_rows = min(batch_size, max(1, rows_per_second)) if rows_per_second > 0 else batch_size
         batch_s = self.batch_rows / rows_per_second if rows_per_second > 0 else 0.0
-        self.max_wait_s = max(_MIN_MAX_WAIT_S, _MAX_WAIT_BATCHES * batch_s)
+        self.max_wait_s = max(1.0, 4 * batch_s)  # the longest a reservation waits: four batches, at least a second
         # twice what a reservation of this budget can reach: pods of one fleet share these settings
         self._horizon_s = 2 * (self.max_wait_s + batch_s)
         self._local_until = 0.0  # the local share's own GCRA (time.monotonic())

@@ -40,9 +40,7 @@ class Flusher:
         self._leases = Leases(redis, value_ttl_s=settings.value_ttl_s)
         self._layout = KeyLayout.from_settings(settings.buffer)
         self.budget = budget or FlushBudget.from_settings(settings, redis)
-        self._interval_s = settings.interval_s
-        self._concurrency = settings.concurrency
-        self._shutdown_timeout_s = settings.shutdown_timeout_s
+        self._settings = settings
         self._measured_rows_per_s = 0.0  # this pod's own rate in its last cycle that wrote
         self._step = BatchStep(settings, pool, self._leases, self.budget)
 
@@ -57,27 +55,27 @@ class Flusher:
         # The loop is the only way out of the buffer. Jitter spreads the pods' cycles; a failed cycle is retried
         # sooner, with backoff. A cycle begins an interval after the last one began: one that a locked type held
         # for lock_timeout delays no type's next turn.
-        metrics.FLUSH_INTERVAL.set(self._interval_s)
+        metrics.FLUSH_INTERVAL.set(self._settings.interval_s)
         await every(
-            self._interval_s,
+            self._settings.interval_s,
             stop,
             partial(self._cycle, stop),
             name="flush cycle",
             jitter=0.1,
             from_start=True,
-            backoff=Backoff(1.0, min(30.0, self._interval_s)),
+            backoff=Backoff(1.0, min(30.0, self._settings.interval_s)),
             errors=metrics.FLUSH_CYCLE_ERRORS,
             logger=log,
         )
         try:
-            async with asyncio.timeout(self._shutdown_timeout_s):
+            async with asyncio.timeout(self._settings.shutdown_timeout_s):
                 result = await self.flush_cycle()
             log.info("final flush on shutdown: %d rows", result.written, extra={"count": result.written})
         except TimeoutError:
             log.warning(
                 "final flush did not finish in %.0fs; unfinished batches were released to the pending "
                 "set for another pod",
-                self._shutdown_timeout_s,
+                self._settings.shutdown_timeout_s,
             )
         except REDIS_FAILED as exc:
             log.warning("final flush failed: Redis unavailable (%s); the pending set keeps everything", exc)
@@ -103,9 +101,9 @@ class Flusher:
         started = time.monotonic()
         # what each shard holds now: the cycle claims no more than that (see Cycle.left)
         at_start = await measure_backlog(self._redis, self._layout)
-        cycle = Cycle(self._work(at_start), at_start.by_shard, stop, on_batch)
+        cycle = Cycle(self._work(at_start), at_start.by_shard, stop or asyncio.Event(), on_batch)
         # every drain is awaited to its end before an error goes up: none is left running unowned
-        drains = min(self._concurrency, len(cycle.work))
+        drains = min(self._settings.concurrency, len(cycle.work))
         results = await asyncio.gather(*(self._drain(cycle) for _ in range(drains)), return_exceptions=True)
         for outcome in results:
             if isinstance(outcome, BaseException):
@@ -121,6 +119,7 @@ class Flusher:
     def _work(self, at_start: Backlog) -> deque[tuple[ContentKind, Shard]]:
         """Every shard of every type that holds something, interleaved: one of each type in turn, so under the
         budget a type with a few entries waits about one batch per other type, not for their whole backlogs."""
+        drains = self._settings.concurrency
         per_type = []
         for kind in CONTENT_KINDS:
             # a node that did not answer: None, not 0 (the drains find out which node, and skip its shards)
@@ -130,14 +129,14 @@ class Flusher:
             first = random.randrange(len(shards))  # pods start at different shards
             shards = shards[first:] + shards[:first]
             # fewer shards than drains (one on a standalone server): several drains share a shard
-            shards = (shards * -(-self._concurrency // len(shards)))[: max(self._concurrency, len(shards))]
+            shards = (shards * -(-drains // len(shards)))[: max(drains, len(shards))]
             per_type.append([(kind, shard) for shard in shards])
         return deque(item for items in itertools.zip_longest(*per_type) for item in items if item is not None)
 
     async def _drain(self, cycle: Cycle) -> None:
         """Batches of the cycle's work until none is left: a batch of a shard, then it goes to the back, unless its
         node is down this cycle or it holds no more."""
-        while cycle.work and not cycle.stopped:
+        while cycle.work and not cycle.stop.is_set():
             kind, shard = cycle.work.popleft()
             try:
                 node = node_name(self._redis, shard.pending_key)
