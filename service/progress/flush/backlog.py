@@ -61,8 +61,7 @@ async def measure_backlog(redis: RedisClient, layout: KeyLayout, *, leases_at_ms
             pending, in_flight = (reply if isinstance(reply, int) else 0 for reply in read[:2])
             sizes.pending += pending
             sizes.in_flight += in_flight
-            unread = any(isinstance(reply, Exception) for reply in read[:2])
-            backlog.by_shard[shard] = None if unread else pending + in_flight
+            backlog.by_shard[shard] = pending + in_flight if all(isinstance(reply, int) for reply in read[:2]) else None
             if leases_at_ms is None:
                 continue
             head, expired = read[2:]

@@ -95,7 +95,8 @@ class BatchStep:
                 reservation = await self.budget.reserve(len(heartbeats), cycle.stop)
                 if reservation is None:
                     return False  # stopping: the claim goes back below
-                unsettled = await self._write(unsettled, kind, heartbeats, result)
+                await self._write(unsettled, kind, heartbeats, result)
+                unsettled = None
         except POSTGRES_FAILED as exc:
             metrics.FLUSH_REQUEUED.inc(len(claim.entries))
             metrics.FLUSH_FAILURES.labels(kind.name).inc()
@@ -120,18 +121,16 @@ class BatchStep:
                 await asyncio.shield(self._leases.release(unsettled))
             if reservation is not None:
                 await asyncio.shield(self.budget.refund(reservation, reservation.rows - result.written))
-            for name in (f.name for f in fields(CycleResult)):
-                setattr(cycle.result, name, getattr(cycle.result, name) + getattr(result, name))
+            for f in fields(CycleResult):
+                setattr(cycle.result, f.name, getattr(cycle.result, f.name) + getattr(result, f.name))
         if result.failed_batches:
             return False
         if cycle.on_batch is not None:
             cycle.on_batch(len(claim.entries))
         return len(claim.entries) == rows
 
-    async def _write(
-        self, claim: Claim, kind: ContentKind, heartbeats: list[Heartbeat], result: CycleResult
-    ) -> Claim | None:
-        """One statement, then the ack; the keys a lock held go back to pending. None: all settled."""
+    async def _write(self, claim: Claim, kind: ContentKind, heartbeats: list[Heartbeat], result: CycleResult) -> None:
+        """One statement, then the ack; the keys a lock held go back to pending."""
         started = time.perf_counter()
         # the pool's acquire deadline, then the transaction's own timeouts
         with tracing.span("flush batch", content_type=kind.name, rows=len(heartbeats)) as span:
@@ -156,7 +155,6 @@ class BatchStep:
         report_batch(kind, batch)
         result.written, result.completions, result.locked = batch.written, batch.completions, len(held)
         result.dropped += len(batch.dropped)
-        return None
 
     async def _readable(
         self, claim: Claim, kind: ContentKind, result: CycleResult

@@ -104,8 +104,7 @@ class Flusher:
         cycle = Cycle(self._work(at_start), at_start.by_shard, stop or asyncio.Event(), on_batch)
         # every drain is awaited to its end before an error goes up: none is left running unowned
         drains = min(self._settings.concurrency, len(cycle.work))
-        results = await asyncio.gather(*(self._drain(cycle) for _ in range(drains)), return_exceptions=True)
-        for outcome in results:
+        for outcome in await asyncio.gather(*(self._drain(cycle) for _ in range(drains)), return_exceptions=True):
             if isinstance(outcome, BaseException):
                 raise outcome
         result = cycle.result

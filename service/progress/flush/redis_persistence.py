@@ -25,8 +25,6 @@ from service.stores import REDIS_FAILED
 
 log = logging.getLogger(__name__)
 
-SAMPLE_INTERVAL_S = 60.0
-
 Mode = Literal["aof", "rdb", "none", "unknown"]
 # weakest first: what one master forgets is lost whatever the others keep
 _STRENGTH: dict[Mode, int] = {"none": 0, "unknown": 1, "rdb": 2, "aof": 3}
@@ -125,7 +123,7 @@ def age_text(seconds: float) -> str:
 
 
 async def run_redis_persistence_sampler(
-    redis: RedisClient, stop: asyncio.Event, *, flush_interval_s: float, interval_s: float = SAMPLE_INTERVAL_S
+    redis: RedisClient, stop: asyncio.Event, *, flush_interval_s: float, interval_s: float = 60.0
 ) -> None:
     """Off the request path: read at start and every interval until `stop`; a log line at the first reading and at
     every change, a warning when a restart would lose more than the last second."""

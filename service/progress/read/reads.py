@@ -232,9 +232,8 @@ class ProgressReader:
         buffered = iter(decoded)
         for lookup in lookups:
             for content_id in lookup.content_ids:
-                progress = freshest(
-                    content_id, next(buffered), rows.get((lookup.user_id, content_id)), margin_s=self._margin_s
-                )
+                row = rows.get((lookup.user_id, content_id))
+                progress = freshest(content_id, next(buffered), row, margin_s=self._margin_s)
                 if progress is not None:
                     lookup.found.append(progress)
         return [None] * len(lookups)
