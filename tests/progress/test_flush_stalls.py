@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 import asyncpg
 import pytest
@@ -265,18 +266,8 @@ async def test_nothing_pending_expires_however_slow_the_drain(
         await write(redis, "lesson", 1, user_id, 40)
     assert {await redis.ttl(f"progress:latest_position:lesson:1:{u}") for u in range(1, 31)} == {-1}
     # 30 rows at 10 a second: the drain takes three times the TTL the flushed values get
-    flusher = Flusher(
-        redis=redis,
-        pool=db,
-        layout=STANDALONE,
-        budget=FlushBudget(redis, rows_per_second=10, batch_size=500),
-        lease_s=5,
-        margin_s=10,
-        interval_s=1,
-        concurrency=2,
-        shutdown_timeout_s=5,
-        value_ttl_s=1,
-    )
+    flush = replace(settings.flush, lease_s=5, margin_s=10, interval_s=1, concurrency=2, value_ttl_s=1)
+    flusher = Flusher(flush, redis, db, FlushBudget(redis, rows_per_second=10, batch_size=500))
     result = await flusher.flush_cycle()
     assert (result.written, result.expired) == (30, 0)
     assert await db.fetchval("SELECT count(*) FROM engagements_lessonprogress WHERE position = 40") == 30

@@ -36,15 +36,6 @@ class Backlog:
     def pending(self) -> int:
         return sum(sizes.pending for sizes in self.by_type.values())
 
-    def count(self, reply: object, sizes: TypeBacklog) -> int:
-        if isinstance(reply, Exception):
-            self.errors.append(reply)
-            sizes.unread += 1
-            return 0
-        assert isinstance(reply, int)
-        self.answered += 1
-        return reply
-
 
 async def measure_backlog(redis: RedisClient, layout: KeyLayout, *, leases_at_ms: int | None = None) -> Backlog:
     """The sizes of every shard's sets; with `leases_at_ms` (now), the oldest lease and those expired by then."""
@@ -62,27 +53,21 @@ async def measure_backlog(redis: RedisClient, layout: KeyLayout, *, leases_at_ms
     for kind in CONTENT_KINDS:
         sizes = backlog.by_type[kind.name] = TypeBacklog()
         for shard in layout.shards_to_flush(kind.name):
-            unread = sizes.unread
-            pending, in_flight = backlog.count(next(replies), sizes), backlog.count(next(replies), sizes)
+            read = [next(replies) for _ in range(2 if leases_at_ms is None else 4)]
+            failed = [reply for reply in read if isinstance(reply, Exception)]
+            backlog.errors += failed
+            backlog.answered += len(read) - len(failed)
+            sizes.unread += len(failed)
+            pending, in_flight = (reply if isinstance(reply, int) else 0 for reply in read[:2])
             sizes.pending += pending
             sizes.in_flight += in_flight
-            backlog.by_shard[shard] = None if sizes.unread > unread else pending + in_flight
+            backlog.by_shard[shard] = pending + in_flight if all(isinstance(reply, int) for reply in read[:2]) else None
             if leases_at_ms is None:
                 continue
-            head = next(replies)
-            if isinstance(head, Exception):
-                backlog.count(head, sizes)
-            else:
-                backlog.answered += 1
-                score = _score(head) if head else None
-                if score is not None and (sizes.earliest_lease_ms is None or score < sizes.earliest_lease_ms):
+            head, expired = read[2:]
+            sizes.expired_leases += expired if isinstance(expired, int) else 0
+            if isinstance(head, list) and head:  # [member, score] (RESP2) or [[member, score]]
+                score = float((head[0] if isinstance(head[0], list | tuple) else head)[1])
+                if sizes.earliest_lease_ms is None or score < sizes.earliest_lease_ms:
                     sizes.earliest_lease_ms = score
-            sizes.expired_leases += backlog.count(next(replies), sizes)
     return backlog
-
-
-def _score(head: object) -> float:
-    """The score of a ZRANGE ... WITHSCORES of one member: [member, score] (RESP2) or [[member, score]]."""
-    assert isinstance(head, list)
-    pair = head[0] if isinstance(head[0], list | tuple) else head
-    return float(pair[1])

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields, replace
 import asyncpg
 
 from service import checkpoints, metrics, tracing
+from service.config import FlushSettings
+from service.postgres import local_timeouts_sql
 from service.progress.content import ContentKind
 from service.progress.flush.budget import FlushBudget, Reservation
 from service.progress.flush.leases import Claim, Leases
@@ -44,61 +46,41 @@ class CycleResult:
 
 
 @dataclass
-class Quota:
-    """What a cycle may still claim of one shard: what it held at the start (None: not known). A backlog that
-    keeps growing cannot keep the cycle (and the types after it) going."""
-
-    left: int | None
-
-    def take(self, rows: int) -> int:
-        if self.left is None:
-            return rows
-        taken = min(rows, self.left)
-        self.left -= taken
-        return taken
-
-
-@dataclass
 class Cycle:
     """What the drains of one cycle share: the work left, the nodes down, and the counts."""
 
-    work: deque[tuple[ContentKind, Shard, Quota]]
-    stop: asyncio.Event | None
+    work: deque[tuple[ContentKind, Shard]]
+    # what the cycle may still claim of each shard: what it held at the start (None: not known), so a backlog
+    # that keeps growing cannot keep the cycle (and the types after it) going
+    left: dict[Shard, int | None]
+    stop: asyncio.Event  # no new batch starts once it is set
     on_batch: OnBatch | None
     result: CycleResult = field(default_factory=CycleResult)
     unreachable: set[str] = field(default_factory=set)  # Redis nodes that failed: their shards wait
     requeued: set[Shard] = field(default_factory=set)  # shards whose expired leases were requeued
     failed: set[str] = field(default_factory=set)  # types a batch of which failed: no more of them this cycle
 
-    @property
-    def stopped(self) -> bool:
-        return self.stop is not None and self.stop.is_set()
-
 
 class BatchStep:
     """The batches of one pod's flusher: each drain of a cycle runs them, a shard's batch in its turn."""
 
-    def __init__(
-        self,
-        *,
-        pool: asyncpg.Pool,
-        leases: Leases,
-        budget: FlushBudget,
-        lease_ms: int,
-        margin_s: float,
-        timeouts_sql: str,
-    ) -> None:
+    def __init__(self, settings: FlushSettings, pool: asyncpg.Pool, leases: Leases, budget: FlushBudget) -> None:
         self._pool = pool
         self._leases = leases
         self.budget = budget
-        self._lease_ms = lease_ms
-        self._margin_s = margin_s
-        self._timeouts_sql = timeouts_sql
+        self._lease_ms = int(settings.lease_s * 1000)
+        self._margin_s = settings.margin_s
+        # the timeouts for each batch's transaction only (behind PgBouncer too)
+        self._timeouts_sql = local_timeouts_sql(
+            statement_timeout_s=settings.statement_timeout_s, lock_timeout_s=settings.lock_timeout_s
+        )
 
-    async def run(self, cycle: Cycle, kind: ContentKind, shard: Shard, quota: Quota) -> bool:
+    async def run(self, cycle: Cycle, kind: ContentKind, shard: Shard) -> bool:
         """Claim, reserve, write, ack, settle one batch; True when it was full (the shard may hold more)."""
-        rows = quota.take(self.budget.batch_rows)
-        if not rows or kind.name in cycle.failed or cycle.stopped:
+        left = cycle.left[shard]
+        rows = self.budget.batch_rows if left is None else min(self.budget.batch_rows, left)
+        cycle.left[shard] = None if left is None else left - rows
+        if not rows or kind.name in cycle.failed or cycle.stop.is_set():
             return False
         claim = await self._leases.claim_batch(shard, count=rows, lease_ms=self._lease_ms)
         if not claim.entries:
@@ -113,9 +95,24 @@ class BatchStep:
                 reservation = await self.budget.reserve(len(heartbeats), cycle.stop)
                 if reservation is None:
                     return False  # stopping: the claim goes back below
-                unsettled = await self._write(unsettled, kind, heartbeats, result)
+                await self._write(unsettled, kind, heartbeats, result)
+                unsettled = None
         except POSTGRES_FAILED as exc:
-            self._failed(claim, kind, exc, result)
+            metrics.FLUSH_REQUEUED.inc(len(claim.entries))
+            metrics.FLUSH_FAILURES.labels(kind.name).inc()
+            # an outage (or a lock, a timeout) is expected weather; any other database error is a bug or a schema drift
+            outage = isinstance(exc, POSTGRES_UNAVAILABLE)
+            why = ("database busy" if isinstance(exc, POSTGRES_BUSY) else "database unavailable") if outage else "error"
+            log.log(
+                logging.WARNING if outage else logging.ERROR,
+                "batch of %d requeued: %s (%s: %s)",
+                len(claim.entries),
+                why,
+                type(exc).__name__,
+                exc,
+                extra={"content_type": kind.name, "batch_size": len(claim.entries)},
+            )
+            result.requeued, result.failed_batches = len(claim.entries), 1
             cycle.failed.add(kind.name)  # the rest of this type waits for the next cycle; the loop backs off
         finally:
             # the one way back for what was not acked (a failure, a stop, a cancellation): now, not after
@@ -124,20 +121,18 @@ class BatchStep:
                 await asyncio.shield(self._leases.release(unsettled))
             if reservation is not None:
                 await asyncio.shield(self.budget.refund(reservation, reservation.rows - result.written))
-            for name in (f.name for f in fields(CycleResult)):
-                setattr(cycle.result, name, getattr(cycle.result, name) + getattr(result, name))
+            for f in fields(CycleResult):
+                setattr(cycle.result, f.name, getattr(cycle.result, f.name) + getattr(result, f.name))
         if result.failed_batches:
             return False
         if cycle.on_batch is not None:
             cycle.on_batch(len(claim.entries))
         return len(claim.entries) == rows
 
-    async def _write(
-        self, claim: Claim, kind: ContentKind, heartbeats: list[Heartbeat], result: CycleResult
-    ) -> Claim | None:
-        """One statement, then the ack; the keys a lock held go back to pending. None: all settled."""
+    async def _write(self, claim: Claim, kind: ContentKind, heartbeats: list[Heartbeat], result: CycleResult) -> None:
+        """One statement, then the ack; the keys a lock held go back to pending."""
         started = time.perf_counter()
-        # the pool's acquire deadline; the timeouts for this transaction only (behind PgBouncer too)
+        # the pool's acquire deadline, then the transaction's own timeouts
         with tracing.span("flush batch", content_type=kind.name, rows=len(heartbeats)) as span:
             async with pooled_connection(self._pool) as conn, conn.transaction():
                 if self._timeouts_sql:
@@ -160,7 +155,6 @@ class BatchStep:
         report_batch(kind, batch)
         result.written, result.completions, result.locked = batch.written, batch.completions, len(held)
         result.dropped += len(batch.dropped)
-        return None
 
     async def _readable(
         self, claim: Claim, kind: ContentKind, result: CycleResult
@@ -178,41 +172,21 @@ class BatchStep:
                     "value expired before it was flushed: position lost",
                     extra={"content_type": kind.name, "key": member},
                 )
-                unusable.append((member, raw))
-                continue
-            try:
-                content_id, user_id = parse_member(member)
-                stored = decode_value(raw)
-            except ValueError:  # not written by this service's script: retrying cannot help
-                result.dropped += 1
-                metrics.FLUSH_DROPPED.labels(kind.name).inc()
-                log.error(
-                    "unreadable pending entry dropped",
-                    extra={"content_type": kind.name, "key": member, "error": repr(raw)[:200]},
-                )
-                unusable.append((member, raw))
-                continue
-            usable.append((member, raw))
-            heartbeats.append(Heartbeat(content_id, user_id, *stored))  # position, received_ms, peak, floor
+            else:
+                try:
+                    content_id, user_id = parse_member(member)
+                    heartbeats.append(Heartbeat(content_id, user_id, *decode_value(raw)))
+                    usable.append((member, raw))
+                    continue
+                except ValueError:  # not written by this service's script: retrying cannot help
+                    result.dropped += 1
+                    metrics.FLUSH_DROPPED.labels(kind.name).inc()
+                    log.error(
+                        "unreadable pending entry dropped",
+                        extra={"content_type": kind.name, "key": member, "error": repr(raw)[:200]},
+                    )
+            unusable.append((member, raw))
         if unusable:
             unreadable = [member for member, raw in unusable if raw is not None]
             await self._leases.ack(replace(claim, entries=unusable), dropped=unreadable)
         return (replace(claim, entries=usable) if usable else None), heartbeats
-
-    @staticmethod
-    def _failed(claim: Claim, kind: ContentKind, exc: Exception, result: CycleResult) -> None:
-        metrics.FLUSH_REQUEUED.inc(len(claim.entries))
-        metrics.FLUSH_FAILURES.labels(kind.name).inc()
-        # an outage (or a lock, a timeout) is expected weather; any other database error is a bug or a schema drift
-        outage = isinstance(exc, POSTGRES_UNAVAILABLE)
-        reason = ("database busy" if isinstance(exc, POSTGRES_BUSY) else "database unavailable") if outage else "error"
-        log.log(
-            logging.WARNING if outage else logging.ERROR,
-            "batch of %d requeued: %s (%s: %s)",
-            len(claim.entries),
-            reason,
-            type(exc).__name__,
-            exc,
-            extra={"content_type": kind.name, "batch_size": len(claim.entries)},
-        )
-        result.requeued, result.failed_batches = len(claim.entries), 1

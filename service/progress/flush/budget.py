@@ -62,9 +62,6 @@ redis.call('SET', KEYS[1], string.format('%.0f', ends), 'PX', math.max(1, math.c
 return {1, math.floor(start - now)}
 """
 
-# the longest a reservation waits, in batches of the budget's own pace (at least a second)
-_MAX_WAIT_BATCHES = 4
-_MIN_MAX_WAIT_S = 1.0
 # after a refusal, the pod keeps to its local share this long before it asks Redis again: a Redis that does not
 # answer (blackholed: a socket timeout per ask) costs degraded mode's requests no wait
 _REDIS_RETRY_S = 1.0
@@ -97,7 +94,7 @@ class FlushBudget:
         # a batch is at most one second of the budget: a small budget is paced within the second too
         self.batch_rows = min(batch_size, max(1, rows_per_second)) if rows_per_second > 0 else batch_size
         batch_s = self.batch_rows / rows_per_second if rows_per_second > 0 else 0.0
-        self.max_wait_s = max(_MIN_MAX_WAIT_S, _MAX_WAIT_BATCHES * batch_s)
+        self.max_wait_s = max(1.0, 4 * batch_s)  # the longest a reservation waits: four batches, at least a second
         # twice what a reservation of this budget can reach: pods of one fleet share these settings
         self._horizon_s = 2 * (self.max_wait_s + batch_s)
         self._local_until = 0.0  # the local share's own GCRA (time.monotonic())
@@ -151,7 +148,15 @@ class FlushBudget:
             try:
                 granted, wait_us = await self._script(keys=[FLUSH_BUDGET_KEY], args=self._args(rows, longest_s))
             except REDIS_FAILED as exc:
-                self._refused(exc)
+                if self._redis_retry_at is None:
+                    log.warning(
+                        "write budget: the fleet's budget cannot be reached (%s: %s); this pod keeps to its share, "
+                        "%g rows/s",
+                        type(exc).__name__,
+                        exc,
+                        self.local_rows_per_second,
+                    )
+                self._redis_retry_at = time.monotonic() + _REDIS_RETRY_S
             else:
                 if self._redis_retry_at is not None:
                     self._redis_retry_at = None
@@ -165,22 +170,5 @@ class FlushBudget:
         self._local_until = start + rows / self.local_rows_per_second
         return Reservation(rows, local=True), start - now
 
-    def _refused(self, exc: Exception) -> None:
-        if self._redis_retry_at is None:
-            log.warning(
-                "write budget: the fleet's budget cannot be reached (%s: %s); this pod keeps to its share, %g rows/s",
-                type(exc).__name__,
-                exc,
-                self.local_rows_per_second,
-            )
-        self._redis_retry_at = time.monotonic() + _REDIS_RETRY_S
-
     def _args(self, rows: int, longest_s: float) -> list[float]:
         return [self.rows_per_second, rows, round(longest_s * 1e6), round(self._horizon_s * 1e6)]
-
-    def drain_s(self, backlog: int, measured_rows_per_s: float) -> float:
-        """The backlog's estimated drain time: at the budget when there is one, else at the rate measured."""
-        if backlog <= 0:
-            return 0.0
-        rate = self.rows_per_second if self.limited else measured_rows_per_s
-        return backlog / rate if rate > 0 else float("inf")

@@ -19,10 +19,9 @@ import asyncpg
 from service import metrics
 from service.config import FlushSettings
 from service.loops import Backoff, every
-from service.postgres import local_timeouts_sql
 from service.progress.content import CONTENT_KINDS, ContentKind
 from service.progress.flush.backlog import Backlog, measure_backlog
-from service.progress.flush.batch import BatchStep, Cycle, CycleResult, OnBatch, Quota
+from service.progress.flush.batch import BatchStep, Cycle, CycleResult, OnBatch
 from service.progress.flush.budget import FlushBudget
 from service.progress.flush.leases import Leases
 from service.progress.keys import KeyLayout, Shard
@@ -31,89 +30,52 @@ from service.stores import REDIS_FAILED, REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
-_MAX_BACKOFF_S = 30.0
-
 
 class Flusher:
+    def __init__(
+        self, settings: FlushSettings, redis: RedisClient, pool: asyncpg.Pool, budget: FlushBudget | None = None
+    ) -> None:
+        """`budget`: the pod's one budget, shared with degraded mode (a `flush --once` makes its own)."""
+        self._redis = redis
+        self._leases = Leases(redis, value_ttl_s=settings.value_ttl_s)
+        self._layout = KeyLayout.from_settings(settings.buffer)
+        self.budget = budget or FlushBudget.from_settings(settings, redis)
+        self._settings = settings
+        self._measured_rows_per_s = 0.0  # this pod's own rate in its last cycle that wrote
+        self._step = BatchStep(settings, pool, self._leases, self.budget)
+
     @classmethod
     def from_settings(
         cls, settings: FlushSettings, redis: RedisClient, pool: asyncpg.Pool, budget: FlushBudget | None = None
     ) -> "Flusher":
-        """`budget`: the pod's one budget, shared with degraded mode (a `flush --once` makes its own)."""
-        return cls(
-            redis=redis,
-            pool=pool,
-            layout=KeyLayout.from_settings(settings.buffer),
-            budget=budget or FlushBudget.from_settings(settings, redis),
-            lease_s=settings.lease_s,
-            margin_s=settings.margin_s,
-            interval_s=settings.interval_s,
-            concurrency=settings.concurrency,
-            shutdown_timeout_s=settings.shutdown_timeout_s,
-            statement_timeout_s=settings.statement_timeout_s,
-            lock_timeout_s=settings.lock_timeout_s,
-            value_ttl_s=settings.value_ttl_s,
-        )
-
-    def __init__(
-        self,
-        *,
-        redis: RedisClient,
-        pool: asyncpg.Pool,
-        layout: KeyLayout,
-        budget: FlushBudget,
-        lease_s: float,
-        margin_s: float,
-        interval_s: float,
-        concurrency: int,
-        shutdown_timeout_s: float,
-        statement_timeout_s: float = 0.0,
-        lock_timeout_s: float = 0.0,
-        value_ttl_s: int = 3600,
-    ) -> None:
-        self._redis = redis
-        self._leases = Leases(redis, value_ttl_s=value_ttl_s)
-        self._layout = layout
-        self.budget = budget
-        self._interval_s = interval_s
-        self._concurrency = concurrency
-        self._shutdown_timeout_s = shutdown_timeout_s
-        self._measured_rows_per_s = 0.0  # this pod's own rate in its last cycle that wrote
-        self._step = BatchStep(
-            pool=pool,
-            leases=self._leases,
-            budget=budget,
-            lease_ms=int(lease_s * 1000),
-            margin_s=margin_s,
-            timeouts_sql=local_timeouts_sql(statement_timeout_s=statement_timeout_s, lock_timeout_s=lock_timeout_s),
-        )
+        return cls(settings, redis, pool, budget)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Flush every interval until `stop`; then one last cycle within the shutdown timeout."""
         # The loop is the only way out of the buffer. Jitter spreads the pods' cycles; a failed cycle is retried
         # sooner, with backoff. A cycle begins an interval after the last one began: one that a locked type held
         # for lock_timeout delays no type's next turn.
-        metrics.FLUSH_INTERVAL.set(self._interval_s)
+        metrics.FLUSH_INTERVAL.set(self._settings.interval_s)
         await every(
-            self._interval_s,
+            self._settings.interval_s,
             stop,
             partial(self._cycle, stop),
             name="flush cycle",
             jitter=0.1,
             from_start=True,
-            backoff=Backoff(1.0, min(_MAX_BACKOFF_S, self._interval_s)),
+            backoff=Backoff(1.0, min(30.0, self._settings.interval_s)),
             errors=metrics.FLUSH_CYCLE_ERRORS,
             logger=log,
         )
         try:
-            async with asyncio.timeout(self._shutdown_timeout_s):
+            async with asyncio.timeout(self._settings.shutdown_timeout_s):
                 result = await self.flush_cycle()
             log.info("final flush on shutdown: %d rows", result.written, extra={"count": result.written})
         except TimeoutError:
             log.warning(
                 "final flush did not finish in %.0fs; unfinished batches were released to the pending "
                 "set for another pod",
-                self._shutdown_timeout_s,
+                self._settings.shutdown_timeout_s,
             )
         except REDIS_FAILED as exc:
             log.warning("final flush failed: Redis unavailable (%s); the pending set keeps everything", exc)
@@ -137,12 +99,12 @@ class Flusher:
         """Drain every shard's pending set once (see _work); with `stop`, no new batch starts once it is set.
         `on_batch` is told how many entries each batch took out of the buffer (a progress display)."""
         started = time.monotonic()
-        # what each shard holds now: the cycle claims no more than that (see Quota)
-        cycle = Cycle(self._work(await measure_backlog(self._redis, self._layout)), stop, on_batch)
+        # what each shard holds now: the cycle claims no more than that (see Cycle.left)
+        at_start = await measure_backlog(self._redis, self._layout)
+        cycle = Cycle(self._work(at_start), at_start.by_shard, stop or asyncio.Event(), on_batch)
         # every drain is awaited to its end before an error goes up: none is left running unowned
-        drains = min(self._concurrency, len(cycle.work))
-        results = await asyncio.gather(*(self._drain(cycle) for _ in range(drains)), return_exceptions=True)
-        for outcome in results:
+        drains = min(self._settings.concurrency, len(cycle.work))
+        for outcome in await asyncio.gather(*(self._drain(cycle) for _ in range(drains)), return_exceptions=True):
             if isinstance(outcome, BaseException):
                 raise outcome
         result = cycle.result
@@ -153,57 +115,55 @@ class Flusher:
             metrics.FLUSH_LAST_SUCCESS.set_to_current_time()
         return result
 
-    def _work(self, at_start: Backlog) -> deque[tuple[ContentKind, Shard, Quota]]:
+    def _work(self, at_start: Backlog) -> deque[tuple[ContentKind, Shard]]:
         """Every shard of every type that holds something, interleaved: one of each type in turn, so under the
         budget a type with a few entries waits about one batch per other type, not for their whole backlogs."""
+        drains = self._settings.concurrency
         per_type = []
         for kind in CONTENT_KINDS:
-            # a node that did not answer: no quota (the drains find out which node, and skip its shards)
-            quotas = {shard: Quota(at_start.by_shard.get(shard)) for shard in self._layout.shards_to_flush(kind.name)}
-            shards = [shard for shard, quota in quotas.items() if quota.left != 0]
+            # a node that did not answer: None, not 0 (the drains find out which node, and skip its shards)
+            shards = [shard for shard in self._layout.shards_to_flush(kind.name) if at_start.by_shard[shard] != 0]
             if not shards:
                 continue
             first = random.randrange(len(shards))  # pods start at different shards
             shards = shards[first:] + shards[:first]
             # fewer shards than drains (one on a standalone server): several drains share a shard
-            shards = (shards * -(-self._concurrency // len(shards)))[: max(self._concurrency, len(shards))]
-            per_type.append([(kind, shard, quotas[shard]) for shard in shards])
+            shards = (shards * -(-drains // len(shards)))[: max(drains, len(shards))]
+            per_type.append([(kind, shard) for shard in shards])
         return deque(item for items in itertools.zip_longest(*per_type) for item in items if item is not None)
 
     async def _drain(self, cycle: Cycle) -> None:
-        """Batches of the cycle's work until none is left: a batch of a shard, then it goes to the back."""
-        while cycle.work and not cycle.stopped:
-            kind, shard, quota = cycle.work.popleft()
-            if await self._turn(cycle, kind, shard, quota):
-                cycle.work.append((kind, shard, quota))
-
-    async def _turn(self, cycle: Cycle, kind: ContentKind, shard: Shard, quota: Quota) -> bool:
-        """One batch of `shard`, unless its node is down this cycle; True when the shard may hold more."""
-        try:
-            node = node_name(self._redis, shard.pending_key)
-        except REDIS_UNAVAILABLE:
-            node = "?"  # no master known for its slot yet: try it, and skip it if it fails
-        if node in cycle.unreachable:
-            cycle.result.failed_batches += 1
-            return False
-        try:
-            if shard not in cycle.requeued:
-                cycle.requeued.add(shard)
-                if moved := await self._leases.requeue_expired(shard):
-                    cycle.result.requeued += moved
-                    metrics.FLUSH_REQUEUED.inc(moved)
-                    log.warning(
-                        "requeued %d entries whose lease expired (a flusher died)", moved, extra={"count": moved}
-                    )
-            return await self._step.run(cycle, kind, shard, quota)
-        except REDIS_UNAVAILABLE as exc:
-            # that shard's node is down (or failing over): its members wait there, under lease if
-            # claimed; the shards of the other nodes are still flushed
-            cycle.unreachable.add(node)
-            cycle.result.failed_batches += 1
-            metrics.FLUSH_FAILURES.labels(kind.name).inc()
-            log.warning("flush of %s skipped: Redis unavailable (%s: %s)", shard.pending_key, type(exc).__name__, exc)
-            return False
+        """Batches of the cycle's work until none is left: a batch of a shard, then it goes to the back, unless its
+        node is down this cycle or it holds no more."""
+        while cycle.work and not cycle.stop.is_set():
+            kind, shard = cycle.work.popleft()
+            try:
+                node = node_name(self._redis, shard.pending_key)
+            except REDIS_UNAVAILABLE:
+                node = "?"  # no master known for its slot yet: try it, and skip it if it fails
+            if node in cycle.unreachable:
+                cycle.result.failed_batches += 1
+                continue
+            try:
+                if shard not in cycle.requeued:
+                    cycle.requeued.add(shard)
+                    if moved := await self._leases.requeue_expired(shard):
+                        cycle.result.requeued += moved
+                        metrics.FLUSH_REQUEUED.inc(moved)
+                        log.warning(
+                            "requeued %d entries whose lease expired (a flusher died)", moved, extra={"count": moved}
+                        )
+                if await self._step.run(cycle, kind, shard):
+                    cycle.work.append((kind, shard))
+            except REDIS_UNAVAILABLE as exc:
+                # that shard's node is down (or failing over): its members wait there, under lease if
+                # claimed; the shards of the other nodes are still flushed
+                cycle.unreachable.add(node)
+                cycle.result.failed_batches += 1
+                metrics.FLUSH_FAILURES.labels(kind.name).inc()
+                log.warning(
+                    "flush of %s skipped: Redis unavailable (%s: %s)", shard.pending_key, type(exc).__name__, exc
+                )
 
     async def _record_backlog(self) -> None:
         # a node that does not answer counts as empty here; its shards' flush failures show it
@@ -213,4 +173,6 @@ class Flusher:
             metrics.PENDING_ENTRIES.labels(content_type).set(sizes.pending)
             metrics.IN_FLIGHT_ENTRIES.labels(content_type).set(sizes.in_flight)
             total += sizes.pending + sizes.in_flight
-        metrics.FLUSH_DRAIN_SECONDS.set(self.budget.drain_s(total, self._measured_rows_per_s))
+        # the backlog's estimated drain time: at the budget when there is one, else at the rate measured
+        rate = self.budget.rows_per_second if self.budget.limited else self._measured_rows_per_s
+        metrics.FLUSH_DRAIN_SECONDS.set(total / rate if rate > 0 else float("inf") if total else 0.0)

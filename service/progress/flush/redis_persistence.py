@@ -25,8 +25,6 @@ from service.stores import REDIS_FAILED
 
 log = logging.getLogger(__name__)
 
-SAMPLE_INTERVAL_S = 60.0
-
 Mode = Literal["aof", "rdb", "none", "unknown"]
 # weakest first: what one master forgets is lost whatever the others keep
 _STRENGTH: dict[Mode, int] = {"none": 0, "unknown": 1, "rdb": 2, "aof": 3}
@@ -85,25 +83,21 @@ async def _read_node(redis: RedisClient, target: dict[str, Any]) -> Persistence:
     try:
         config = {**await redis.config_get("append*", **target), **await redis.config_get("save", **target)}
     except ResponseError:  # CONFIG renamed away or refused by ACL (managed Redis): INFO is all there is
-        return _from_info(info)
+        if not info:
+            return Persistence("unknown", "none")
+        if int(info.get("aof_enabled", 0)):
+            return Persistence("aof", "info")
+        # a save since the server started (by a schedule or by the provider's backups); without CONFIG, a schedule
+        # that has not fired yet cannot be told from none
+        if int(info.get("rdb_saves", 0)) or int(info.get("rdb_last_bgsave_time_sec", -1)) >= 0:
+            return Persistence("rdb", "info", **_rdb_facts(info))
+        return Persistence("none", "info")
     settings = {_text(name): _text(value) for name, value in config.items()}
     if settings.get("appendonly") == "yes":
         return Persistence("aof", "config", appendfsync=settings.get("appendfsync"))
     if settings.get("save", "").strip():
         return Persistence("rdb", "config", save=settings["save"].strip(), **_rdb_facts(info))
     return Persistence("none", "config")
-
-
-def _from_info(info: dict[str, Any]) -> Persistence:
-    if not info:
-        return Persistence("unknown", "none")
-    if int(info.get("aof_enabled", 0)):
-        return Persistence("aof", "info")
-    # a save since the server started (by a schedule or by the provider's backups); without CONFIG, a schedule that
-    # has not fired yet cannot be told from none
-    if int(info.get("rdb_saves", 0)) or int(info.get("rdb_last_bgsave_time_sec", -1)) >= 0:
-        return Persistence("rdb", "info", **_rdb_facts(info))
-    return Persistence("none", "info")
 
 
 def _rdb_facts(info: dict[str, Any]) -> dict[str, Any]:
@@ -129,7 +123,7 @@ def age_text(seconds: float) -> str:
 
 
 async def run_redis_persistence_sampler(
-    redis: RedisClient, stop: asyncio.Event, *, flush_interval_s: float, interval_s: float = SAMPLE_INTERVAL_S
+    redis: RedisClient, stop: asyncio.Event, *, flush_interval_s: float, interval_s: float = 60.0
 ) -> None:
     """Off the request path: read at start and every interval until `stop`; a log line at the first reading and at
     every change, a warning when a restart would lose more than the last second."""

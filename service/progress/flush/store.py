@@ -142,8 +142,7 @@ async def persist_batch(
     latest: dict[tuple[int, int], Heartbeat] = {}
     for hb in heartbeats:
         key = (hb.user_id, hb.content_id)
-        kept = latest.get(key)
-        if kept is None:
+        if (kept := latest.get(key)) is None:
             latest[key] = hb
         else:
             later = hb.received_ms is None or (kept.received_ms is not None and kept.received_ms < hb.received_ms)

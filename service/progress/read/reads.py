@@ -124,23 +124,16 @@ def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | N
             position, ms, peak, us = raw.split(b":") if isinstance(raw, bytes) else raw.split(":")
             decoded.append((float(position), int(ms) * 1000 + int(us), float(peak), None))
         except ValueError:
-            decoded.append(_decoded(raw))  # anything else, by the flush's own decoder
+            try:  # anything else, by the flush's own decoder: an older release's value (two or three fields), an
+                # offline item's floor, or a str
+                value = decode_value(raw)
+            except ValueError:
+                decoded.append(None)  # not written by this service's script: the flush drops it too
+                continue
+            floor_ms = value.completion_floor_ms
+            floor_us = None if floor_ms is None else floor_ms * 1000
+            decoded.append((value.position, round(value.received_ms * 1000), value.peak, floor_us))
     return decoded
-
-
-def _decoded(raw: bytes | str) -> Buffered | None:
-    try:
-        value = decode_value(raw)  # an older release's value (two or three fields), an offline item's floor, or a str
-    except ValueError:
-        return None  # not written by this service's script: the flush drops it too
-    floor_ms = value.completion_floor_ms
-    return value.position, round(value.received_ms * 1000), value.peak, None if floor_ms is None else floor_ms * 1000
-
-
-def newer_of(values: list[Buffered | None], previous: list[Buffered | None]) -> list[Buffered | None]:
-    """Per key, the value received later of the two layouts' (the current one's on a tie, as a flush of
-    both leaves it: the upsert's strict `<`)."""
-    return [b if a is None or (b is not None and b[1] > a[1]) else a for a, b in zip(values, previous, strict=True)]
 
 
 def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, *, margin_s: float) -> Progress | None:
@@ -198,8 +191,8 @@ class ProgressReader:
         layout: KeyLayout = STANDALONE,
     ) -> None:
         self._redis = redis
-        self._layout = layout
-        self._previous = layout.previous
+        # while the shard count changes, the same keys of the old count are read after the current ones
+        self._layouts = [layout] if layout.previous is None else [layout, layout.previous]
         self._pool = pool
         self._margin_s = margin_s
         self._batchers: dict[ContentKind, TurnBatcher[_Lookup]] = {
@@ -223,25 +216,24 @@ class ProgressReader:
 
     async def _send(self, kind: ContentKind, lookups: list[_Lookup]) -> list[BaseException | None]:
         keys = [
-            key for lookup in lookups for key in self._layout.value_keys(kind.name, lookup.user_id, lookup.content_ids)
+            key
+            for layout in self._layouts
+            for lookup in lookups
+            for key in layout.value_keys(kind.name, lookup.user_id, lookup.content_ids)
         ]
         pairs = [(lookup.user_id, content_id) for lookup in lookups for content_id in lookup.content_ids]
-        previous = self._previous
-        if previous is not None:  # the same keys of the old shard count, after them
-            keys += [
-                key for lookup in lookups for key in previous.value_keys(kind.name, lookup.user_id, lookup.content_ids)
-            ]
         rows_by_kind, raw_values = await alongside(fetch_rows(self._pool, {kind: pairs}), get_many(self._redis, keys))
         rows = rows_by_kind[kind]
         decoded = decode_values(raw_values)
-        if previous is not None:
-            decoded = newer_of(decoded[: len(pairs)], decoded[len(pairs) :])
+        if len(self._layouts) > 1:  # per key, the value received later (the current one's on a tie, as a flush of
+            # both leaves it: the upsert's strict `<`)
+            now, old = decoded[: len(pairs)], decoded[len(pairs) :]
+            decoded = [b if a is None or (b is not None and b[1] > a[1]) else a for a, b in zip(now, old, strict=True)]
         buffered = iter(decoded)
         for lookup in lookups:
             for content_id in lookup.content_ids:
-                progress = freshest(
-                    content_id, next(buffered), rows.get((lookup.user_id, content_id)), margin_s=self._margin_s
-                )
+                row = rows.get((lookup.user_id, content_id))
+                progress = freshest(content_id, next(buffered), row, margin_s=self._margin_s)
                 if progress is not None:
                     lookup.found.append(progress)
         return [None] * len(lookups)

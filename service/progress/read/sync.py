@@ -40,7 +40,7 @@ from service.progress.content import (
     Position,
 )
 from service.progress.ingest.buffer import TOO_FAR_AHEAD, PositionWriter
-from service.progress.read.reads import MAX_WAIT_S, StoredRow, StoredRows, alongside, as_ms, decode_values, fetch_rows
+from service.progress.read.reads import MAX_WAIT_S, StoredRows, alongside, as_ms, decode_values, fetch_rows
 
 SYNC_MAX_ITEMS = 500
 # No listen is older than the app: a date before this is a broken clock, not a position to order by. It also keeps
@@ -48,8 +48,6 @@ SYNC_MAX_ITEMS = 500
 # read back (a year 0 would fail every read of its content, a 1960 one would not be ordered in Redis).
 EARLIEST_LISTEN_MS = 946_684_800_000  # 2000-01-01T00:00:00Z
 
-# how long a sync waits for its turn at the database, as a read waits for its batch: then SyncsWaiting
-SYNC_MAX_WAIT_S = MAX_WAIT_S
 # an item further in the future than Redis's time is refused (within it, it is stored at Redis's time)
 MAX_CLOCK_SKEW_S = 300.0
 # a completion an item brings is dated no earlier than its receipt minus this (see the module's docstring)
@@ -173,20 +171,7 @@ _SUPERSEDED = SyncOutcome(False, SUPERSEDED)
 _OLDER = SyncOutcome(False, OLDER_THAN_STORED)
 _UNKNOWN = SyncOutcome(False, UNKNOWN_CONTENT)
 _TOO_EARLY = SyncOutcome(False, "listened_at is before 2000-01-01T00:00:00Z")
-
-
-class _Accepted(NamedTuple):  # a tuple: 500 of them per request cost less to build than dataclasses
-    at: int  # its index in the request
-    kind: ContentKind
-    content_id: int
-    position: float
-    listened_ms: float  # listened_at, as the device told it
-
-
-def _all_set(outcomes: list[SyncOutcome | None]) -> list[SyncOutcome]:
-    settled = [outcome for outcome in outcomes if outcome is not None]
-    assert len(settled) == len(outcomes), "every item gets an outcome"
-    return settled
+_TOO_FAR_AHEAD = SyncOutcome(False, f"listened_at is more than {MAX_CLOCK_SKEW_S:g} s in the future")
 
 
 class SyncsWaiting(Exception):
@@ -196,7 +181,7 @@ class SyncsWaiting(Exception):
 class OfflineSync:
     """Applies a user's offline items; at most `max_concurrency` syncs of the process hold a connection at
     once, so syncs stalled on a locked table leave the rest of the pool to the reads, the flush and degraded
-    mode. A sync that waited SYNC_MAX_WAIT_S for its turn raises SyncsWaiting."""
+    mode. A sync that waited MAX_WAIT_S for its turn, as a read waits for its batch, raises SyncsWaiting."""
 
     def __init__(self, writer: PositionWriter, pool: asyncpg.Pool, *, max_concurrency: int = SYNC_CONNECTIONS) -> None:
         self._writer = writer
@@ -205,88 +190,74 @@ class OfflineSync:
         self._connections = asyncio.Semaphore(max_concurrency)
 
     async def apply(self, user_id: int, items: Sequence[OfflineItem]) -> list[SyncOutcome]:
-        outcomes: list[SyncOutcome | None] = [None] * len(items)
-        accepted: list[_Accepted] = []
-        for index, item in enumerate(items):
-            if item.listened_ms < EARLIEST_LISTEN_MS:
-                outcomes[index] = _TOO_EARLY
-                continue
-            accepted.append(
-                _Accepted(index, KIND_BY_NAME[item.content_type], item.content_id, item.position, item.listened_ms)
-            )
+        outcomes = {at: _TOO_EARLY for at, item in enumerate(items) if item.listened_ms < EARLIEST_LISTEN_MS}
+        accepted = [at for at in range(len(items)) if at not in outcomes]
         if not accepted:
-            return _all_set(outcomes)
-        rows, previous_us = await self._rows_and_previous(user_id, accepted)
+            return [_TOO_EARLY] * len(items)
+        rows, previous_us = await self._rows_and_previous(user_id, [items[at] for at in accepted])
         # Oldest first: for one content the later item is written last and stands, the script keeps the
         # furthest position of all of them as the peak (an offline listen to the end completes). Items of
         # one content heard at the same time are one write: the last in the request, with the furthest
         # position of them as its peak.
-        writes: dict[tuple[str, int, float], list[_Accepted]] = {}
-        for a in sorted(accepted, key=lambda a: (a.listened_ms, a.at)):
-            if (user_id, a.content_id) in rows[a.kind]:
-                writes.setdefault((a.kind.name, a.content_id, a.listened_ms), []).append(a)
+        writes: dict[tuple[str, int, float], list[int]] = {}
+        for at in sorted(accepted, key=lambda at: items[at].listened_ms):  # stable: in request order on a tie
+            item = items[at]
+            if (user_id, item.content_id) in rows[KIND_BY_NAME[item.content_type]]:
+                writes.setdefault((item.content_type, item.content_id, item.listened_ms), []).append(at)
             else:
-                outcomes[a.at] = _UNKNOWN  # the flush would drop it
+                outcomes[at] = _UNKNOWN  # the flush would drop it
         answers = await self._writer.write_all(
             [
-                (content_type, content_id, user_id, group[-1].position, heard_ms, max(a.position for a in group))
-                for (content_type, content_id, heard_ms), group in writes.items()
+                (name, content_id, user_id, items[ats[-1]].position, heard_ms, max(items[at].position for at in ats))
+                for (name, content_id, heard_ms), ats in writes.items()
             ],
             max_skew_ms=round(MAX_CLOCK_SKEW_S * 1000),
             max_backdate_ms=round(MAX_BACKDATE_S * 1000),
         )
-        latest: dict[tuple[str, int], _Accepted] = {}  # per content, the item that stands: the last written
+        # per content, the item that stands: the last written
+        latest = {
+            (content_type, content_id): group[-1]
+            for (content_type, content_id, _), group, answer in zip(writes, writes.values(), answers, strict=True)
+            if answer != TOO_FAR_AHEAD
+        }
         for group, answer in zip(writes.values(), answers, strict=True):
-            if answer != TOO_FAR_AHEAD:
-                latest[(group[-1].kind.name, group[-1].content_id)] = group[-1]
-        for group, answer in zip(writes.values(), answers, strict=True):
-            for a in group:
-                outcomes[a.at] = self._outcome(a, answer, latest, rows[a.kind][(user_id, a.content_id)], previous_us)
-        return _all_set(outcomes)
-
-    def _outcome(
-        self,
-        a: _Accepted,
-        answer: int,
-        latest: dict[tuple[str, int], _Accepted],
-        row: StoredRow,
-        previous_us: dict[tuple[str, int], int] | None,
-    ) -> SyncOutcome:
-        updated_at = row[2]
-        if answer == TOO_FAR_AHEAD:
-            return SyncOutcome(False, f"listened_at is more than {MAX_CLOCK_SKEW_S:g} s in the future")
-        if latest[(a.kind.name, a.content_id)] is not a:
-            return _SUPERSEDED
-        if answer == 0 or (updated_at is not None and as_ms(updated_at) > a.listened_ms):  # 0: a later value stands
-            return _OLDER
-        if previous_us and previous_us.get((a.kind.name, a.content_id), -1) > round(a.listened_ms * 1000):
-            return _OLDER  # a pod still on the previous shard count buffered a later one
-        return _APPLIED
+            for at in group:
+                item = items[at]
+                key = (item.content_type, item.content_id)
+                updated_at = rows[KIND_BY_NAME[item.content_type]][(user_id, item.content_id)][2]
+                # 0: a later value stands; or the row is later (the value may have expired after its flush), or a
+                # pod still on the previous shard count buffered a later one
+                older = answer == 0 or (updated_at is not None and as_ms(updated_at) > item.listened_ms)
+                older = older or previous_us.get(key, -1) > round(item.listened_ms * 1000)
+                if answer == TOO_FAR_AHEAD:
+                    outcomes[at] = _TOO_FAR_AHEAD
+                else:
+                    outcomes[at] = _SUPERSEDED if latest[key] != at else _OLDER if older else _APPLIED
+        return [outcomes[at] for at in range(len(items))]  # a KeyError if an item got no outcome
 
     async def _rows_and_previous(
-        self, user_id: int, accepted: list[_Accepted]
-    ) -> tuple[dict[ContentKind, StoredRows], dict[tuple[str, int], int] | None]:
+        self, user_id: int, accepted: list[OfflineItem]
+    ) -> tuple[dict[ContentKind, StoredRows], dict[tuple[str, int], int]]:
         """The rows, and while the shard count changes the receive times (µs) of the previous layout's values,
-        read at the same time; None without a previous layout."""
+        read at the same time."""
         previous = self._writer.layout.previous
         if previous is None:
-            return await self._rows(user_id, accepted), None
-        items = list({(a.kind.name, a.content_id): None for a in accepted})
+            return await self._rows(user_id, accepted), {}
+        items = list({(item.content_type, item.content_id): None for item in accepted})
         keys = [previous.value_key(content_type, content_id, user_id) for content_type, content_id in items]
         rows, raw_values = await alongside(self._rows(user_id, accepted), self._writer.read_values(keys))
-        times = {item: value[1] for item, value in zip(items, decode_values(raw_values), strict=True) if value}
-        return rows, times
+        return rows, {item: value[1] for item, value in zip(items, decode_values(raw_values), strict=True) if value}
 
-    async def _rows(self, user_id: int, accepted: list[_Accepted]) -> dict[ContentKind, StoredRows]:
+    async def _rows(self, user_id: int, accepted: list[OfflineItem]) -> dict[ContentKind, StoredRows]:
         ids_by_kind: dict[ContentKind, set[int]] = {}
-        for a in accepted:
-            ids_by_kind.setdefault(a.kind, set()).add(a.content_id)
+        for item in accepted:
+            ids_by_kind.setdefault(KIND_BY_NAME[item.content_type], set()).add(item.content_id)
         try:
-            async with asyncio.timeout(SYNC_MAX_WAIT_S):
+            async with asyncio.timeout(MAX_WAIT_S):
                 await self._connections.acquire()
         except TimeoutError:
             raise SyncsWaiting(
-                f"{self._max_concurrency} syncs at the database did not come back in {SYNC_MAX_WAIT_S:g} s"
+                f"{self._max_concurrency} syncs at the database did not come back in {MAX_WAIT_S:g} s"
             ) from None
         try:
             return await fetch_rows(
