@@ -30,18 +30,12 @@ def _outcome_json(outcome: SyncOutcome) -> bytes:
 class ProgressSync:
     """The ASGI handler of /progress/sync, whatever the method."""
 
-    def __init__(
-        self,
-        offline: OfflineSync | None,
-        *,
-        authenticator: Authenticator,
-        max_body_bytes: int = 262_144,  # larger: 413 (500 items, the most a sync takes, are about 60 KiB)
-        body_read_timeout_s: float = 10.0,
-    ) -> None:
+    max_body_bytes = 262_144  # larger: 413 (500 items, the most a sync takes, are about 60 KiB)
+    body_read_timeout_s = 10.0
+
+    def __init__(self, offline: OfflineSync | None, *, authenticator: Authenticator) -> None:
         self.offline = offline  # None: no database (DATABASE_URL), every sync is a 503
         self.authenticator = authenticator
-        self.max_body_bytes = max_body_bytes
-        self.body_read_timeout_s = body_read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, SYNC_ROUTE, self._handle(scope, receive))
