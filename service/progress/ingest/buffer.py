@@ -177,26 +177,6 @@ def write_args(
     )
 
 
-def write_many_args(
-    shard: Shard, writes: Sequence[tuple[int, int, float, float, float]], *, max_skew_ms: int, max_backdate_ms: int
-) -> tuple[object, ...]:
-    """One WRITE_MANY_SCRIPT call for (content id, user id, position, heard ms, peak) writes of one shard."""
-    lines = []
-    for content_id, user_id, position, heard_ms, peak in writes:
-        ms, us = split_ms(heard_ms)
-        lines.append(f"{content_id}:{user_id} {position!r} {ms} {us} {peak!r}")
-    return (
-        "EVALSHA",
-        WRITE_MANY_SCRIPT_SHA,
-        1,
-        shard.pending_key,
-        shard.value_prefix,
-        max_skew_ms,
-        max_backdate_ms,
-        "\n".join(lines),
-    )
-
-
 class PositionWriter:
     """The request path's Redis writes, one pipeline per event-loop turn."""
 
@@ -225,18 +205,20 @@ class PositionWriter:
         """(content type, content id, user id, position, heard ms, peak) writes, in order, in one round trip of
         their own (one WRITE_MANY_SCRIPT call per shard); for each, its answer (1, 2, 0 or TOO_FAR_AHEAD).
         An error of any call raises: the caller answers for the whole set, which is safe to send again."""
-        by_shard: dict[Shard, list[int]] = {}
-        for i, (content_type, content_id, user_id, _, _, _) in enumerate(writes):
-            by_shard.setdefault(self.layout.shard(content_type, content_id, user_id), []).append(i)
-        commands = [
-            write_many_args(
-                shard, [writes[i][1:] for i in indexes], max_skew_ms=max_skew_ms, max_backdate_ms=max_backdate_ms
-            )
-            for shard, indexes in by_shard.items()
+        by_shard: dict[Shard, tuple[list[int], list[str]]] = {}  # each write's index, and its line of the call
+        for i, (content_type, content_id, user_id, position, heard_ms, peak) in enumerate(writes):
+            indexes, lines = by_shard.setdefault(self.layout.shard(content_type, content_id, user_id), ([], []))
+            ms, us = split_ms(heard_ms)
+            indexes.append(i)
+            lines.append(f"{content_id}:{user_id} {position!r} {ms} {us} {peak!r}")
+        limits = (max_skew_ms, max_backdate_ms)
+        commands: list[tuple[object, ...]] = [
+            ("EVALSHA", WRITE_MANY_SCRIPT_SHA, 1, shard.pending_key, shard.value_prefix, *limits, "\n".join(lines))
+            for shard, (_, lines) in by_shard.items()
         ]
         results = await self._send_pipeline(commands, len(writes))
         answers = [0] * len(writes)
-        for indexes, result in zip(by_shard.values(), results, strict=True):
+        for (indexes, _), result in zip(by_shard.values(), results, strict=True):
             if isinstance(result, Exception):
                 raise result
             assert isinstance(result, list) and len(result) == len(indexes), f"one answer per write: {result!r}"
