@@ -102,7 +102,8 @@ async def _bounded_check(
     task = checks.get(store)
     if task is None or task.done():
         task = checks[store] = asyncio.create_task(probe(), name=f"readiness-{store}")
-        task.add_done_callback(_retrieve)
+        # retrieved when nobody waited for its end: its failure was (or will be) answered by the next probe
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
     done, _ = await asyncio.wait({task}, timeout=_READY_TIMEOUT_S)
     if not done:
         return f"unreachable: no answer in {_READY_TIMEOUT_S:g} s"
@@ -112,12 +113,6 @@ async def _bounded_check(
     if isinstance(error, failed):
         return f"unreachable: {type(error).__name__}: {error}"
     raise error
-
-
-def _retrieve(task: asyncio.Task[object]) -> None:
-    # a probe nobody waited for to its end: its failure was (or will be) answered by the next probe
-    if not task.cancelled():
-        task.exception()
 
 
 @router.get(
