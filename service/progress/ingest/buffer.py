@@ -93,7 +93,7 @@ WRITE_SCRIPT_SHA = hashlib.sha1(WRITE_SCRIPT.encode()).hexdigest()
 
 # Many offline items of one shard in one call (a sync), written in the order given, each bounded
 # against Redis's clock, never the pod's or the device's: an item heard more than the skew (ARGV[2], ms)
-# after Redis's now is refused (-1, nothing written); one heard after now, within the skew (a device
+# after Redis's now is refused (TOO_FAR_AHEAD, nothing written); one heard after now, within the skew (a device
 # clock a little ahead), is written as a heartbeat is, so it is never dated in the future; one heard
 # longer ago than the backdate window (ARGV[3], ms) carries the floor now - window.
 # KEYS: the shard's pending set. ARGV: the shard's value key prefix (it carries the shard's hash tag:
@@ -121,7 +121,6 @@ return results
 """
 )
 WRITE_MANY_SCRIPT_SHA = hashlib.sha1(WRITE_MANY_SCRIPT.encode()).hexdigest()
-# WRITE_MANY_SCRIPT's answer of an item heard too far in the future: refused, nothing written
 TOO_FAR_AHEAD = -1
 
 
@@ -236,19 +235,16 @@ class PositionWriter:
 
     async def _send_pipeline(self, commands: list[tuple[object, ...]], heartbeats: int) -> list[object]:
         started = time.perf_counter()
-        results = await self._execute(commands)
+        # the 4th argument is a key of the command's one slot: on a cluster, the node of that slot takes it
+        results = await execute_by_node(self._redis, commands, key_index=3)
         if any(isinstance(result, NoScriptError) for result in results):
             # Redis restarted or flushed its script cache since we loaded it
             for script in (WRITE_SCRIPT, WRITE_MANY_SCRIPT):
                 await self._redis.script_load(script)
-            results = await self._execute(commands)
+            results = await execute_by_node(self._redis, commands, key_index=3)
         metrics.REDIS_WRITE_SECONDS.observe(time.perf_counter() - started)
         metrics.REDIS_WRITE_BATCH_SIZE.observe(heartbeats)
         return results
-
-    async def _execute(self, commands: list[tuple[object, ...]]) -> list[object]:
-        # the 4th argument is a key of the command's one slot: on a cluster, the node of that slot takes it
-        return await execute_by_node(self._redis, commands, key_index=3)
 
     async def aclose(self) -> None:
         await self._batcher.aclose()
