@@ -90,7 +90,6 @@ class DirectWriter:
         reservation = await self._budget.reserve(len(entries), max_wait_s=deadline - loop.time())
         if reservation is None:
             return [_refused("the database's write budget is spent") for _ in entries]
-        written: set[int] = set()
         rows_written = 0
         try:
             async with asyncio.timeout_at(deadline):
@@ -117,8 +116,9 @@ class DirectWriter:
                 try:
                     await conn.execute("COMMIT", timeout=_WAIT_S)
                 except POSTGRES_UNAVAILABLE:  # the connection ended in the commit: did the database keep it?
-                    if not await self._committed(txid):
-                        raise
+                    async with pooled_connection(self._pool, timeout_s=_ASK_S) as asked:
+                        if not await asked.fetchval("SELECT txid_status($1) = 'committed'", txid, timeout=_ASK_S):
+                            raise
             # a row another session holds (progress, user or content row): that heartbeat alone is refused (503)
             rows_written, locked = result.written, set(result.locked)
             members = {i: pending_member(entries[i].heartbeat.content_id, entries[i].heartbeat.user_id) for i in live}
@@ -132,10 +132,6 @@ class DirectWriter:
         for i in live:
             results[i] = _refused("a row of this heartbeat is locked by another session") if i not in written else None
         return results
-
-    async def _committed(self, txid: int) -> bool:
-        async with pooled_connection(self._pool, timeout_s=_ASK_S) as conn:
-            return bool(await conn.fetchval("SELECT txid_status($1) = 'committed'", txid, timeout=_ASK_S))
 
     async def aclose(self) -> None:
         await close_all(self._batchers.values())
