@@ -85,7 +85,6 @@ class ContentCatalog:
             for kind in CONTENT_KINDS
         }
         self._failure_logged_until = 0.0  # one line per _DB_RETRY_S: an outage fails every unknown id's lookup
-        self._unverified = {kind.name: metrics.CATALOG_UNVERIFIED.labels(kind.name) for kind in CONTENT_KINDS}
 
     def is_known(self, kind: ContentKind, content_id: int) -> bool | Awaitable[bool]:
         """A bool when memory knows the answer (the hot path: no await), else an awaitable lookup."""
@@ -149,7 +148,7 @@ class ContentCatalog:
         self._answers[key] = (known, self._clock() + ttl_s)
 
     def _accept_unverified(self, kind: ContentKind) -> bool:
-        self._unverified[kind.name].inc()
+        metrics.CATALOG_UNVERIFIED.labels(kind.name).inc()
         return True
 
     def snapshot_bytes(self) -> int:

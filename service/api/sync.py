@@ -48,12 +48,11 @@ class ProgressSync:
             items = parse_request(body)
         except ValidationError as exc:
             raise invalid_body(exc) from None
-        offline = self.offline
-        if offline is None:
+        if self.offline is None:
             raise retry_soon("offline sync needs the database (DATABASE_URL)")
         try:
             with tracing.span("progress sync", items=len(items)):
-                outcomes = await offline.apply(user_id, items)
+                outcomes = await self.offline.apply(user_id, items)
         except SyncsWaiting as exc:  # the syncs' connections are held (a table locked, a slow database): shed
             raise retry_soon("progress store too slow for the syncs waiting, retry later") from exc
         except (*REDIS_FAILED, *POSTGRES_FAILED) as exc:

@@ -116,9 +116,8 @@ class KeyLayout:
     @cached_property
     def previous(self) -> "KeyLayout | None":
         """The layout of `previous_shards`, whose values a pod still on the old count writes; None without one."""
-        if not self.previous_shards or self.previous_shards == self.shards:
-            return None
-        return KeyLayout(shards=self.previous_shards, cluster=self.cluster)
+        changed = self.previous_shards not in (0, self.shards)
+        return KeyLayout(shards=self.previous_shards, cluster=self.cluster) if changed else None
 
     def shard(self, content_type: str, content_id: int, user_id: int) -> Shard:
         # crc32, not hash(): stable across processes, every pod picks the same shard; one shard (the standalone
