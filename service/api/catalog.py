@@ -59,18 +59,14 @@ class ContentCatalog:
         self,
         pool: asyncpg.Pool,
         *,
-        lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
-        answer_ttl_s: float = ANSWER_TTL_S,
         max_answers: int = CATALOG_MAX_ANSWERS,
         max_lookups: int = CATALOG_MAX_LOOKUPS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pool = pool
-        self._lookup_timeout_s = lookup_timeout_s
-        self._answer_ttl_s = answer_ttl_s
         self._max_answers = max_answers
         self._clock = clock
-        self._known: dict[str, array[int]] = {}  # per content type, ascending; replaced whole by refresh()
+        self._known: dict[str, array[int]] = {}  # per content type, ascending; replaced whole by try_refresh()
         # recent answers for ids not in the snapshot: (known, valid until), known None when the lookup failed (the
         # id accepted unverified); the oldest inserted go first
         self._answers: dict[tuple[str, int], tuple[bool | None, float]] = {}
@@ -83,13 +79,12 @@ class ContentCatalog:
                 max_batch=max_lookups,
                 max_waiting=max_lookups,
                 # a backstop: each lookup's own deadline (_query) ends its wait first
-                max_wait_s=2 * lookup_timeout_s,
+                max_wait_s=2 * LOOKUP_TIMEOUT_S,
                 overloaded=lambda why: LookupsSaturated(f"content lookups waiting: {why}"),
             )
             for kind in CONTENT_KINDS
         }
         self._failure_logged_until = 0.0  # one line per _DB_RETRY_S: an outage fails every unknown id's lookup
-        self._unverified = {kind.name: metrics.CATALOG_UNVERIFIED.labels(kind.name) for kind in CONTENT_KINDS}
 
     def is_known(self, kind: ContentKind, content_id: int) -> bool | Awaitable[bool]:
         """A bool when memory knows the answer (the hot path: no await), else an awaitable lookup."""
@@ -121,7 +116,7 @@ class ContentCatalog:
         lookup = _Lookup(content_id)
         try:
             # the wait for the type's query included: a locked table holds no request longer than this
-            async with asyncio.timeout(self._lookup_timeout_s):
+            async with asyncio.timeout(LOOKUP_TIMEOUT_S):
                 await self._batchers[kind.name].submit(lookup)
         except POSTGRES_FAILED as exc:
             self._remember(key, None, _DB_RETRY_S)
@@ -137,13 +132,11 @@ class ContentCatalog:
                 )
             return None
         known = lookup.known
-        self._remember(key, known, self._answer_ttl_s if known else min(self._answer_ttl_s, UNKNOWN_ANSWER_TTL_S))
+        self._remember(key, known, ANSWER_TTL_S if known else UNKNOWN_ANSWER_TTL_S)
         return known
 
     async def _send(self, kind: ContentKind, lookups: list[_Lookup]) -> list[BaseException | None]:
-        found = await existing(
-            self._pool, kind, [lookup.content_id for lookup in lookups], timeout_s=self._lookup_timeout_s
-        )
+        found = await existing(self._pool, kind, [lookup.content_id for lookup in lookups], timeout_s=LOOKUP_TIMEOUT_S)
         for lookup in lookups:
             lookup.known = lookup.content_id in found
         return [None] * len(lookups)
@@ -155,27 +148,24 @@ class ContentCatalog:
         self._answers[key] = (known, self._clock() + ttl_s)
 
     def _accept_unverified(self, kind: ContentKind) -> bool:
-        self._unverified[kind.name].inc()
+        metrics.CATALOG_UNVERIFIED.labels(kind.name).inc()
         return True
-
-    async def refresh(self) -> None:
-        """Replace the snapshot of every content type; on a database error the previous one stays."""
-        known = {kind.name: await load_ids(self._pool, kind) for kind in CONTENT_KINDS}
-        self._known = known
-        for name, ids in known.items():
-            metrics.CATALOG_KNOWN_IDS.labels(name).set(len(ids))
-        metrics.CATALOG_LAST_REFRESH.set_to_current_time()
 
     def snapshot_bytes(self) -> int:
         return sum(ids.itemsize * len(ids) for ids in self._known.values())
 
     async def try_refresh(self) -> bool:
+        """Replace the snapshot of every content type; on a database error the previous one stays."""
         try:
-            await self.refresh()
+            known = {kind.name: await load_ids(self._pool, kind) for kind in CONTENT_KINDS}
         except POSTGRES_FAILED as exc:
             # until a load succeeds, ids outside the last snapshot are looked up one by one
             log.warning("content catalog refresh failed (%s: %s); keeping the last snapshot", type(exc).__name__, exc)
             return False
+        self._known = known
+        for name, ids in known.items():
+            metrics.CATALOG_KNOWN_IDS.labels(name).set(len(ids))
+        metrics.CATALOG_LAST_REFRESH.set_to_current_time()
         return True
 
     async def run_refresh(self, stop: asyncio.Event, interval_s: float) -> None:

@@ -34,11 +34,6 @@ class ProbedParts(Protocol):
     def readiness_checks(self) -> dict[str, "asyncio.Task[object]"]: ...
 
 
-def _parts(request: Request) -> ProbedParts:
-    parts: ProbedParts = request.app.state.services
-    return parts
-
-
 class Readiness(BaseModel):
     """The body of both readiness answers (200 and 503), as openapi.yaml documents it."""
 
@@ -72,16 +67,17 @@ async def live() -> dict[str, str]:
 )
 async def ready(request: Request) -> JSONResponse:
     """Ready while one path can keep a heartbeat: Redis (normal) or Postgres directly (degraded), and not draining."""
-    redis_check, postgres_check = await asyncio.gather(_check_redis(request), _check_postgres(request))
-    if redis_check == "ok" and _parts(request).sink.redis_writes_failing:
+    pod: ProbedParts = request.app.state.services
+    probes = {"redis": _bounded_check(pod, "redis", partial(ping, pod.redis), REDIS_FAILED)}
+    if pod.pool is not None:
+        probes["postgres"] = _bounded_check(pod, "postgres", partial(pod.pool.fetchval, "SELECT 1"), POSTGRES_FAILED)
+    checks = dict(zip(probes, await asyncio.gather(*probes.values()), strict=True))
+    if checks["redis"] == "ok" and pod.sink.redis_writes_failing:
         # PING answers, writes do not (a full Redis under noeviction, a node of the cluster down)
-        redis_check = "answers, but heartbeat writes fail: degraded mode"
-    checks = {"redis": redis_check}
-    if postgres_check is not None:
-        checks["postgres"] = postgres_check
-    if redis_check == "ok":
+        checks["redis"] = "answers, but heartbeat writes fail: degraded mode"
+    if checks["redis"] == "ok":
         readiness = Readiness(status="ready", mode="normal", checks=checks)
-    elif postgres_check == "ok":
+    elif checks.get("postgres") == "ok":
         readiness = Readiness(status="ready", mode="degraded", checks=checks)
     else:
         readiness = Readiness(status="unavailable", mode="unavailable", checks=checks)
@@ -92,19 +88,8 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse(readiness.model_dump(), status_code=200 if readiness.status == "ready" else 503)
 
 
-async def _check_redis(request: Request) -> str:
-    return await _bounded_check(request, "redis", partial(ping, _parts(request).redis), REDIS_FAILED)
-
-
-async def _check_postgres(request: Request) -> str | None:
-    pool = _parts(request).pool
-    if pool is None:
-        return None
-    return await _bounded_check(request, "postgres", partial(pool.fetchval, "SELECT 1"), POSTGRES_FAILED)
-
-
 async def _bounded_check(
-    request: Request, store: str, probe: Callable[[], Coroutine[Any, Any, object]], failed: tuple[type[Exception], ...]
+    pod: ProbedParts, store: str, probe: Callable[[], Coroutine[Any, Any, object]], failed: tuple[type[Exception], ...]
 ) -> str:
     """The store's answer within _READY_TIMEOUT_S, or why not.
 
@@ -113,11 +98,12 @@ async def _bounded_check(
     in flight for its store, which later probes wait on instead of starting another (the lifespan cancels
     what is left at shutdown).
     """
-    checks = _parts(request).readiness_checks
+    checks = pod.readiness_checks
     task = checks.get(store)
     if task is None or task.done():
         task = checks[store] = asyncio.create_task(probe(), name=f"readiness-{store}")
-        task.add_done_callback(_retrieve)
+        # retrieved when nobody waited for its end: its failure was (or will be) answered by the next probe
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
     done, _ = await asyncio.wait({task}, timeout=_READY_TIMEOUT_S)
     if not done:
         return f"unreachable: no answer in {_READY_TIMEOUT_S:g} s"
@@ -127,12 +113,6 @@ async def _bounded_check(
     if isinstance(error, failed):
         return f"unreachable: {type(error).__name__}: {error}"
     raise error
-
-
-def _retrieve(task: asyncio.Task[object]) -> None:
-    # a probe nobody waited for to its end: its failure was (or will be) answered by the next probe
-    if not task.cancelled():
-        task.exception()
 
 
 @router.get(

@@ -128,10 +128,7 @@ def retry_soon(detail: str) -> HttpError:
 
 
 async def read_json(receive: Receive, model: type[Body], declared_length: int, *, limit: int, timeout_s: float) -> Body:
-    """The body as `model`; HttpError 413 past `limit` bytes, 408 past `timeout_s`, 400/422 when invalid.
-
-    ClientGone when the client hangs up before the end of its body.
-    """
+    """The body as `model`: read_body's answers (413, 408, ClientGone), and HttpError 400/422 when invalid."""
     body = await read_body(receive, declared_length, limit=limit, timeout_s=timeout_s)
     try:
         return model.model_validate_json(body)

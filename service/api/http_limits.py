@@ -22,12 +22,6 @@ MAX_HEADER_BYTES = 16 * 1024
 HEADER_READ_TIMEOUT_S = 10.0
 
 
-def _refusal(status: bytes, detail: str) -> bytes:
-    body = json.dumps({"detail": detail}).encode()
-    head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
-    return head % (status, len(body)) + body
-
-
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     _in_head = False
     _head_bytes = 0  # bytes of chunks that ended with the head still incomplete
@@ -90,5 +84,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse(self, status: bytes, detail: str) -> None:
         self._end_head()
-        self.transport.write(_refusal(status, detail))
+        body = json.dumps({"detail": detail}).encode()
+        head = b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n"
+        self.transport.write(head % (status, len(body)) + body)
         self.transport.close()

@@ -32,19 +32,12 @@ class ProgressIngest:
     rates are the API gateway's to limit (docs/deploy.md).
     """
 
-    def __init__(
-        self,
-        sink: HeartbeatSink,
-        *,
-        authenticator: Authenticator,
-        max_body_bytes: int = 4096,  # larger: 413 (a heartbeat is under 200 bytes)
-        body_read_timeout_s: float = 10.0,  # not all received by then: 408, connection closed (a byte a second)
-        catalog: ContentCatalog | None = None,
-    ) -> None:
+    max_body_bytes = 4096  # larger: 413 (a heartbeat is under 200 bytes)
+    body_read_timeout_s = 10.0  # not all received by then: 408, connection closed (a byte a second)
+
+    def __init__(self, sink: HeartbeatSink, *, authenticator: Authenticator, catalog: ContentCatalog | None) -> None:
         self.sink = sink
         self.authenticator = authenticator
-        self.max_body_bytes = max_body_bytes
-        self.body_read_timeout_s = body_read_timeout_s
         self.catalog = catalog  # None: the door is off, every id is accepted
         self._refused_since_log = 0
         self._refusal_logged_at = -_REFUSAL_LOG_INTERVAL_S

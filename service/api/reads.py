@@ -47,13 +47,6 @@ def _content_id(text: str, location: str, name: str) -> int:
     raise _invalid(location, name, f"must be an integer from 1 to {MAX_ID}", "int_parsing")
 
 
-def _kind(name: str) -> ContentKind:
-    kind = KIND_BY_NAME.get(name)
-    if kind is None:
-        raise _invalid("path", "content_type", f"must be one of {', '.join(KIND_BY_NAME)}", "enum")
-    return kind
-
-
 def read_ids(query_string: bytes) -> list[int]:
     """The ids asked for, each once, in order; 422 unless they are ids=1,2,3 with at most MAX_IDS."""
     if query_string.startswith(b"ids="):  # the app's form, read from the bytes with one int() per id
@@ -77,7 +70,6 @@ def read_ids_the_long_way(query_string: bytes) -> list[int]:
     texts = values[0].split(",")
     if len(texts) > MAX_IDS:
         raise _invalid("query", "ids", f"at most {MAX_IDS} ids", "too_long")
-    # a repeated id is one id
     return list(dict.fromkeys(_content_id(text, "query", "ids") for text in texts))
 
 
@@ -134,7 +126,9 @@ class ProgressReads:
     async def _handle(self, route: str, parts: list[str], scope: Scope) -> bytes:
         check_method(scope, "GET")
         user_id, _ = identify(self.authenticator, scope["headers"])
-        kind = _kind(parts[0])
+        kind = KIND_BY_NAME.get(parts[0])
+        if kind is None:
+            raise _invalid("path", "content_type", f"must be one of {', '.join(KIND_BY_NAME)}", "enum")
         if route == ONE_ROUTE:
             content_id = _content_id(parts[1], "path", "content_id")
             found = await self._read(kind, user_id, [content_id])

@@ -30,18 +30,12 @@ def _outcome_json(outcome: SyncOutcome) -> bytes:
 class ProgressSync:
     """The ASGI handler of /progress/sync, whatever the method."""
 
-    def __init__(
-        self,
-        offline: OfflineSync | None,
-        *,
-        authenticator: Authenticator,
-        max_body_bytes: int = 262_144,  # larger: 413 (500 items, the most a sync takes, are about 60 KiB)
-        body_read_timeout_s: float = 10.0,
-    ) -> None:
+    max_body_bytes = 262_144  # larger: 413 (500 items, the most a sync takes, are about 60 KiB)
+    body_read_timeout_s = 10.0
+
+    def __init__(self, offline: OfflineSync | None, *, authenticator: Authenticator) -> None:
         self.offline = offline  # None: no database (DATABASE_URL), every sync is a 503
         self.authenticator = authenticator
-        self.max_body_bytes = max_body_bytes
-        self.body_read_timeout_s = body_read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, SYNC_ROUTE, self._handle(scope, receive))
@@ -54,12 +48,11 @@ class ProgressSync:
             items = parse_request(body)
         except ValidationError as exc:
             raise invalid_body(exc) from None
-        offline = self.offline
-        if offline is None:
+        if self.offline is None:
             raise retry_soon("offline sync needs the database (DATABASE_URL)")
         try:
             with tracing.span("progress sync", items=len(items)):
-                outcomes = await offline.apply(user_id, items)
+                outcomes = await self.offline.apply(user_id, items)
         except SyncsWaiting as exc:  # the syncs' connections are held (a table locked, a slow database): shed
             raise retry_soon("progress store too slow for the syncs waiting, retry later") from exc
         except (*REDIS_FAILED, *POSTGRES_FAILED) as exc:

@@ -14,14 +14,11 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
-# Sends a batch; returns, for each item in order, None (done) or the exception for that item alone.
-SendBatch = Callable[[list[T]], Awaitable[list[BaseException | None]]]
-
 
 class TurnBatcher(Generic[T]):
     def __init__(
         self,
-        send: SendBatch[T],
+        send: Callable[[list[T]], Awaitable[list[BaseException | None]]],
         *,
         interrupted: Callable[[], BaseException],
         max_in_flight: int = 0,
@@ -32,7 +29,7 @@ class TurnBatcher(Generic[T]):
     ) -> None:
         if max_in_flight and not (max_batch and max_waiting and max_wait_s and overloaded):
             raise ValueError("a limit of batches in flight needs max_batch, max_waiting, max_wait_s and overloaded")
-        self._send_batch = send
+        self._send_batch = send  # returns, for each item in order, None (done) or the exception for that item alone
         self._interrupted = interrupted  # the error a caller gets if its batch never finished
         self._max_in_flight = max_in_flight
         self._max_batch = max_batch
@@ -73,7 +70,7 @@ class TurnBatcher(Generic[T]):
             self._expiry.cancel()
             self._expiry = None
         elif self._queue and self._max_in_flight and self._expiry is None and not self._closed:
-            self._expire_at(self._queue[0][2] + self._max_wait_s)
+            self._expiry = asyncio.get_running_loop().call_at(self._queue[0][2] + self._max_wait_s, self._expire)
 
     def _lane_free(self) -> bool:
         return not self._max_in_flight or len(self._sending) < self._max_in_flight
@@ -82,9 +79,6 @@ class TurnBatcher(Generic[T]):
         self._sending.discard(task)
         if self._max_in_flight:
             self._send_queued()  # what waited for this batch to come back
-
-    def _expire_at(self, when: float) -> None:
-        self._expiry = asyncio.get_running_loop().call_at(when, self._expire)
 
     def _expire(self) -> None:
         """Who waited max_wait_s (within a ms) and is still not in a batch gets overloaded(); the queue is oldest
@@ -100,7 +94,7 @@ class TurnBatcher(Generic[T]):
             expired += 1
         del self._queue[:expired]
         if self._queue and not self._closed:
-            self._expire_at(self._queue[0][2] + self._max_wait_s)
+            self._expiry = asyncio.get_running_loop().call_at(self._queue[0][2] + self._max_wait_s, self._expire)
 
     async def _send(self, batch: list[tuple[T, asyncio.Future[None], float]]) -> None:
         error: BaseException | None = None

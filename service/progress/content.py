@@ -2,9 +2,9 @@
 
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 
 MAX_POSITION_S = 86_400
 MAX_ID = 2**63 - 1  # bigint
@@ -31,42 +31,29 @@ class _Heartbeat(BaseModel):
     position: Position
 
 
-class LessonHeartbeat(_Heartbeat):
-    lesson_id: ContentId
-
-
-class AudioHeartbeat(_Heartbeat):
-    audio_id: ContentId
-
-
-class MeditationHeartbeat(_Heartbeat):
-    meditation_id: ContentId
-
-
-class LiveHeartbeat(_Heartbeat):
-    live_id: ContentId
-
-
 @dataclass(frozen=True, slots=True, eq=False)  # the four below are the only ones: identity is equality, and hashes fast
 class ContentKind:
     name: str  # the content_type of Redis keys and completion events
     path: str
-    body: type[_Heartbeat]
+    body: type[_Heartbeat]  # LessonHeartbeat, ...: the name openapi.yaml gives its schema
     content_table: str
     progress_table: str
     id_column: str
 
 
+def _kind(name: str, path: str, content_table: str, progress_table: str) -> ContentKind:
+    id_column = f"{name}_id"
+    fields: dict[str, Any] = {id_column: (ContentId, ...)}
+    body = create_model(f"{name.capitalize()}Heartbeat", __base__=_Heartbeat, **fields)
+    return ContentKind(name, path, body, content_table, progress_table, id_column)
+
+
 CONTENT_KINDS: tuple[ContentKind, ...] = (
-    ContentKind("lesson", "/engagements/progress/lesson", LessonHeartbeat,
-                "courses_lesson", "engagements_lessonprogress", "lesson_id"),
-    ContentKind("audio", "/audios/progress", AudioHeartbeat,
-                "audios_audio", "audios_audioprogress", "audio_id"),
-    ContentKind("meditation", "/meditations/progress", MeditationHeartbeat,
-                "audios_meditation", "audios_meditationprogress", "meditation_id"),
-    ContentKind("live", "/lives/progress", LiveHeartbeat,
-                "lives_live", "lives_liveprogress", "live_id"),
-)  # fmt: skip
+    _kind("lesson", "/engagements/progress/lesson", "courses_lesson", "engagements_lessonprogress"),
+    _kind("audio", "/audios/progress", "audios_audio", "audios_audioprogress"),
+    _kind("meditation", "/meditations/progress", "audios_meditation", "audios_meditationprogress"),
+    _kind("live", "/lives/progress", "lives_live", "lives_liveprogress"),
+)
 KIND_BY_PATH = {kind.path: kind for kind in CONTENT_KINDS}
 KIND_BY_NAME = {kind.name: kind for kind in CONTENT_KINDS}
 

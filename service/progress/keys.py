@@ -75,11 +75,6 @@ class Shard:
         return f"{self.value_prefix}{content_id}:{user_id}"
 
 
-def shard_index(content_id: int, user_id: int, shards: int) -> int:
-    """Stable across processes and Python versions (unlike hash()): every pod picks the same shard."""
-    return zlib.crc32(pending_member(content_id, user_id).encode()) % shards
-
-
 def _shard_tag(content_type: str, index: int, shards: int) -> str:
     """A tag whose slot lies in the index-th of `shards` equal slot ranges.
 
@@ -113,23 +108,21 @@ class KeyLayout:
 
     @classmethod
     def from_settings(cls, settings: RedisSettings) -> "KeyLayout":
-        """The layout PROGRESS_BUFFER_SHARDS, REDIS_CLUSTER and PROGRESS_BUFFER_PREVIOUS_SHARDS name."""
-        return key_layout(shards=settings.shards, cluster=settings.cluster, previous_shards=settings.previous_shards)
-
-    def __post_init__(self) -> None:
-        if self.shards < 1 or self.previous_shards < 0:
-            raise ValueError("a layout needs at least one shard")
+        """The layout PROGRESS_BUFFER_SHARDS, REDIS_CLUSTER and PROGRESS_BUFFER_PREVIOUS_SHARDS name; 0 shards is the
+        default: 1 on a standalone server (the monolith's key names), CLUSTER_DEFAULT_SHARDS on a cluster."""
+        shards = settings.shards or (CLUSTER_DEFAULT_SHARDS if settings.cluster else 1)
+        return cls(shards=shards, cluster=settings.cluster, previous_shards=settings.previous_shards)
 
     @cached_property
     def previous(self) -> "KeyLayout | None":
         """The layout of `previous_shards`, whose values a pod still on the old count writes; None without one."""
-        if not self.previous_shards or self.previous_shards == self.shards:
-            return None
-        return KeyLayout(shards=self.previous_shards, cluster=self.cluster)
+        changed = self.previous_shards not in (0, self.shards)
+        return KeyLayout(shards=self.previous_shards, cluster=self.cluster) if changed else None
 
     def shard(self, content_type: str, content_id: int, user_id: int) -> Shard:
-        # one shard (the standalone default): no hash to work out on the request path
-        index = shard_index(content_id, user_id, self.shards) if self.shards > 1 else 0
+        # crc32, not hash(): stable across processes, every pod picks the same shard; one shard (the standalone
+        # default): no hash to work out on the request path
+        index = zlib.crc32(pending_member(content_id, user_id).encode()) % self.shards if self.shards > 1 else 0
         return self._shard(content_type, index, self.shards)
 
     def value_key(self, content_type: str, content_id: int, user_id: int) -> str:
@@ -164,10 +157,3 @@ class KeyLayout:
 
 
 STANDALONE = KeyLayout()
-
-
-def key_layout(*, shards: int, cluster: bool, previous_shards: int = 0) -> KeyLayout:
-    """The layout PROGRESS_BUFFER_SHARDS names; 0 is the default: 1 shard on a standalone server (the
-    monolith's key names), CLUSTER_DEFAULT_SHARDS on a cluster."""
-    shards = shards or (CLUSTER_DEFAULT_SHARDS if cluster else 1)
-    return KeyLayout(shards=shards, cluster=cluster, previous_shards=previous_shards)

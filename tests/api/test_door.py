@@ -365,9 +365,7 @@ async def test_a_refresh_replaces_the_snapshot(door: Settings, db: asyncpg.Pool,
 async def test_lookup_answers_expire_and_lookups_are_bounded(db: asyncpg.Pool) -> None:
     await seed(db, users=1, contents=1)
     now = [0.0]
-    catalog = ContentCatalog(
-        db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=2, max_lookups=64, clock=lambda: now[0]
-    )
+    catalog = ContentCatalog(db, max_answers=2, max_lookups=64, clock=lambda: now[0])
     assert await catalog.is_known(LESSON, 5) is False  # type: ignore[misc]
     assert catalog.is_known(LESSON, 5) is False  # the cached answer: a bool, no query
     await db.execute("INSERT INTO courses_lesson (id, title, duration) VALUES (5, 'late', 600)")
@@ -377,7 +375,7 @@ async def test_lookup_answers_expire_and_lookups_are_bounded(db: asyncpg.Pool) -
         await catalog.is_known(LESSON, content_id)  # type: ignore[misc]
     assert len(catalog._answers) == 2  # bounded: the oldest answers go first
     await catalog.aclose()
-    saturated = ContentCatalog(db, lookup_timeout_s=1, answer_ttl_s=10, max_answers=2, max_lookups=1)
+    saturated = ContentCatalog(db, max_answers=2, max_lookups=1)
     with pytest.raises(LookupsSaturated):  # two distinct ids of a type waiting at once, one allowed
         await asyncio.gather(saturated.is_known(LESSON, 9), saturated.is_known(LESSON, 10))  # type: ignore[arg-type]
     await saturated.aclose()

@@ -17,7 +17,7 @@ from service.api.http import HttpError
 from service.api.reads import iso_utc, read_ids, read_ids_the_long_way
 from service.progress.content import EPOCH, MAX_ID
 from service.progress.ingest.buffer import decode_value
-from service.progress.keys import key_layout
+from service.progress.keys import KeyLayout
 from service.progress.read.reads import decode_values
 
 
@@ -117,6 +117,6 @@ def test_edge_buffered_values_decode_as_the_flush_decodes_them(raw: bytes) -> No
 
 @pytest.mark.parametrize(("shards", "cluster"), [(1, False), (1, True), (7, False), (60, True)])
 def test_a_reads_keys_are_the_value_keys_of_its_ids(shards: int, cluster: bool) -> None:
-    layout = key_layout(shards=shards, cluster=cluster)
+    layout = KeyLayout(shards=shards, cluster=cluster)
     ids = [1, 2, 99, 2**63 - 1]
     assert layout.value_keys("audio", 7, ids) == [layout.value_key("audio", content_id, 7) for content_id in ids]

@@ -93,7 +93,7 @@ WRITE_SCRIPT_SHA = hashlib.sha1(WRITE_SCRIPT.encode()).hexdigest()
 
 # Many offline items of one shard in one call (a sync), written in the order given, each bounded
 # against Redis's clock, never the pod's or the device's: an item heard more than the skew (ARGV[2], ms)
-# after Redis's now is refused (-1, nothing written); one heard after now, within the skew (a device
+# after Redis's now is refused (TOO_FAR_AHEAD, nothing written); one heard after now, within the skew (a device
 # clock a little ahead), is written as a heartbeat is, so it is never dated in the future; one heard
 # longer ago than the backdate window (ARGV[3], ms) carries the floor now - window.
 # KEYS: the shard's pending set. ARGV: the shard's value key prefix (it carries the shard's hash tag:
@@ -121,7 +121,6 @@ return results
 """
 )
 WRITE_MANY_SCRIPT_SHA = hashlib.sha1(WRITE_MANY_SCRIPT.encode()).hexdigest()
-# WRITE_MANY_SCRIPT's answer of an item heard too far in the future: refused, nothing written
 TOO_FAR_AHEAD = -1
 
 
@@ -177,26 +176,6 @@ def write_args(
     )
 
 
-def write_many_args(
-    shard: Shard, writes: Sequence[tuple[int, int, float, float, float]], *, max_skew_ms: int, max_backdate_ms: int
-) -> tuple[object, ...]:
-    """One WRITE_MANY_SCRIPT call for (content id, user id, position, heard ms, peak) writes of one shard."""
-    lines = []
-    for content_id, user_id, position, heard_ms, peak in writes:
-        ms, us = split_ms(heard_ms)
-        lines.append(f"{content_id}:{user_id} {position!r} {ms} {us} {peak!r}")
-    return (
-        "EVALSHA",
-        WRITE_MANY_SCRIPT_SHA,
-        1,
-        shard.pending_key,
-        shard.value_prefix,
-        max_skew_ms,
-        max_backdate_ms,
-        "\n".join(lines),
-    )
-
-
 class PositionWriter:
     """The request path's Redis writes, one pipeline per event-loop turn."""
 
@@ -225,18 +204,20 @@ class PositionWriter:
         """(content type, content id, user id, position, heard ms, peak) writes, in order, in one round trip of
         their own (one WRITE_MANY_SCRIPT call per shard); for each, its answer (1, 2, 0 or TOO_FAR_AHEAD).
         An error of any call raises: the caller answers for the whole set, which is safe to send again."""
-        by_shard: dict[Shard, list[int]] = {}
-        for i, (content_type, content_id, user_id, _, _, _) in enumerate(writes):
-            by_shard.setdefault(self.layout.shard(content_type, content_id, user_id), []).append(i)
-        commands = [
-            write_many_args(
-                shard, [writes[i][1:] for i in indexes], max_skew_ms=max_skew_ms, max_backdate_ms=max_backdate_ms
-            )
-            for shard, indexes in by_shard.items()
+        by_shard: dict[Shard, tuple[list[int], list[str]]] = {}  # each write's index, and its line of the call
+        for i, (content_type, content_id, user_id, position, heard_ms, peak) in enumerate(writes):
+            indexes, lines = by_shard.setdefault(self.layout.shard(content_type, content_id, user_id), ([], []))
+            ms, us = split_ms(heard_ms)
+            indexes.append(i)
+            lines.append(f"{content_id}:{user_id} {position!r} {ms} {us} {peak!r}")
+        limits = (max_skew_ms, max_backdate_ms)
+        commands: list[tuple[object, ...]] = [
+            ("EVALSHA", WRITE_MANY_SCRIPT_SHA, 1, shard.pending_key, shard.value_prefix, *limits, "\n".join(lines))
+            for shard, (_, lines) in by_shard.items()
         ]
         results = await self._send_pipeline(commands, len(writes))
         answers = [0] * len(writes)
-        for indexes, result in zip(by_shard.values(), results, strict=True):
+        for (indexes, _), result in zip(by_shard.values(), results, strict=True):
             if isinstance(result, Exception):
                 raise result
             assert isinstance(result, list) and len(result) == len(indexes), f"one answer per write: {result!r}"
@@ -254,19 +235,16 @@ class PositionWriter:
 
     async def _send_pipeline(self, commands: list[tuple[object, ...]], heartbeats: int) -> list[object]:
         started = time.perf_counter()
-        results = await self._execute(commands)
+        # the 4th argument is a key of the command's one slot: on a cluster, the node of that slot takes it
+        results = await execute_by_node(self._redis, commands, key_index=3)
         if any(isinstance(result, NoScriptError) for result in results):
             # Redis restarted or flushed its script cache since we loaded it
             for script in (WRITE_SCRIPT, WRITE_MANY_SCRIPT):
                 await self._redis.script_load(script)
-            results = await self._execute(commands)
+            results = await execute_by_node(self._redis, commands, key_index=3)
         metrics.REDIS_WRITE_SECONDS.observe(time.perf_counter() - started)
         metrics.REDIS_WRITE_BATCH_SIZE.observe(heartbeats)
         return results
-
-    async def _execute(self, commands: list[tuple[object, ...]]) -> list[object]:
-        # the 4th argument is a key of the command's one slot: on a cluster, the node of that slot takes it
-        return await execute_by_node(self._redis, commands, key_index=3)
 
     async def aclose(self) -> None:
         await self._batcher.aclose()

@@ -46,5 +46,4 @@ async def existing(pool: asyncpg.Pool, kind: ContentKind, content_ids: list[int]
 
 
 async def count_ids(conn: asyncpg.Connection | asyncpg.Pool, kind: ContentKind) -> int:
-    count: int = await conn.fetchval(_COUNT_SQL.format(content_table=kind.content_table))
-    return count
+    return int(await conn.fetchval(_COUNT_SQL.format(content_table=kind.content_table)))

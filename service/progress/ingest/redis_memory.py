@@ -21,29 +21,23 @@ def used_and_max(info: dict[str, object]) -> tuple[int, int]:
     return int(str(info["used_memory"])), int(str(info.get("maxmemory", 0)))
 
 
-def _fill(info: dict[str, object]) -> float:
-    used, maxmemory = used_and_max(info)
-    return used / maxmemory if maxmemory else 0.0
-
-
 async def memory_by_node(redis: RedisClient) -> dict[str, dict[str, object]]:
     """INFO memory of the server, or of every master of a cluster, by node name ("" on a server)."""
     return await on_each_master(redis, lambda target: redis.info("memory", **target))
 
 
 async def sample_redis_memory(redis: RedisClient) -> None:
-    # the master nearest to full is the one whose writes are refused first
-    used, maxmemory = used_and_max(max((await memory_by_node(redis)).values(), key=_fill))
+    # the master nearest to full is the one whose writes are refused first (maxmemory 0: never full)
+    sizes = [used_and_max(info) for info in (await memory_by_node(redis)).values()]
+    used, maxmemory = max(sizes, key=lambda size: size[0] / size[1] if size[1] else 0.0)
     metrics.REDIS_USED_MEMORY.set(used)
     metrics.REDIS_MAX_MEMORY.set(maxmemory)
 
 
-async def run_redis_memory_sampler(
-    redis: RedisClient, stop: asyncio.Event, interval_s: float = SAMPLE_INTERVAL_S
-) -> None:
+async def run_redis_memory_sampler(redis: RedisClient, stop: asyncio.Event) -> None:
     """Off the request path: one INFO per interval until `stop`."""
     await sample_every(
-        interval_s,
+        SAMPLE_INTERVAL_S,
         stop,
         partial(sample_redis_memory, redis),
         name="Redis memory sample",

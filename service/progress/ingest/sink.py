@@ -56,17 +56,21 @@ _LATE = "the database did not take the write in time"
 
 
 class DirectWriter:
-    def __init__(
-        self, pool: asyncpg.Pool, *, budget: FlushBudget, margin_s: float, max_concurrency: int = DEGRADED_CONNECTIONS
-    ) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, budget: FlushBudget, margin_s: float) -> None:
         self._pool = pool
         self._budget = budget
         self._margin_s = margin_s
         # the pool's share of degraded mode, per content type: a table a migration holds holds only its own type
-        per_type = max(1, max_concurrency // len(CONTENT_KINDS))
+        per_type = max(1, DEGRADED_CONNECTIONS // len(CONTENT_KINDS))
         self._statements = {kind.name: asyncio.Semaphore(per_type) for kind in CONTENT_KINDS}
+        # a statement writes at most a batch of the budget (a second's worth), like the flush's: a turn of many
+        # requests is not one burst of rows
         self._batchers: dict[str, TurnBatcher[_Queued]] = {
-            kind.name: TurnBatcher(partial(self._send, kind), interrupted=lambda: Unavailable("write interrupted"))
+            kind.name: TurnBatcher(
+                partial(self._send, kind),
+                interrupted=lambda: Unavailable("write interrupted"),
+                max_batch=budget.batch_rows,
+            )
             for kind in CONTENT_KINDS
         }
 
@@ -80,24 +84,12 @@ class DirectWriter:
             raise
 
     async def _send(self, kind: ContentKind, entries: list[_Queued]) -> list[BaseException | None]:
-        # a statement writes at most a batch of the budget (a second's worth), like the flush's: a turn of many
-        # requests is not one burst of rows
-        size = self._budget.batch_rows
-        chunks = [entries[first : first + size] for first in range(0, len(entries), size)]
-        return [
-            result
-            for results in await asyncio.gather(*map(partial(self._send_chunk, kind), chunks))
-            for result in results
-        ]
-
-    async def _send_chunk(self, kind: ContentKind, entries: list[_Queued]) -> list[BaseException | None]:
         loop = asyncio.get_running_loop()
         deadline = min(entry.deadline for entry in entries)
         # the budget's rows within the deadline, or 503 at once: what waits is bounded by the budget itself
         reservation = await self._budget.reserve(len(entries), max_wait_s=deadline - loop.time())
         if reservation is None:
             return [_refused("the database's write budget is spent") for _ in entries]
-        written: set[int] = set()
         rows_written = 0
         try:
             async with asyncio.timeout_at(deadline):
@@ -124,8 +116,9 @@ class DirectWriter:
                 try:
                     await conn.execute("COMMIT", timeout=_WAIT_S)
                 except POSTGRES_UNAVAILABLE:  # the connection ended in the commit: did the database keep it?
-                    if not await self._committed(txid):
-                        raise
+                    async with pooled_connection(self._pool, timeout_s=_ASK_S) as asked:
+                        if not await asked.fetchval("SELECT txid_status($1) = 'committed'", txid, timeout=_ASK_S):
+                            raise
             # a row another session holds (progress, user or content row): that heartbeat alone is refused (503)
             rows_written, locked = result.written, set(result.locked)
             members = {i: pending_member(entries[i].heartbeat.content_id, entries[i].heartbeat.user_id) for i in live}
@@ -140,10 +133,6 @@ class DirectWriter:
             results[i] = _refused("a row of this heartbeat is locked by another session") if i not in written else None
         return results
 
-    async def _committed(self, txid: int) -> bool:
-        async with pooled_connection(self._pool, timeout_s=_ASK_S) as conn:
-            return bool(await conn.fetchval("SELECT txid_status($1) = 'committed'", txid, timeout=_ASK_S))
-
     async def aclose(self) -> None:
         await close_all(self._batchers.values())
 
@@ -155,34 +144,24 @@ class HeartbeatSink:
     ) -> "HeartbeatSink":
         """Redis through `writer`; without a database (`pool` None), no degraded mode."""
         direct = None if pool is None else DirectWriter(pool, budget=budget, margin_s=settings.margin_s)
-        return cls(writer, direct, redis_retry_s=settings.redis_retry_s, direct_timeout_s=settings.write_timeout_s)
+        return cls(writer, direct, settings)
 
-    def __init__(
-        self,
-        redis_writer: PositionWriter,
-        direct: DirectWriter | None,
-        *,
-        redis_retry_s: float,
-        direct_timeout_s: float,
-    ) -> None:
-        self._redis_writer = redis_writer
+    def __init__(self, writer: PositionWriter, direct: DirectWriter | None, settings: DegradedSettings) -> None:
+        self._writer = writer
         self._direct = direct
-        self._redis_retry_s = redis_retry_s
-        self._direct_timeout_s = direct_timeout_s
+        self._redis_retry_s = settings.redis_retry_s
+        self._direct_timeout_s = settings.write_timeout_s
         # per Redis node ("" for a standalone server), monotonic; while in the future, skip that node
         # instead of waiting on it
         self._redis_down_until: dict[str, float] = {}
         self.degraded = False
 
     async def write(self, kind: ContentKind, *, content_id: int, user_id: int, position: float) -> None:
-        node = self._redis_writer.node_of(kind.name, content_id, user_id)
+        node = self._writer.node_of(kind.name, content_id, user_id)
         if time.monotonic() >= self._redis_down_until.get(node, 0.0):
             try:
-                await self._redis_writer.write(
-                    content_type=kind.name,
-                    content_id=content_id,
-                    user_id=user_id,
-                    position=position,
+                await self._writer.write(
+                    content_type=kind.name, content_id=content_id, user_id=user_id, position=position
                 )
                 if self._redis_down_until:
                     self._recovered(node)
@@ -194,8 +173,7 @@ class HeartbeatSink:
                     self._set_degraded(
                         True,
                         f"Redis write failed ({type(exc).__name__}: {exc}): degraded mode, "
-                        f"heartbeats {f'of node {node} ' if node else ''}go straight to "
-                        "Postgres",
+                        f"heartbeats {f'of node {node} ' if node else ''}go straight to Postgres",
                     )
         if self._direct is None:
             raise Unavailable("progress buffer unavailable and no database configured for degraded mode")
@@ -230,6 +208,6 @@ class HeartbeatSink:
         log.log(logging.WARNING if degraded else logging.INFO, message)
 
     async def aclose(self) -> None:
-        await self._redis_writer.aclose()
+        await self._writer.aclose()
         if self._direct is not None:
             await self._direct.aclose()
