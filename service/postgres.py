@@ -33,15 +33,12 @@ class _PoolConnection(asyncpg.Connection):  # type: ignore[misc]  # asyncpg ship
     def took_no_session_state(self) -> None:
         self._stateless_use = True
 
-    def reset_needed(self) -> bool:
-        needed, self._stateless_use = not self._stateless_use, False
-        return needed
-
 
 async def _reset_session(conn: asyncpg.Connection) -> None:
     # asyncpg has rolled back an open transaction before this runs; the reset query (advisory locks,
     # LISTEN, cursors, SET) is a second round trip, skipped only after fetch_stateless
-    if isinstance(conn, _PoolConnection) and not conn.reset_needed():
+    if isinstance(conn, _PoolConnection) and conn._stateless_use:
+        conn._stateless_use = False
         return
     query = conn.get_reset_query()  # empty on a server without any of those (asyncpg's own check)
     if query:

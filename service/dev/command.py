@@ -19,14 +19,6 @@ from service.logs import configure_logging
 DEV_JWT_SECRET = "dev-only-secret-not-for-production"
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        return _dev(args)
-    except EmbeddedServerError as exc:  # dev's own Valkey or Postgres could not start
-        print(f"progress-service: {exc}", file=sys.stderr)
-        return 1
-
-
 def _dev_banner(args: argparse.Namespace, settings: Settings, token: str) -> str:
     return (
         f"\nprogress-service dev is ready on http://{args.host}:{args.port}\n"
@@ -45,7 +37,7 @@ def _dev_banner(args: argparse.Namespace, settings: Settings, token: str) -> str
     )
 
 
-def _dev(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.app import create_app
@@ -86,6 +78,9 @@ def _dev(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, http.handle_exit)
         print(_dev_banner(args, settings, token), flush=True)
         http.run()
+    except EmbeddedServerError as exc:  # dev's own Valkey or Postgres could not start
+        print(f"progress-service: {exc}", file=sys.stderr)
+        return 1
     finally:
         for server in reversed(servers):
             say(f"stopping embedded {server.name}")

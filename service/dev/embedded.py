@@ -134,22 +134,6 @@ class EmbeddedRedis(_ChildServer):
         return f"redis://127.0.0.1:{self.port}/0"
 
 
-class EmbeddedClusterNode(EmbeddedRedis):
-    def __init__(self, data_dir: Path, port: int | None, *, node_timeout_ms: int) -> None:
-        super().__init__(data_dir, port)
-        self.extra_args = (
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            "nodes.conf",
-            "--cluster-node-timeout",
-            str(node_timeout_ms),
-            # the default bus port (port + 10000) may be taken or past 65535
-            "--cluster-port",
-            str(free_port()),
-        )
-
-
 class EmbeddedCluster:
     """A Valkey Cluster of `masters` masters with one replica each, on loopback (tests and benchmarks).
 
@@ -158,10 +142,11 @@ class EmbeddedCluster:
 
     def __init__(self, data_dir: Path, *, masters: int = 3, node_timeout_ms: int = 1000) -> None:
         self.data_dir = data_dir.resolve()
-        self.nodes = [
-            EmbeddedClusterNode(self.data_dir / f"node{i}", None, node_timeout_ms=node_timeout_ms)
-            for i in range(2 * masters)
-        ]
+        self.nodes = [EmbeddedRedis(self.data_dir / f"node{i}", None) for i in range(2 * masters)]
+        for node in self.nodes:
+            node.extra_args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+            # the default bus port (port + 10000) may be taken or past 65535
+            node.extra_args += ("--cluster-node-timeout", str(node_timeout_ms), "--cluster-port", str(free_port()))
 
     @property
     def url(self) -> str:

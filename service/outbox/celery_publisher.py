@@ -84,6 +84,10 @@ def _broker_reply(exc: BaseException) -> str | None:
     return None
 
 
+# without timeouts a blackholed Redis broker holds a publishing thread for minutes
+_REDIS_TIMEOUTS = {"socket_timeout": 5.0, "socket_connect_timeout": 3.0}
+
+
 class CeleryPublisher:
     """Owns the Celery app object and the threads that publish with it."""
 
@@ -94,7 +98,8 @@ class CeleryPublisher:
         self.timeout_s = timeout_s
         self.app = Celery("progress-service", broker=broker_url, set_as_current=False)
         self.app.conf.update(
-            broker_transport_options=_transport_defaults(broker_url) | transport_options,
+            broker_transport_options=(_REDIS_TIMEOUTS if urlsplit(broker_url).scheme in ("redis", "rediss") else {})
+            | transport_options,
             task_serializer="json",
             accept_content=["json"],
             task_protocol=2,
@@ -112,7 +117,7 @@ class CeleryPublisher:
         The timeout stops the thread at the next message boundary, and the call waits for it: what the broker
         took is always in the answer, so the relay marks it. A send in hand is never cut (whether the broker
         took it would be unknown): each of its round trips ends within the transport's socket timeout
-        (`_transport_defaults`).
+        (_REDIS_TIMEOUTS on a Redis broker).
         """
         if not messages:
             return PublishResult()
@@ -175,13 +180,6 @@ class CeleryPublisher:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.app.close()
-
-
-def _transport_defaults(broker_url: str) -> dict[str, Any]:
-    # without timeouts a blackholed Redis broker holds a publishing thread for minutes
-    if urlsplit(broker_url).scheme in ("redis", "rediss"):
-        return {"socket_timeout": 5.0, "socket_connect_timeout": 3.0}
-    return {}
 
 
 def publisher_from_settings(settings: RelaySettings) -> CeleryPublisher:

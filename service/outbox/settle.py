@@ -74,25 +74,18 @@ class Settler:
         metrics.OUTBOX_RETRIED.labels(name).inc(retried)
         attempts = {row["id"]: row["publish_attempts"] for row in rows}
         for row_id, error in sent.refused.items():
-            if row_id in parked:
-                log.error(
-                    "%s outbox row %d refused by the broker %d times, parked (publish_failed_at set): %s",
-                    name,
-                    row_id,
-                    attempts[row_id],
-                    error,
-                    extra={"outbox": name, "row_id": row_id},
-                )
-            else:
-                log.warning(
-                    "%s outbox row %d refused by the broker (attempt %d of %d), retried later: %s",
-                    name,
-                    row_id,
-                    attempts[row_id],
-                    self._max_attempts,
-                    error,
-                    extra={"outbox": name, "row_id": row_id},
-                )
+            fate = "parked (publish_failed_at set)" if row_id in parked else "retried later"
+            log.log(
+                logging.ERROR if row_id in parked else logging.WARNING,
+                "%s outbox row %d refused by the broker (attempt %d of %d), %s: %s",
+                name,
+                row_id,
+                attempts[row_id],
+                self._max_attempts,
+                fate,
+                error,
+                extra={"outbox": name, "row_id": row_id},
+            )
         if sent.unavailable is not None:
             result.broker_unavailable = sent.unavailable
             metrics.OUTBOX_BROKER_UNAVAILABLE.labels(name).inc()
