@@ -23,23 +23,6 @@ from service.outbox.messages import Message, PublishResult
 log = logging.getLogger(__name__)
 
 
-def _connection_errors() -> tuple[type[BaseException], ...]:
-    """What says "the broker is not reachable now" rather than "this message is refused"."""
-    from kombu.exceptions import OperationalError
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
-    errors: list[type[BaseException]] = [OperationalError, OSError, RedisConnectionError, RedisTimeoutError]
-    try:
-        from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.exceptions import EndpointConnectionError
-
-        errors += [BotoConnectionError, EndpointConnectionError]
-    except ImportError:  # the SQS extra is not installed
-        pass
-    return tuple(errors)
-
-
 # SQS error codes that say "not now" rather than "never": the relay waits and retries them
 _SQS_TRANSIENT_CODES = {"RequestThrottled", "ThrottlingException", "ServiceUnavailable", "InternalError",
                         "InternalFailure", "KmsThrottled", "RequestExpired"}  # fmt: skip
@@ -93,6 +76,9 @@ class CeleryPublisher:
 
     def __init__(self, broker_url: str, transport_options: dict[str, Any], *, timeout_s: float) -> None:
         from celery import Celery
+        from kombu.exceptions import OperationalError
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
 
         check_transport(broker_url)
         self.timeout_s = timeout_s
@@ -108,7 +94,16 @@ class CeleryPublisher:
             task_publish_retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
             broker_connection_timeout=min(timeout_s, 4.0),
         )
-        self._connection_errors = _connection_errors()
+        # what says "the broker is not reachable now" rather than "this message is refused"
+        errors: list[type[BaseException]] = [OperationalError, OSError, RedisConnectionError, RedisTimeoutError]
+        try:
+            from botocore.exceptions import ConnectionError as BotoConnectionError
+            from botocore.exceptions import EndpointConnectionError
+
+            errors += [BotoConnectionError, EndpointConnectionError]
+        except ImportError:  # the SQS extra is not installed
+            pass
+        self._connection_errors = tuple(errors)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="celery-publish")
 
     async def publish(self, messages: Sequence[Message]) -> PublishResult:

@@ -134,16 +134,9 @@ class Relay:
         """On shutdown, after the last flush: one bounded pass; what it cannot send waits for another pod."""
         try:
             async with asyncio.timeout(timeout_s):
-                result = await self.relay_once()
-        except POSTGRES_FAILED as exc:
-            log.warning("outbox relay: final pass on shutdown did not finish (%r); the rows wait in the outbox", exc)
-            return
-        if result.did_something():
-            log.info(
-                "outbox relay: final pass on shutdown published %s",
-                counts_text(result.published),
-                extra={"count": sum(result.published.values())},
-            )
+                await self._pass(None)
+        except TimeoutError:
+            log.warning("outbox relay: final pass on shutdown cut at %gs; the rows wait in the outbox", timeout_s)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until `stop`: on each NOTIFY, every poll interval, and after a backoff while the broker is down."""
@@ -172,7 +165,7 @@ class Relay:
                 with contextlib.suppress(*POSTGRES_FAILED):
                     await listener.close(timeout=2)
 
-    async def _pass(self, stop: asyncio.Event) -> bool:
+    async def _pass(self, stop: asyncio.Event | None) -> bool:
         try:
             result = await self.relay_once(stop=stop)
         except POSTGRES_FAILED as exc:

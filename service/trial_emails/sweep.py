@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 # pg advisory lock key of the periodic sweep; 7431001 guards the migrations (service.dev.embedded)
 SWEEP_LOCK_KEY = 7431004
 
-# Same window as journey.in_journey: started, and less than GRACE past ends_at.
+# Same window as journey.resolve_pending_emails: started, and less than GRACE past ends_at.
 COUNT_IN_JOURNEY_SQL = """
 SELECT count(*) FROM trials_usertrial WHERE started_at <= $1 AND ends_at > $1 - $2::interval
 """
