@@ -82,6 +82,18 @@ class _ChildServer:
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def _run(self, args: list[str], preexec: Callable[[], None], ready: Callable[[], bool], timeout_s: float) -> None:
+        """Start the server, then wait until it is `ready`; its log says why if it exits or never is."""
+        with open(self.log_path, "ab") as out:
+            self.process = subprocess.Popen(args, stdout=out, stderr=out, stdin=subprocess.DEVNULL, preexec_fn=preexec)
+
+        def up() -> bool:
+            if not self.is_running():
+                raise EmbeddedServerError(f"{self.name} exited at start; log {self.log_path}")
+            return ready()
+
+        _wait_until(up, timeout_s=timeout_s, what=self.name, log_path=self.log_path)
+
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.process is not None and self.is_running():
             self.process.send_signal(self._stop_signal)
@@ -113,15 +125,9 @@ class EmbeddedRedis(_ChildServer):
         args = [executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
         args += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]  # the AOF only, no snapshots
         args += ["--logfile", str(self.log_path), "--daemonize", "no", *self.extra_args]
-        with open(self.log_path, "ab") as out:
-            self.process = subprocess.Popen(
-                args, stdout=out, stderr=out, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(signal.SIGTERM)
-            )
-        _wait_until(self._answers_ping, timeout_s=10, what="valkey", log_path=self.log_path)
+        self._run(args, _die_with_parent(signal.SIGTERM), self._answers_ping, timeout_s=10)
 
     def _answers_ping(self) -> bool:
-        if not self.is_running():
-            raise EmbeddedServerError(f"valkey exited at start; log {self.log_path}")
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                 sock.sendall(b"PING\r\n")
