@@ -112,8 +112,6 @@ async def create_db_pool(
         max_size=settings.pool_max_size,
         max_queries=50_000,
         max_inactive_connection_lifetime=300.0,
-        setup=None,
-        init=None,
         loop=None,
         record_class=asyncpg.Record,
         command_timeout=COMMAND_TIMEOUT_S,

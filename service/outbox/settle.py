@@ -46,10 +46,7 @@ class Settler:
 
     def __init__(self, pool: asyncpg.Pool, settings: RelaySettings, retry_backoff_s: float) -> None:
         self._pool = pool
-        self._lease_s = settings.lease_s
-        # how long a statement may take (0: unbounded, no retry near the end)
-        self._statement_s = settings.statement_timeout_s
-        self._max_attempts = settings.max_attempts
+        self._settings = settings
         self._retry_backoff_s = retry_backoff_s
 
     async def record(
@@ -81,7 +78,7 @@ class Settler:
                 name,
                 row_id,
                 attempts[row_id],
-                self._max_attempts,
+                self._settings.max_attempts,
                 fate,
                 error,
                 extra={"outbox": name, "row_id": row_id},
@@ -99,7 +96,7 @@ class Settler:
             await self._while_leased(outbox, "mark", len(sent), lease_ends, self._pool.execute, outbox.mark_sql, sent)
         if not refused:
             return set()
-        args = (list(refused), list(refused.values()), self._max_attempts, self._retry_backoff_s)
+        args = (list(refused), list(refused.values()), self._settings.max_attempts, self._retry_backoff_s)
         rows = await self._while_leased(
             outbox, "refusals", len(refused), lease_ends, self._pool.fetch, outbox.refuse_sql, *args
         )
@@ -115,7 +112,8 @@ class Settler:
             # "not now" (a lock, a timeout) or no answer; a bug or a schema drift goes up at once
             except POSTGRES_UNAVAILABLE as exc:
                 # the next try ends before the lease does, or not at all: past it, another relay may publish them
-                next_ends = time.monotonic() + pause_s + (self._statement_s or self._lease_s)
+                # a statement takes statement_timeout_s at most (0: unbounded, so no retry near the end)
+                next_ends = time.monotonic() + pause_s + (self._settings.statement_timeout_s or self._settings.lease_s)
                 if next_ends >= lease_ends or self._pool.is_closing():
                     raise
                 log.warning(

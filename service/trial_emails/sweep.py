@@ -40,7 +40,7 @@ async def sweep_journeys(
     pool: asyncpg.Pool,
     options: BatchOptions,
     now: datetime | None = None,
-    on_batch: OnBatch | None = None,
+    on_batch: OnBatch = lambda done, in_journey, result: None,
     should_stop: Callable[[], bool] = lambda: False,
     budget: FlushBudget | None = None,
 ) -> BatchResult:
@@ -64,8 +64,7 @@ async def sweep_journeys(
         result = await send_trial_journey_emails_batch(ids, pool=pool, options=options, now=now, budget=budget)
         total["user_trials"] += result["user_trials"]
         total["sent"] += result["sent"]
-        if on_batch is not None:
-            on_batch(total["user_trials"], in_journey, result)
+        on_batch(total["user_trials"], in_journey, result)
         after_id = ids[-1]
     return total
 
