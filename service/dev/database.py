@@ -111,8 +111,7 @@ INSERT INTO courses_lesson (id, title, duration) VALUES (1, 'Breathing basics', 
 INSERT INTO audios_audio (id, title, duration) VALUES (1, 'Morning focus', 300) ON CONFLICT (id) DO NOTHING;
 INSERT INTO audios_meditation (id, title, duration) VALUES (1, 'Body scan', 900) ON CONFLICT (id) DO NOTHING;
 INSERT INTO lives_live (id, title, duration) VALUES (1, 'Sunday session', 3600) ON CONFLICT (id) DO NOTHING;
-SELECT setval(pg_get_serial_sequence(t, 'id'), GREATEST((SELECT COALESCE(max(id), 1) FROM users_user), 1))
-  FROM (VALUES ('users_user')) AS s(t);
+SELECT setval(pg_get_serial_sequence('users_user', 'id'), (SELECT max(id) FROM users_user));
 """
 
 
