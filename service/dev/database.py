@@ -34,10 +34,7 @@ class EmbeddedPostgres(_ChildServer):
     def __init__(self, data_dir: Path, port: int | None, *, durable: bool = True) -> None:
         super().__init__(data_dir, port)
         self.durable = durable
-
-    @property
-    def pgdata(self) -> Path:
-        return self.data_dir / "pgdata"
+        self.pgdata = self.data_dir / "pgdata"
 
     def _bin(self, name: str) -> str:
         return str(_postgres_bin_path() / name)

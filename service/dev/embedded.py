@@ -73,11 +73,8 @@ class _ChildServer:
     def __init__(self, data_dir: Path, port: int | None) -> None:
         self.data_dir = data_dir.resolve()
         self.port = port or free_port()
+        self.log_path = self.data_dir / f"{self.name}.log"
         self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def log_path(self) -> Path:
-        return self.data_dir / f"{self.name}.log"
 
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -97,10 +97,9 @@ class CeleryPublisher:
         # what says "the broker is not reachable now" rather than "this message is refused"
         errors: list[type[BaseException]] = [OperationalError, OSError, RedisConnectionError, RedisTimeoutError]
         try:
-            from botocore.exceptions import ConnectionError as BotoConnectionError
-            from botocore.exceptions import EndpointConnectionError
+            from botocore.exceptions import ConnectionError as BotoConnectionError  # EndpointConnectionError's too
 
-            errors += [BotoConnectionError, EndpointConnectionError]
+            errors.append(BotoConnectionError)
         except ImportError:  # the SQS extra is not installed
             pass
         self._connection_errors = tuple(errors)
