@@ -24,11 +24,7 @@ def local_timeouts_sql(*, statement_timeout_s: float, lock_timeout_s: float) -> 
 class _PoolConnection(asyncpg.Connection):  # type: ignore[misc]  # asyncpg ships no types here
     """A pooled connection that can go back to the pool without the reset query, when told its use took no state."""
 
-    __slots__ = ("_stateless_use",)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._stateless_use = False
+    _stateless_use = False
 
     def took_no_session_state(self) -> None:
         self._stateless_use = True
