@@ -175,7 +175,7 @@ class Relay:
                 self._settings.max_backoff_s,
             )
             return False
-        if result.did_something():
+        if any(result.published.values()) or any(result.parked.values()) or any(result.retried.values()):
             log.info(
                 "outbox relay: tasks published %s (republished %s, refused and retried later %s, "
                 "refused and parked %s)",

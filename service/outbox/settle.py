@@ -37,9 +37,6 @@ class RelayResult:
     broker_unavailable: str | None = None
     retried: dict[str, int] = field(default_factory=dict)  # refused, retried after a backoff
 
-    def did_something(self) -> bool:
-        return any(self.published.values()) or any(self.parked.values()) or any(self.retried.values())
-
 
 class Settler:
     """Records a relay's published batches in their outbox, for that relay alone."""

@@ -17,7 +17,7 @@ from service.trial_emails.journey import GRACE
 
 log = logging.getLogger(__name__)
 
-# pg advisory lock key of the periodic sweep; 7431001 guards the migrations (service.dev.embedded)
+# pg advisory lock key of the periodic sweep; 7431001 guards the migrations (service.dev.database)
 SWEEP_LOCK_KEY = 7431004
 
 # Same window as journey.resolve_pending_emails: started, and less than GRACE past ends_at.
