@@ -24,24 +24,17 @@ def local_timeouts_sql(*, statement_timeout_s: float, lock_timeout_s: float) -> 
 class _PoolConnection(asyncpg.Connection):  # type: ignore[misc]  # asyncpg ships no types here
     """A pooled connection that can go back to the pool without the reset query, when told its use took no state."""
 
-    __slots__ = ("_stateless_use",)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._stateless_use = False
+    _stateless_use = False
 
     def took_no_session_state(self) -> None:
         self._stateless_use = True
-
-    def reset_needed(self) -> bool:
-        needed, self._stateless_use = not self._stateless_use, False
-        return needed
 
 
 async def _reset_session(conn: asyncpg.Connection) -> None:
     # asyncpg has rolled back an open transaction before this runs; the reset query (advisory locks,
     # LISTEN, cursors, SET) is a second round trip, skipped only after fetch_stateless
-    if isinstance(conn, _PoolConnection) and not conn.reset_needed():
+    if isinstance(conn, _PoolConnection) and conn._stateless_use:
+        conn._stateless_use = False
         return
     query = conn.get_reset_query()  # empty on a server without any of those (asyncpg's own check)
     if query:
@@ -115,8 +108,6 @@ async def create_db_pool(
         max_size=settings.pool_max_size,
         max_queries=50_000,
         max_inactive_connection_lifetime=300.0,
-        setup=None,
-        init=None,
         loop=None,
         record_class=asyncpg.Record,
         command_timeout=COMMAND_TIMEOUT_S,

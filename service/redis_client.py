@@ -63,10 +63,7 @@ def connect_redis(settings: RedisSettings) -> RedisClient:
 
 
 async def execute_by_node(
-    redis: RedisClient,
-    commands: Sequence[tuple[object, ...]],
-    *,
-    key_index: int,
+    redis: RedisClient, commands: Sequence[tuple[object, ...]], *, key_index: int
 ) -> list[object]:
     """Send commands in one round trip per node; each result is its reply or its own exception.
 

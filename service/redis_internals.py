@@ -101,25 +101,10 @@ class _PackedByHiredis(AbstractConnection):
         return packed
 
 
-class _GuardedConnection(_ClosedTransportIsConnectionError, _PackedByHiredis, Connection):
-    pass
-
-
-class _GuardedSSLConnection(_ClosedTransportIsConnectionError, _PackedByHiredis, SSLConnection):
-    pass
-
-
-class _GuardedUnixDomainSocketConnection(
-    _ClosedTransportIsConnectionError, _PackedByHiredis, UnixDomainSocketConnection
-):
-    pass
-
-
 # the class redis-py picks for a URL's scheme (redis://, rediss://, unix://) -> ours
 GUARDED: dict[type[AbstractConnection], type[AbstractConnection]] = {
-    Connection: _GuardedConnection,
-    SSLConnection: _GuardedSSLConnection,
-    UnixDomainSocketConnection: _GuardedUnixDomainSocketConnection,
+    base: type(f"_Guarded{base.__name__}", (_ClosedTransportIsConnectionError, _PackedByHiredis, base), {})
+    for base in (Connection, SSLConnection, UnixDomainSocketConnection)
 }
 
 

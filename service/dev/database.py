@@ -10,7 +10,7 @@ import subprocess
 import warnings
 from pathlib import Path
 
-from service.dev.embedded import EmbeddedServerError, _ChildServer, _die_with_parent, _refuse_taken, _wait_until
+from service.dev.embedded import EmbeddedServerError, _ChildServer, _die_with_parent, _refuse_taken
 
 # Postgres refuses to run as root; when we are root, its processes run as this user.
 _PG_SYSTEM_USER = "embedded_postgres"
@@ -34,10 +34,7 @@ class EmbeddedPostgres(_ChildServer):
     def __init__(self, data_dir: Path, port: int | None, *, durable: bool = True) -> None:
         super().__init__(data_dir, port)
         self.durable = durable
-
-    @property
-    def pgdata(self) -> Path:
-        return self.data_dir / "pgdata"
+        self.pgdata = self.data_dir / "pgdata"
 
     def _bin(self, name: str) -> str:
         return str(_postgres_bin_path() / name)
@@ -76,22 +73,12 @@ class EmbeddedPostgres(_ChildServer):
         if not self.durable:
             # tests only: no fsync makes a throwaway cluster several times faster
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
-        with open(self.log_path, "ab") as out:
-            self.process = subprocess.Popen(
-                args,
-                stdout=out,
-                stderr=out,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent(signal.SIGINT, uid=uid, gid=gid),
-            )
-        _wait_until(self._accepts, timeout_s=30, what="postgres", log_path=self.log_path)
+        self._run(args, _die_with_parent(signal.SIGINT, uid=uid, gid=gid), self._accepts, timeout_s=30)
 
     def _client(self, name: str, *args: str) -> list[str]:
         return [self._bin(name), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", *args]
 
     def _accepts(self) -> bool:
-        if not self.is_running():
-            raise EmbeddedServerError(f"postgres exited at start; log {self.log_path}")
         return subprocess.run(self._client("pg_isready", "-q"), check=False).returncode == 0
 
     def create_database(self, name: str) -> None:
@@ -121,8 +108,7 @@ INSERT INTO courses_lesson (id, title, duration) VALUES (1, 'Breathing basics', 
 INSERT INTO audios_audio (id, title, duration) VALUES (1, 'Morning focus', 300) ON CONFLICT (id) DO NOTHING;
 INSERT INTO audios_meditation (id, title, duration) VALUES (1, 'Body scan', 900) ON CONFLICT (id) DO NOTHING;
 INSERT INTO lives_live (id, title, duration) VALUES (1, 'Sunday session', 3600) ON CONFLICT (id) DO NOTHING;
-SELECT setval(pg_get_serial_sequence(t, 'id'), GREATEST((SELECT COALESCE(max(id), 1) FROM users_user), 1))
-  FROM (VALUES ('users_user')) AS s(t);
+SELECT setval(pg_get_serial_sequence('users_user', 'id'), (SELECT max(id) FROM users_user));
 """
 
 

@@ -73,14 +73,23 @@ class _ChildServer:
     def __init__(self, data_dir: Path, port: int | None) -> None:
         self.data_dir = data_dir.resolve()
         self.port = port or free_port()
+        self.log_path = self.data_dir / f"{self.name}.log"
         self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def log_path(self) -> Path:
-        return self.data_dir / f"{self.name}.log"
 
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def _run(self, args: list[str], preexec: Callable[[], None], ready: Callable[[], bool], timeout_s: float) -> None:
+        """Start the server, then wait until it is `ready`; its log says why if it exits or never is."""
+        with open(self.log_path, "ab") as out:
+            self.process = subprocess.Popen(args, stdout=out, stderr=out, stdin=subprocess.DEVNULL, preexec_fn=preexec)
+
+        def up() -> bool:
+            if not self.is_running():
+                raise EmbeddedServerError(f"{self.name} exited at start; log {self.log_path}")
+            return ready()
+
+        _wait_until(up, timeout_s=timeout_s, what=self.name, log_path=self.log_path)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.process is not None and self.is_running():
@@ -113,15 +122,9 @@ class EmbeddedRedis(_ChildServer):
         args = [executable, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir)]
         args += ["--appendonly", "yes", "--appendfsync", "everysec", "--save", ""]  # the AOF only, no snapshots
         args += ["--logfile", str(self.log_path), "--daemonize", "no", *self.extra_args]
-        with open(self.log_path, "ab") as out:
-            self.process = subprocess.Popen(
-                args, stdout=out, stderr=out, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(signal.SIGTERM)
-            )
-        _wait_until(self._answers_ping, timeout_s=10, what="valkey", log_path=self.log_path)
+        self._run(args, _die_with_parent(signal.SIGTERM), self._answers_ping, timeout_s=10)
 
     def _answers_ping(self) -> bool:
-        if not self.is_running():
-            raise EmbeddedServerError(f"valkey exited at start; log {self.log_path}")
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                 sock.sendall(b"PING\r\n")
@@ -134,22 +137,6 @@ class EmbeddedRedis(_ChildServer):
         return f"redis://127.0.0.1:{self.port}/0"
 
 
-class EmbeddedClusterNode(EmbeddedRedis):
-    def __init__(self, data_dir: Path, port: int | None, *, node_timeout_ms: int) -> None:
-        super().__init__(data_dir, port)
-        self.extra_args = (
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            "nodes.conf",
-            "--cluster-node-timeout",
-            str(node_timeout_ms),
-            # the default bus port (port + 10000) may be taken or past 65535
-            "--cluster-port",
-            str(free_port()),
-        )
-
-
 class EmbeddedCluster:
     """A Valkey Cluster of `masters` masters with one replica each, on loopback (tests and benchmarks).
 
@@ -158,10 +145,11 @@ class EmbeddedCluster:
 
     def __init__(self, data_dir: Path, *, masters: int = 3, node_timeout_ms: int = 1000) -> None:
         self.data_dir = data_dir.resolve()
-        self.nodes = [
-            EmbeddedClusterNode(self.data_dir / f"node{i}", None, node_timeout_ms=node_timeout_ms)
-            for i in range(2 * masters)
-        ]
+        self.nodes = [EmbeddedRedis(self.data_dir / f"node{i}", None) for i in range(2 * masters)]
+        for node in self.nodes:
+            node.extra_args = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")
+            # the default bus port (port + 10000) may be taken or past 65535
+            node.extra_args += ("--cluster-node-timeout", str(node_timeout_ms), "--cluster-port", str(free_port()))
 
     @property
     def url(self) -> str:

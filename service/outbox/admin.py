@@ -93,7 +93,7 @@ async def redrive_parked(
     *,
     ids: Sequence[int] | None = None,
     chunk: int = REDRIVE_CHUNK,
-    on_chunk: Callable[[int], None] | None = None,
+    on_chunk: Callable[[int], None] = lambda _: None,
     should_stop: Callable[[], bool] = lambda: False,
 ) -> int:
     """Make the parked rows of `outbox` (only `ids`, when given) owed again, chunk by chunk; returns how many.
@@ -108,6 +108,5 @@ async def redrive_parked(
             break
         after = row["last"]
         total += row["redriven"]
-        if on_chunk is not None:
-            on_chunk(row["redriven"])
+        on_chunk(row["redriven"])
     return total

@@ -23,23 +23,6 @@ from service.outbox.messages import Message, PublishResult
 log = logging.getLogger(__name__)
 
 
-def _connection_errors() -> tuple[type[BaseException], ...]:
-    """What says "the broker is not reachable now" rather than "this message is refused"."""
-    from kombu.exceptions import OperationalError
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
-    errors: list[type[BaseException]] = [OperationalError, OSError, RedisConnectionError, RedisTimeoutError]
-    try:
-        from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.exceptions import EndpointConnectionError
-
-        errors += [BotoConnectionError, EndpointConnectionError]
-    except ImportError:  # the SQS extra is not installed
-        pass
-    return tuple(errors)
-
-
 # SQS error codes that say "not now" rather than "never": the relay waits and retries them
 _SQS_TRANSIENT_CODES = {"RequestThrottled", "ThrottlingException", "ServiceUnavailable", "InternalError",
                         "InternalFailure", "KmsThrottled", "RequestExpired"}  # fmt: skip
@@ -84,17 +67,25 @@ def _broker_reply(exc: BaseException) -> str | None:
     return None
 
 
+# without timeouts a blackholed Redis broker holds a publishing thread for minutes
+_REDIS_TIMEOUTS = {"socket_timeout": 5.0, "socket_connect_timeout": 3.0}
+
+
 class CeleryPublisher:
     """Owns the Celery app object and the threads that publish with it."""
 
     def __init__(self, broker_url: str, transport_options: dict[str, Any], *, timeout_s: float) -> None:
         from celery import Celery
+        from kombu.exceptions import OperationalError
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
 
         check_transport(broker_url)
         self.timeout_s = timeout_s
         self.app = Celery("progress-service", broker=broker_url, set_as_current=False)
         self.app.conf.update(
-            broker_transport_options=_transport_defaults(broker_url) | transport_options,
+            broker_transport_options=(_REDIS_TIMEOUTS if urlsplit(broker_url).scheme in ("redis", "rediss") else {})
+            | transport_options,
             task_serializer="json",
             accept_content=["json"],
             task_protocol=2,
@@ -103,7 +94,15 @@ class CeleryPublisher:
             task_publish_retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
             broker_connection_timeout=min(timeout_s, 4.0),
         )
-        self._connection_errors = _connection_errors()
+        # what says "the broker is not reachable now" rather than "this message is refused"
+        errors: list[type[BaseException]] = [OperationalError, OSError, RedisConnectionError, RedisTimeoutError]
+        try:
+            from botocore.exceptions import ConnectionError as BotoConnectionError  # EndpointConnectionError's too
+
+            errors.append(BotoConnectionError)
+        except ImportError:  # the SQS extra is not installed
+            pass
+        self._connection_errors = tuple(errors)
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="celery-publish")
 
     async def publish(self, messages: Sequence[Message]) -> PublishResult:
@@ -112,7 +111,7 @@ class CeleryPublisher:
         The timeout stops the thread at the next message boundary, and the call waits for it: what the broker
         took is always in the answer, so the relay marks it. A send in hand is never cut (whether the broker
         took it would be unknown): each of its round trips ends within the transport's socket timeout
-        (`_transport_defaults`).
+        (_REDIS_TIMEOUTS on a Redis broker).
         """
         if not messages:
             return PublishResult()
@@ -175,13 +174,6 @@ class CeleryPublisher:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.app.close()
-
-
-def _transport_defaults(broker_url: str) -> dict[str, Any]:
-    # without timeouts a blackholed Redis broker holds a publishing thread for minutes
-    if urlsplit(broker_url).scheme in ("redis", "rediss"):
-        return {"socket_timeout": 5.0, "socket_connect_timeout": 3.0}
-    return {}
 
 
 def publisher_from_settings(settings: RelaySettings) -> CeleryPublisher:

@@ -33,12 +33,12 @@ class Outbox:
     name: str  # the metrics label: completion | email
     table: str
     key: str  # its bigint primary key: the `id` the relay, the log and `outbox list` name
+    to_message: Callable[[asyncpg.Record, str, str], Message]  # (row, task name, queue)
     claim_sql: str  # $1 batch size, $2 lease (s); returns the rows with publish_attempts
     mark_sql: str  # $1 row ids
     release_sql: str  # $1 row ids: claimed, not published, no harm done (the broker was unreachable)
     refuse_sql: str  # $1 row ids, $2 errors, $3 max attempts, $4 first backoff (s); returns id, parked
     counts_sql: str  # owed, parked, and the age (s) of the oldest row still owed (or NULL)
-    to_message: Callable[[asyncpg.Record, str, str], Message]  # (row, task name, queue)
 
 
 # The two states of an unpublished row, as the partial indexes of migrations_ref/006_outbox_counts.sql
@@ -113,17 +113,8 @@ def _outbox(
 ) -> Outbox:
     """Both outboxes are one shape: a table with a bigint key, published_at, a lease, attempts and a park."""
     names = {"table": table, "key": key, "returning": returning, "owed": OWED, "parked": PARKED}
-    return Outbox(
-        name,
-        table,
-        key,
-        _CLAIM_SQL.format(**names),
-        _MARK_SQL.format(**names),
-        _RELEASE_SQL.format(**names),
-        _REFUSE_SQL.format(**names),
-        _COUNTS_SQL.format(**names),
-        to_message,
-    )
+    statements = (_CLAIM_SQL, _MARK_SQL, _RELEASE_SQL, _REFUSE_SQL, _COUNTS_SQL)
+    return Outbox(name, table, key, to_message, *(sql.format(**names) for sql in statements))
 
 
 def completion_message(row: asyncpg.Record, task_name: str, queue: str) -> Message:
@@ -144,9 +135,8 @@ def email_message(row: asyncpg.Record, task_name: str, queue: str) -> Message:
         "email_key": row["email_key"],
         "source": row["source"],
     }
-    return Message(
-        row["id"], task_name, queue, email_task_id(row["id"]), kwargs, extra={"reserved_at": row["reserved_at"]}
-    )
+    extra = {"reserved_at": row["reserved_at"]}
+    return Message(row["id"], task_name, queue, email_task_id(row["id"]), kwargs, extra)
 
 
 COMPLETIONS = _outbox(

@@ -71,10 +71,7 @@ class Relay:
         self._pool = pool
         self._settler = Settler(pool, settings, retry_backoff_s)
         self._routes = list(routes)
-        self._lease_s = settings.lease_s
-        self._poll_s = settings.poll_s
-        self._max_backoff_s = settings.max_backoff_s
-        self._listen_dsn = settings.listen_dsn
+        self._settings = settings
         self._wake = asyncio.Event()
         self._counted_at: dict[str, float] = {}  # by outbox: when its gauges were last counted
 
@@ -101,14 +98,14 @@ class Relay:
         outbox = route.outbox
         while True:
             leased_at = time.monotonic()  # the batch's lease runs from about now
-            rows: list[asyncpg.Record] = await self._pool.fetch(outbox.claim_sql, BATCH_SIZE, self._lease_s)
+            rows: list[asyncpg.Record] = await self._pool.fetch(outbox.claim_sql, BATCH_SIZE, self._settings.lease_s)
             if not rows:
                 return
             checkpoints.reached("relay.after_claim")
             with tracing.span("relay batch", outbox=outbox.name, rows=len(rows)):
                 messages = [outbox.to_message(row, route.task_name, route.queue) for row in rows]
                 sent = await route.publisher.publish(messages)
-                await self._settler.record(outbox, rows, sent, result, lease_ends=leased_at + self._lease_s)
+                await self._settler.record(outbox, rows, sent, result, lease_ends=leased_at + self._settings.lease_s)
             if sent.unavailable is not None:
                 # unreachable, or slow: what was claimed and not sent goes back, to wait unleased
                 done = set(sent.sent) | set(sent.refused)
@@ -134,16 +131,9 @@ class Relay:
         """On shutdown, after the last flush: one bounded pass; what it cannot send waits for another pod."""
         try:
             async with asyncio.timeout(timeout_s):
-                result = await self.relay_once()
-        except POSTGRES_FAILED as exc:
-            log.warning("outbox relay: final pass on shutdown did not finish (%r); the rows wait in the outbox", exc)
-            return
-        if result.did_something():
-            log.info(
-                "outbox relay: final pass on shutdown published %s",
-                counts_text(result.published),
-                extra={"count": sum(result.published.values())},
-            )
+                await self._pass(None)
+        except TimeoutError:
+            log.warning("outbox relay: final pass on shutdown cut at %gs; the rows wait in the outbox", timeout_s)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until `stop`: on each NOTIFY, every poll interval, and after a backoff while the broker is down."""
@@ -158,11 +148,11 @@ class Relay:
             # The relay is the only way out of the outboxes: if it died, every completion and email
             # would wait for ever with no alert. An error nobody foresaw is logged, and it backs off.
             await every(
-                self._poll_s,
+                self._settings.poll_s,
                 stop,
                 step,
                 name="outbox relay",
-                backoff=Backoff(0.5, self._max_backoff_s),
+                backoff=Backoff(0.5, self._settings.max_backoff_s),
                 wake=self._wake,
                 errors=metrics.OUTBOX_RELAY_ERRORS,
                 logger=log,
@@ -172,7 +162,7 @@ class Relay:
                 with contextlib.suppress(*POSTGRES_FAILED):
                     await listener.close(timeout=2)
 
-    async def _pass(self, stop: asyncio.Event) -> bool:
+    async def _pass(self, stop: asyncio.Event | None) -> bool:
         try:
             result = await self.relay_once(stop=stop)
         except POSTGRES_FAILED as exc:
@@ -182,10 +172,10 @@ class Relay:
             log.warning(
                 "outbox relay: broker unavailable (%s); retrying with backoff (at most %.0fs)",
                 result.broker_unavailable,
-                self._max_backoff_s,
+                self._settings.max_backoff_s,
             )
             return False
-        if result.did_something():
+        if any(result.published.values()) or any(result.parked.values()) or any(result.retried.values()):
             log.info(
                 "outbox relay: tasks published %s (republished %s, refused and retried later %s, "
                 "refused and parked %s)",
@@ -199,15 +189,16 @@ class Relay:
 
     async def _ensure_listener(self, listener: asyncpg.Connection | None) -> asyncpg.Connection | None:
         """A connection LISTENing on the writers' channel, reopened when lost; None means poll only."""
-        if not self._listen_dsn:
+        dsn = self._settings.listen_dsn
+        if not dsn:
             return None
         if listener is not None and not listener.is_closed():
             return listener
         try:
-            listener = await asyncpg.connect(self._listen_dsn, timeout=CONNECT_TIMEOUT_S, statement_cache_size=0)
+            listener = await asyncpg.connect(dsn, timeout=CONNECT_TIMEOUT_S, statement_cache_size=0)
             await listener.add_listener(NOTIFY_CHANNEL, lambda *_: self._wake.set())
         except POSTGRES_FAILED as exc:
-            log.warning("outbox relay: cannot LISTEN (%r); polling every %.1fs", exc, self._poll_s)
+            log.warning("outbox relay: cannot LISTEN (%r); polling every %.1fs", exc, self._settings.poll_s)
             return None
         return listener
 

@@ -37,19 +37,13 @@ class RelayResult:
     broker_unavailable: str | None = None
     retried: dict[str, int] = field(default_factory=dict)  # refused, retried after a backoff
 
-    def did_something(self) -> bool:
-        return any(self.published.values()) or any(self.parked.values()) or any(self.retried.values())
-
 
 class Settler:
     """Records a relay's published batches in their outbox, for that relay alone."""
 
     def __init__(self, pool: asyncpg.Pool, settings: RelaySettings, retry_backoff_s: float) -> None:
         self._pool = pool
-        self._lease_s = settings.lease_s
-        # how long a statement may take (0: unbounded, no retry near the end)
-        self._statement_s = settings.statement_timeout_s
-        self._max_attempts = settings.max_attempts
+        self._settings = settings
         self._retry_backoff_s = retry_backoff_s
 
     async def record(
@@ -74,25 +68,18 @@ class Settler:
         metrics.OUTBOX_RETRIED.labels(name).inc(retried)
         attempts = {row["id"]: row["publish_attempts"] for row in rows}
         for row_id, error in sent.refused.items():
-            if row_id in parked:
-                log.error(
-                    "%s outbox row %d refused by the broker %d times, parked (publish_failed_at set): %s",
-                    name,
-                    row_id,
-                    attempts[row_id],
-                    error,
-                    extra={"outbox": name, "row_id": row_id},
-                )
-            else:
-                log.warning(
-                    "%s outbox row %d refused by the broker (attempt %d of %d), retried later: %s",
-                    name,
-                    row_id,
-                    attempts[row_id],
-                    self._max_attempts,
-                    error,
-                    extra={"outbox": name, "row_id": row_id},
-                )
+            fate = "parked (publish_failed_at set)" if row_id in parked else "retried later"
+            log.log(
+                logging.ERROR if row_id in parked else logging.WARNING,
+                "%s outbox row %d refused by the broker (attempt %d of %d), %s: %s",
+                name,
+                row_id,
+                attempts[row_id],
+                self._settings.max_attempts,
+                fate,
+                error,
+                extra={"outbox": name, "row_id": row_id},
+            )
         if sent.unavailable is not None:
             result.broker_unavailable = sent.unavailable
             metrics.OUTBOX_BROKER_UNAVAILABLE.labels(name).inc()
@@ -106,7 +93,7 @@ class Settler:
             await self._while_leased(outbox, "mark", len(sent), lease_ends, self._pool.execute, outbox.mark_sql, sent)
         if not refused:
             return set()
-        args = (list(refused), list(refused.values()), self._max_attempts, self._retry_backoff_s)
+        args = (list(refused), list(refused.values()), self._settings.max_attempts, self._retry_backoff_s)
         rows = await self._while_leased(
             outbox, "refusals", len(refused), lease_ends, self._pool.fetch, outbox.refuse_sql, *args
         )
@@ -122,7 +109,8 @@ class Settler:
             # "not now" (a lock, a timeout) or no answer; a bug or a schema drift goes up at once
             except POSTGRES_UNAVAILABLE as exc:
                 # the next try ends before the lease does, or not at all: past it, another relay may publish them
-                next_ends = time.monotonic() + pause_s + (self._statement_s or self._lease_s)
+                # a statement takes statement_timeout_s at most (0: unbounded, so no retry near the end)
+                next_ends = time.monotonic() + pause_s + (self._settings.statement_timeout_s or self._settings.lease_s)
                 if next_ends >= lease_ends or self._pool.is_closing():
                     raise
                 log.warning(

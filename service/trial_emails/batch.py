@@ -23,7 +23,7 @@ from service.trial_emails.reservations import Pair, load_sent_keys, load_trials,
 @dataclass(frozen=True, slots=True)
 class BatchOptions:
     send_email: bool  # SEND_EMAIL: false, nothing is reserved or sent
-    batch_size: int = 200  # the most trials one call may be given (one sweep's page)
+    batch_size: int = 200  # trials per call of a sweep (one page)
     block_size: int = 200  # pairs reserved per statement (one INSERT ... RETURNING)
 
 
@@ -49,8 +49,6 @@ async def send_trial_journey_emails_batch(
     """
     if not options.send_email:
         return {"status": "disabled", "user_trials": 0, "sent": 0}
-    if len(user_trial_ids) > options.batch_size:
-        raise ValueError(f"{len(user_trial_ids)} trials in one batch; at most {options.batch_size}")
     now = now or datetime.now(UTC)
     async with pool.acquire() as conn:
         trials = await load_trials(conn, user_trial_ids)

@@ -35,19 +35,13 @@ class UserTrial:
     ends_at: datetime
 
 
-def due_at(step: JourneyStep, trial: UserTrial) -> datetime:
-    return trial.started_at + (trial.ends_at - trial.started_at) * step.share_percent // 100
-
-
-def in_journey(trial: UserTrial, now: datetime) -> bool:
-    return trial.started_at <= now < trial.ends_at + GRACE
-
-
 def resolve_pending_emails(trial: UserTrial, sent_keys: Collection[str], now: datetime) -> list[str]:
     """The keys due at `now` that the trial's user has not been dispatched yet, in journey order.
 
     Several steps may be due at once (a late first run, a backfill): all of them are returned.
     """
-    if not in_journey(trial, now):
-        return []
-    return [step.email_key for step in JOURNEY if step.email_key not in sent_keys and now >= due_at(step, trial)]
+    if not trial.started_at <= now < trial.ends_at + GRACE:
+        return []  # not in its journey
+    length = trial.ends_at - trial.started_at
+    due = [step.email_key for step in JOURNEY if now >= trial.started_at + length * step.share_percent // 100]
+    return [key for key in due if key not in sent_keys]

@@ -17,10 +17,10 @@ from service.trial_emails.journey import GRACE
 
 log = logging.getLogger(__name__)
 
-# pg advisory lock key of the periodic sweep; 7431001 guards the migrations (service.dev.embedded)
+# pg advisory lock key of the periodic sweep; 7431001 guards the migrations (service.dev.database)
 SWEEP_LOCK_KEY = 7431004
 
-# Same window as journey.in_journey: started, and less than GRACE past ends_at.
+# Same window as journey.resolve_pending_emails: started, and less than GRACE past ends_at.
 COUNT_IN_JOURNEY_SQL = """
 SELECT count(*) FROM trials_usertrial WHERE started_at <= $1 AND ends_at > $1 - $2::interval
 """
@@ -40,7 +40,7 @@ async def sweep_journeys(
     pool: asyncpg.Pool,
     options: BatchOptions,
     now: datetime | None = None,
-    on_batch: OnBatch | None = None,
+    on_batch: OnBatch = lambda done, in_journey, result: None,
     should_stop: Callable[[], bool] = lambda: False,
     budget: FlushBudget | None = None,
 ) -> BatchResult:
@@ -64,8 +64,7 @@ async def sweep_journeys(
         result = await send_trial_journey_emails_batch(ids, pool=pool, options=options, now=now, budget=budget)
         total["user_trials"] += result["user_trials"]
         total["sent"] += result["sent"]
-        if on_batch is not None:
-            on_batch(total["user_trials"], in_journey, result)
+        on_batch(total["user_trials"], in_journey, result)
         after_id = ids[-1]
     return total
 
