@@ -102,7 +102,7 @@ async def drain(s: harness.Servers, db: asyncpg.Connection, redis: Redis, how: s
         else:  # one cycle of the service's flusher in this process, on its own connections
             config = harness.settings(s, **NO_BUDGET)
             async with await create_db_pool(config.database) as pool, connect_redis(config.redis) as own:
-                result = vars(await Flusher.from_settings(config.flush, own, pool).flush_cycle())
+                result = vars(await Flusher(config.flush, own, pool).flush_cycle())
         if result["written"] != keys or result["failed_batches"] or result["dropped"] or result["expired"]:
             raise RuntimeError(f"{how}: {result}, expected {keys} written")
         statements = result["batches"]  # one upsert statement per batch

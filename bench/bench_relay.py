@@ -57,7 +57,7 @@ async def relay_drain(settings: Settings, pool: asyncpg.Pool, count: int) -> flo
     await pool.execute("TRUNCATE progress_completion_event")
     await pool.execute(EVENTS_SQL, count)
     with closing(publisher_from_settings(settings.relay)) as publisher:
-        relay = Relay.from_settings(settings.relay, pool, [completion_route(settings, publisher)])
+        relay = Relay(settings.relay, pool, [completion_route(settings, publisher)])
         await publisher.publish([])  # nothing: the thread pool exists before the clock starts
         started = time.perf_counter()
         result = await relay.relay_once()
@@ -72,9 +72,7 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
     await pool.execute("TRUNCATE progress_completion_event, monolith_task_execution, engagements_lessonprogress")
     total = int(rate * seconds)
     publisher, stop = publisher_from_settings(settings.relay), asyncio.Event()
-    relay = asyncio.create_task(
-        Relay.from_settings(settings.relay, pool, [completion_route(settings, publisher)]).run(stop)
-    )
+    relay = asyncio.create_task(Relay(settings.relay, pool, [completion_route(settings, publisher)]).run(stop))
     try:
         await asyncio.sleep(1.0)  # LISTEN in place
         per_tick, next_tick = max(1, rate // 10), time.perf_counter()

@@ -90,30 +90,6 @@ class Services:
     offline: OfflineSync | None
 
 
-def start_publishing(
-    settings: Settings,
-    redis: RedisClient,
-    pool: asyncpg.Pool,
-    background: BackgroundTasks,
-    lifecycle: Lifecycle,
-    budget: FlushBudget,
-) -> None:
-    """The flush, the trial-journey sweep and the outbox relay, as the settings ask."""
-    if settings.progress_flusher_enabled:
-        flusher = Flusher.from_settings(settings.flush, redis, pool, budget)
-        background.start("progress-flusher", flusher.run(background.stop))
-    publisher = start_publisher(settings, lifecycle) if settings.celery_broker_url else None
-    if settings.trial_journey_interval_seconds > 0:
-        background.start("trial-journey-sweep", periodic_sweep(settings, pool, background.stop, budget))
-    if settings.relay_enabled and publisher is not None:
-        relay = Relay.from_settings(settings.relay, pool, relay_routes(settings, redis, publisher))
-        background.start("outbox-relay", relay.run(background.stop))
-        # stops once the loops have stopped: the final flush's completions go out now, not at another pod's relay
-        lifecycle.started_part(
-            "relay final pass", relay.final_pass, publish_budget_s(settings.celery_publish_timeout_seconds)
-        )
-
-
 async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock = time.monotonic) -> Services:
     """Every part, started in the order that keeps the guarantees at shutdown (stopped in reverse): the
     heartbeat writes (reader, catalog, sink) stop before the loops' last flush, the last flush
@@ -136,11 +112,22 @@ async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock 
     if settings.database_url:
         pool = await create_db_pool(settings.database)
         lifecycle.started_part("postgres pool", pool.close)
-        start_publishing(settings, redis, pool, background, lifecycle, budget)
+        # the flush, the trial-journey sweep and the outbox relay, as the settings ask
+        if settings.progress_flusher_enabled:
+            background.start("progress-flusher", Flusher(settings.flush, redis, pool, budget).run(background.stop))
+        publisher = start_publisher(settings, lifecycle) if settings.celery_broker_url else None
+        if settings.trial_journey_interval_seconds > 0:
+            background.start("trial-journey-sweep", periodic_sweep(settings, pool, background.stop, budget))
+        if settings.relay_enabled and publisher is not None:
+            relay = Relay(settings.relay, pool, relay_routes(settings, redis, publisher))
+            background.start("outbox-relay", relay.run(background.stop))
+            # stops once the loops have stopped: the final flush's completions go out now, not at another pod's relay
+            budget_s = publish_budget_s(settings.celery_publish_timeout_seconds)
+            lifecycle.started_part("relay final pass", relay.final_pass, budget_s)
     # the final flush must see every write acknowledged before shutdown: the loops stop after the writes
     lifecycle.started_part("background loops", background.aclose, settings.progress_shutdown_timeout_seconds + 5)
     layout = KeyLayout.from_settings(settings.redis)
-    sink = HeartbeatSink.from_settings(settings.degraded, PositionWriter(redis, layout=layout), pool, budget)
+    sink = HeartbeatSink(settings.degraded, PositionWriter(redis, layout=layout), pool, budget)
     lifecycle.started_part("heartbeat sink", sink.aclose)
     catalog = None
     if settings.content_catalog_enabled and pool is not None:

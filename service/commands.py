@@ -86,7 +86,7 @@ async def _run_flusher(parts: _Parts, *, once: bool) -> int:
     from service.progress.flush.flusher import Flusher
     from service.progress.keys import KeyLayout
 
-    flusher = Flusher.from_settings(parts.settings.flush, parts.redis, parts.pool)
+    flusher = Flusher(parts.settings.flush, parts.redis, parts.pool)
     if once:
         # what is pending now: heartbeats that arrive during the drain are flushed too, past the total
         backlog = await measure_backlog(parts.redis, KeyLayout.from_settings(parts.settings.redis))
@@ -108,9 +108,7 @@ async def _run_relay(parts: _Parts, *, once: bool) -> int:
     from service.outbox.relay import Relay
 
     assert parts.publisher is not None
-    relay = Relay.from_settings(
-        parts.settings.relay, parts.pool, relay_routes(parts.settings, parts.redis, parts.publisher)
-    )
+    relay = Relay(parts.settings.relay, parts.pool, relay_routes(parts.settings, parts.redis, parts.publisher))
     if once:
         result = await relay.relay_once(stop=parts.stop)
         print(json.dumps(asdict(result)), flush=True)

@@ -26,7 +26,7 @@ def check_startup(settings: Settings) -> None:
     """What `serve` refuses to start with: the token keys, the settings' own checks, the broker's transport."""
     check_keys(settings.auth)
     settings.check_can_serve()
-    if settings.database_url and settings.celery_broker_url:  # the publisher start_publishing will build
+    if settings.database_url and settings.celery_broker_url:  # the publisher start_services will build
         check_transport(settings.celery_broker_url)
 
 

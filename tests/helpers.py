@@ -254,7 +254,7 @@ async def start_service_command(*args: str, env: dict[str, str], die_at: str = "
 
 def flusher_with(settings: Settings, redis: RedisClient, db: asyncpg.Pool, **update: object) -> Flusher:
     """A flusher of the test settings with `update` applied (the settings' own names)."""
-    return Flusher.from_settings(settings.model_copy(update=update).flush, redis, db)
+    return Flusher(settings.model_copy(update=update).flush, redis, db)
 
 
 async def push_budget_key(redis: RedisClient, ahead_s: float) -> None:

@@ -54,19 +54,13 @@ class Route:
 
 
 class Relay:
-    @classmethod
-    def from_settings(
-        cls,
+    def __init__(
+        self,
         settings: RelaySettings,
         pool: asyncpg.Pool,
         routes: Sequence[Route],
         *,
         retry_backoff_s: float = RETRY_BACKOFF_S,
-    ) -> "Relay":
-        return cls(settings, pool, routes, retry_backoff_s)
-
-    def __init__(
-        self, settings: RelaySettings, pool: asyncpg.Pool, routes: Sequence[Route], retry_backoff_s: float
     ) -> None:
         self._pool = pool
         self._settler = Settler(pool, settings, retry_backoff_s)

@@ -258,7 +258,7 @@ async def test_a_burst_at_content_created_after_start_stores_its_final_position_
         assert answer.json()["completed_at"] is not None
     assert queries == [50]  # one lookup for both users' heartbeats
     assert decode_value(await redis.get("progress:latest_position:lesson:50:8")).position == 595.0
-    assert (await Flusher.from_settings(door.flush, redis, db).flush_cycle()).completions == 2
+    assert (await Flusher(door.flush, redis, db).flush_cycle()).completions == 2
     assert sorted(await events(db)) == [("lesson", 50, 7), ("lesson", 50, 8)]
 
 
@@ -284,7 +284,7 @@ async def test_a_pod_started_with_postgres_unreachable_still_stores_the_final_po
             statuses.append(response.status_code)
         assert statuses == [201, 201, 201, 201]
         assert decode_value(await redis.get("progress:latest_position:lesson:1:7")).position == 595.0
-    assert (await Flusher.from_settings(door.flush, redis, db).flush_cycle()).completions == 1
+    assert (await Flusher(door.flush, redis, db).flush_cycle()).completions == 1
     assert await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7") == 595.0
 
 
@@ -303,7 +303,7 @@ async def test_a_ten_minute_offline_replay_stores_its_last_position_and_complete
             statuses.append(response.status_code)
         assert statuses == [201] * 120
         assert decode_value(await redis.get("progress:latest_position:lesson:1:7")).position == 600.0
-    flusher = Flusher.from_settings(door.flush, redis, db)
+    flusher = Flusher(door.flush, redis, db)
     assert (await flusher.flush_cycle()).completions == 1
     assert await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7") == 600.0
     assert await events(db) == [("lesson", 1, 7)]
@@ -323,7 +323,7 @@ async def test_a_burst_through_the_end_then_a_restart_still_completes(
             assert response.status_code == 201
     stored = decode_value(await redis.get("progress:latest_position:lesson:1:7"))
     assert (stored.position, stored.peak) == (3.0, 595.0)
-    assert (await Flusher.from_settings(door.flush, redis, db).flush_cycle()).completions == 1
+    assert (await Flusher(door.flush, redis, db).flush_cycle()).completions == 1
     assert await events(db) == [("lesson", 1, 7)]
 
 

@@ -32,7 +32,7 @@ async def stored_ms(redis: Redis, lesson_id: int, user_id: int = 7) -> int:
 
 @pytest.fixture
 async def flusher(settings: Settings, redis: Redis, db: asyncpg.Pool) -> Flusher:
-    return Flusher.from_settings(settings.flush, redis, db)
+    return Flusher(settings.flush, redis, db)
 
 
 async def test_a_heartbeat_is_read_back_at_once_then_from_the_row_after_flush_and_expiry(
@@ -288,7 +288,7 @@ async def test_while_the_shard_count_changes_a_read_takes_the_newer_value_of_bot
     changed = settings.model_copy(update={"progress_buffer_shards": 4, "progress_buffer_previous_shards": 1})
     new_layout = KeyLayout.from_settings(changed.redis)
     await write(redis, "lesson", 1, 7, 10.0, received_ms=ms_ago(60))
-    await Flusher.from_settings(settings.flush, redis, db).flush_cycle()  # the row holds 10
+    await Flusher(settings.flush, redis, db).flush_cycle()  # the row holds 10
     await write(redis, "lesson", 1, 7, 321.0, received_ms=ms_ago(30))  # a pod on the old count: its names
     await write(redis, "lesson", 2, 7, 50.0, received_ms=ms_ago(30))  # old layout, older than the new one's
     await write(redis, "lesson", 2, 7, 60.0, received_ms=ms_ago(20), layout=new_layout)

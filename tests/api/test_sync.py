@@ -40,7 +40,7 @@ def ms(moment: datetime) -> float:
 
 @pytest.fixture
 async def flusher(settings: Settings, redis: Redis, db: asyncpg.Pool) -> Flusher:
-    return Flusher.from_settings(settings.flush, redis, db)
+    return Flusher(settings.flush, redis, db)
 
 
 async def test_newer_items_are_applied_and_older_ones_are_not(
@@ -346,9 +346,7 @@ async def test_while_the_shard_count_changes_a_sync_item_older_than_the_previous
         answers = (await client.get("/progress/audio?ids=1,2,3", headers=auth(token))).json()["data"]
     assert [(a["content_id"], a["position"]) for a in answers] == [(1, 321.0), (2, 10.0), (3, 10.0)]
     # what the flush of both layouts leaves: the newer of each (one drain, every shard in turn)
-    await Flusher.from_settings(
-        changed.model_copy(update={"progress_flush_concurrency": 1}).flush, redis, db
-    ).flush_cycle()
+    await Flusher(changed.model_copy(update={"progress_flush_concurrency": 1}).flush, redis, db).flush_cycle()
     assert await db.fetchval("SELECT array_agg(position ORDER BY audio_id) FROM audios_audioprogress") == [
         321.0,
         10.0,

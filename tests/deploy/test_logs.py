@@ -141,7 +141,7 @@ async def test_a_parked_outbox_row_is_logged_with_its_outbox_and_row_id(
         "VALUES ('lesson', 1, 1, now()) RETURNING id"
     )
     one_attempt = settings.model_copy(update={"outbox_max_attempts": 1})  # parked at the first refusal
-    relay = Relay.from_settings(one_attempt.relay, db, [completion_route(one_attempt, RefusingBroker())])
+    relay = Relay(one_attempt.relay, db, [completion_route(one_attempt, RefusingBroker())])
 
     result = await relay.relay_once()
 

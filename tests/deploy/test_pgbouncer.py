@@ -56,7 +56,7 @@ async def test_flusher_writes_through_pgbouncer_in_transaction_mode_over_tls(
     pool = await create_db_pool(through_pgbouncer.database)
     flusher_redis = connect_redis(through_pgbouncer.redis)
     try:
-        flusher = Flusher.from_settings(through_pgbouncer.flush, flusher_redis, pool)
+        flusher = Flusher(through_pgbouncer.flush, flusher_redis, pool)
         for position in (100.0, 595.0):  # the second round completes every content (duration 600, margin 10)
             sent = await _send_heartbeats(client, settings, position)
             result = await flusher.flush_cycle()
@@ -160,7 +160,7 @@ async def test_the_relay_behind_pgbouncer_listens_on_its_direct_url_and_otherwis
         publisher = publisher_from_settings(relay_settings.relay)
         stop = asyncio.Event()
         relay = asyncio.create_task(
-            Relay.from_settings(relay_settings.relay, pool, [completion_route(relay_settings, publisher)]).run(stop)
+            Relay(relay_settings.relay, pool, [completion_route(relay_settings, publisher)]).run(stop)
         )
         try:
             await asyncio.sleep(0.5)  # past the relay's first pass

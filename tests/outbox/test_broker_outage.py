@@ -26,7 +26,7 @@ async def test_a_broker_outage_delays_delivery_and_loses_or_repeats_nothing(
     now = datetime.now(UTC)
     await add_trials(db, 30, started_at=now - timedelta(hours=1), ends_at=now + timedelta(days=7), first_user=1001)
     trial_ids = [row["id"] for row in await db.fetch("SELECT id FROM trials_usertrial ORDER BY id")]
-    flusher = Flusher.from_settings(relay_settings.flush, redis, db)
+    flusher = Flusher(relay_settings.flush, redis, db)
     options = BatchOptions(relay_settings.send_email)
     async with running_app(relay_settings) as (_, client):
         await post_near_end(client, relay_settings, users=5, lessons=2)

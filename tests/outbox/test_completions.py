@@ -25,7 +25,7 @@ async def test_200_completions_in_one_flush_run_advance_user_journey_once_each_w
     await seed(db, users=USERS, contents=LESSONS, duration_s=600)
     async with running_app(relay_settings) as (_, client):
         await post_near_end(client, relay_settings)
-        result = await Flusher.from_settings(relay_settings.flush, redis, db).flush_cycle()
+        result = await Flusher(relay_settings.flush, redis, db).flush_cycle()
         assert result.failed_batches == 0
         assert await db.fetchval("SELECT count(*) FROM progress_completion_event") == 200
         rows = await executions.wait_for(200)
@@ -82,7 +82,7 @@ async def test_the_flush_notifies_the_relay_so_it_does_not_wait_for_a_poll(
     async with running_app(relay_settings.model_copy(update={"relay_poll_interval_seconds": 60})) as (_, client):
         await wait_for(relay_claims)  # the relay's first pass (at start) has claimed, found nothing, and waits
         await post_near_end(client, relay_settings, users=1, lessons=1)
-        await Flusher.from_settings(relay_settings.flush, redis, db).flush_cycle()
+        await Flusher(relay_settings.flush, redis, db).flush_cycle()
         rows = await executions.wait_for(1, timeout_s=5)
     assert [kwargs_of(row)["user_id"] for row in rows] == [1]
 

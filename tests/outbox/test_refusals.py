@@ -88,7 +88,7 @@ async def test_completions_published_while_the_broker_answers_busy_are_delivered
         with BusyBroker(broker) as busy:
             busy_since = time.monotonic()
             await post_near_end(client, relay_settings, users=20, lessons=1)
-            result = await Flusher.from_settings(relay_settings.flush, redis, db).flush_cycle()
+            result = await Flusher(relay_settings.flush, redis, db).flush_cycle()
             assert result.failed_batches == 0
             assert await db.fetchval("SELECT count(*) FROM progress_completion_event") == 20
             # the relay, woken by the flush, meets BUSY for the rest of the hiccup
@@ -117,7 +117,7 @@ async def test_a_refused_message_is_retried_with_a_doubling_backoff_and_parked_o
         }
     )
     publisher = publisher_from_settings(refused.relay)
-    relay = Relay.from_settings(refused.relay, db, [completion_route(refused, publisher)], retry_backoff_s=0.5)
+    relay = Relay(refused.relay, db, [completion_route(refused, publisher)], retry_backoff_s=0.5)
     retried_before = metric("progress_outbox_retried_total", outbox="completion")
     parked_before = metric("progress_outbox_failed_total", outbox="completion")
 

@@ -169,7 +169,7 @@ async def test_a_mark_the_database_refuses_for_a_moment_sends_nothing_twice(
     publisher = publisher_from_settings(settings.relay)
     try:
         locking = _LockedAfterPublish(publisher, locker, hold_s=1.0)
-        relay = Relay.from_settings(settings.relay, pool, [completion_route(settings, locking)])
+        relay = Relay(settings.relay, pool, [completion_route(settings, locking)])
         result = await relay.relay_once()
         assert locking.released.is_set()  # the mark waited out the lock, within the batch's lease
         assert result.published == {"completion": 5}

@@ -78,7 +78,7 @@ async def test_a_publish_timing_out_mid_batch_marks_what_the_broker_took_and_sen
             warm_up = await slow.publish([Message(0, settings.completion_task_name, WARM_UP_QUEUE, "warm-up", {})])
             assert warm_up.sent == [0]
             proxy.delay_s = 1.2
-            result = await Relay.from_settings(settings.relay, db, [completion_route(settings, slow)]).relay_once()
+            result = await Relay(settings.relay, db, [completion_route(settings, slow)]).relay_once()
         finally:
             await asyncio.to_thread(slow.close)  # waits for the publishing thread: whatever it sent is in the broker
 
@@ -91,7 +91,7 @@ async def test_a_publish_timing_out_mid_batch_marks_what_the_broker_took_and_sen
     await db.execute("UPDATE progress_completion_event SET claimed_until = now() - interval '1 second'")
     fast = publisher_from_settings(settings.relay)
     try:
-        again = await Relay.from_settings(settings.relay, db, [completion_route(settings, fast)]).relay_once()
+        again = await Relay(settings.relay, db, [completion_route(settings, fast)]).relay_once()
     finally:
         await asyncio.to_thread(fast.close)
 
@@ -140,11 +140,11 @@ async def test_a_publish_that_takes_its_deadline_ends_within_its_batch_lease_and
     # the defaults: a 60 s lease, a 10 s deadline
     settings = relay_settings.model_copy(update={"celery_publish_timeout_seconds": 10.0, "relay_lease_seconds": 60.0})
     other = LeaseEatingBroker(db, [], lambda: asyncio.sleep(0))
-    other_relay = Relay.from_settings(settings.relay, db, [completion_route(settings, other)])
+    other_relay = Relay(settings.relay, db, [completion_route(settings, other)])
     # the first batch takes 47 s, the second its 10 s and 4 s for the message in hand (a socket timeout is 5 s);
     # then the other relay makes a pass
     slow = LeaseEatingBroker(db, [47.0, 14.0], other_relay.relay_once)
-    result = await Relay.from_settings(settings.relay, db, [completion_route(settings, slow)]).relay_once()
+    result = await Relay(settings.relay, db, [completion_route(settings, slow)]).relay_once()
 
     assert result.published == {"completion": 1000}
     assert other.task_ids == []  # it found every row marked or leased

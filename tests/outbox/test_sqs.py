@@ -53,7 +53,7 @@ async def test_200_completions_reach_the_worker_through_sqs_once_each(
     await seed(db, users=20, contents=10, duration_s=600)
     async with running_app(over_sqs) as (_, client):
         await post_near_end(client, over_sqs)
-        await Flusher.from_settings(over_sqs.flush, redis, db).flush_cycle()
+        await Flusher(over_sqs.flush, redis, db).flush_cycle()
         rows = await executions.wait_for(200, timeout_s=90, settle_s=1.0)
 
     assert len(rows) == 200

@@ -31,7 +31,7 @@ async def test_the_relay_puts_what_the_batch_reserved_on_the_stream_once(
     await reserve(db, pairs)
 
     publisher = StreamPublisher(redis, settings.email_queue_stream)
-    relay = Relay.from_settings(settings.relay, db, [email_route(settings, publisher)])
+    relay = Relay(settings.relay, db, [email_route(settings, publisher)])
     first, second = await relay.relay_once(), await relay.relay_once()
 
     assert (first.published["email"], second.published["email"]) == (3, 0)
@@ -75,7 +75,7 @@ async def test_the_relay_loop_survives_an_unexpected_publisher_error(
         }
     )
     stop = asyncio.Event()
-    loop = asyncio.create_task(Relay.from_settings(fast.relay, db, [email_route(fast, publisher)]).run(stop))
+    loop = asyncio.create_task(Relay(fast.relay, db, [email_route(fast, publisher)]).run(stop))
     deadline = asyncio.get_running_loop().time() + 10
     while asyncio.get_running_loop().time() < deadline and len(await enqueued(redis, stream)) < 2:
         await asyncio.sleep(0.1)
@@ -93,7 +93,7 @@ async def test_a_republish_after_a_lost_mark_adds_no_second_entry_to_the_stream(
     pairs = [(1, "trial_welcome"), (2, "trial_tips")]
     await reserve(db, pairs)
     publisher = StreamPublisher(redis, settings.email_queue_stream)
-    relay = Relay.from_settings(settings.relay, db, [email_route(settings, publisher)])
+    relay = Relay(settings.relay, db, [email_route(settings, publisher)])
     assert (await relay.relay_once()).published["email"] == 2
     # as if the relay had died between the publish and the mark: its lease ran out, the rows are owed again
     await db.execute("UPDATE trial_email_outbox SET published_at = NULL, claimed_until = NULL")

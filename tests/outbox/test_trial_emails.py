@@ -89,9 +89,7 @@ async def relay_running(settings: Settings, db: asyncpg.Pool) -> AsyncIterator[N
     woken_only = settings.model_copy(update={"relay_poll_interval_seconds": 3600})
     publisher = publisher_from_settings(woken_only.relay)
     stop = asyncio.Event()
-    relay = asyncio.create_task(
-        Relay.from_settings(woken_only.relay, db, [email_route(woken_only, publisher)]).run(stop)
-    )
+    relay = asyncio.create_task(Relay(woken_only.relay, db, [email_route(woken_only, publisher)]).run(stop))
     try:
         yield
     finally:

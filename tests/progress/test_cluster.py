@@ -87,7 +87,7 @@ async def test_members_pending_under_the_previous_shard_count_are_still_flushed(
         await write(redis, "lesson", 1, user_id, 42)  # the standalone default: one shard, the monolith's names
     changed = settings.model_copy(update={"progress_buffer_shards": 4, "progress_buffer_previous_shards": 1})
     await write(redis, "lesson", 2, 1, 43, layout=KeyLayout.from_settings(changed.redis))
-    result = await Flusher.from_settings(changed.flush, redis, db).flush_cycle()
+    result = await Flusher(changed.flush, redis, db).flush_cycle()
     assert result.written == 6
     assert {key: row["position"] for key, row in (await lesson_rows(db)).items()} == {
         **{(1, user_id): 42 for user_id in range(1, 6)},
@@ -154,7 +154,7 @@ async def test_heartbeats_through_http_land_in_every_table(
         assert ready.json()["mode"] == "normal"
         pending = await all_keys(cluster_redis, "progress:pending_flush:*")
         assert len(pending) > 1  # spread over several shards
-        result = await Flusher.from_settings(cluster_settings.flush, app.api.state.services.redis, db).flush_cycle()
+        result = await Flusher(cluster_settings.flush, app.api.state.services.redis, db).flush_cycle()
     assert (result.written, result.dropped, result.expired, result.failed_batches) == (12, 0, 0, 0)
     for kind in CONTENT_KINDS:
         rows = await db.fetch(f"SELECT user_id, {kind.id_column} AS content_id, position FROM {kind.progress_table}")
@@ -196,7 +196,7 @@ async def test_last_heartbeat_wins_and_completion_is_recorded_once(
     cluster_settings: Settings, cluster_redis: RedisCluster, cluster_layout: KeyLayout, db: asyncpg.Pool
 ) -> None:
     await seed(db, users=20, contents=3, duration_s=100)
-    flusher = Flusher.from_settings(cluster_settings.flush, cluster_redis, db)
+    flusher = Flusher(cluster_settings.flush, cluster_redis, db)
     for user_id in range(1, 21):
         for position in (10, 20, 30, 25):
             await write(cluster_redis, "lesson", 1, user_id, position, layout=cluster_layout)
@@ -319,7 +319,7 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
         async with RedisCluster.from_url(valkey_cluster.url, decode_responses=True) as fresh:
             masters_now = set((await master_of_slot(fresh)).values())
             assert len(masters_now) == 3 and victim_name not in masters_now  # its replica took its slots
-            flusher = Flusher.from_settings(settings.flush, fresh, db)
+            flusher = Flusher(settings.flush, fresh, db)
             # until the backlog is flushed: leases of batches claimed on the dead master expire (1 s)
             deadline = time.monotonic() + 30
             await flusher.flush_cycle()

@@ -45,7 +45,7 @@ async def test_redis_down_writes_straight_to_postgres_then_recovers(
         assert "progress_degraded_mode 0.0" in (await client.get("/metrics")).text
     # the direct write and the later Redis write settle to the newest, with one event
     flusher_redis = Redis.from_url(own_redis.url)
-    await Flusher.from_settings(settings.flush, flusher_redis, db).flush_cycle()
+    await Flusher(settings.flush, flusher_redis, db).flush_cycle()
     await flusher_redis.aclose()
     assert await db.fetchval("SELECT position FROM engagements_lessonprogress WHERE user_id = 7") == 599
     assert await db.fetchval("SELECT count(*) FROM progress_completion_event") == 1
@@ -61,7 +61,7 @@ async def test_an_older_heartbeat_left_in_redis_does_not_undo_a_direct_write(
         await client.post("/audios/progress", json={"audio_id": 1, "position": 20}, headers=auth(token))
         own_redis.start()
     flusher_redis = Redis.from_url(own_redis.url)
-    await Flusher.from_settings(settings.flush, flusher_redis, db).flush_cycle()
+    await Flusher(settings.flush, flusher_redis, db).flush_cycle()
     await flusher_redis.aclose()
     assert await db.fetchval("SELECT position FROM audios_audioprogress WHERE user_id = 7") == 20
 

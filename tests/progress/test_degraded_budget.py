@@ -127,7 +127,7 @@ async def test_a_stalled_replica_turns_no_heartbeat_into_a_direct_write_and_a_50
         await replica_client.aclose()
         replica.stop()
     flusher_redis = Redis.from_url(own_redis.url)
-    await Flusher.from_settings(settings.flush, flusher_redis, db).flush_cycle()
+    await Flusher(settings.flush, flusher_redis, db).flush_cycle()
     await flusher_redis.aclose()
     rows = await db.fetch("SELECT user_id, position FROM audios_meditationprogress WHERE user_id > 20")
     written = {row["user_id"]: row["position"] for row in rows}

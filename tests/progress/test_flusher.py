@@ -22,7 +22,7 @@ from tests.helpers import Servers, auth, events, flushed_since, lesson_rows, run
 
 @pytest.fixture
 async def flusher(settings: Settings, redis: Redis, db: asyncpg.Pool) -> Flusher:
-    return Flusher.from_settings(settings.flush, redis, db)
+    return Flusher(settings.flush, redis, db)
 
 
 async def test_heartbeats_through_http_land_in_every_table(
@@ -197,7 +197,7 @@ async def test_values_the_flush_drops_are_deleted_unless_written_since_the_claim
         return await real_persist(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(batch_module, "persist_batch", persist_after_a_newer_write)
-    flusher = Flusher.from_settings(settings.model_copy(update={"progress_flush_batch_size": 150}).flush, redis, db)
+    flusher = Flusher(settings.model_copy(update={"progress_flush_batch_size": 150}).flush, redis, db)
     with caplog.at_level(logging.WARNING):
         result = await flusher.flush_cycle()
     assert (result.written, result.dropped, result.batches) == (1, 200, 2)
@@ -253,7 +253,7 @@ async def test_database_outage_requeues_and_loses_nothing(
         expected[(1, user_id)] = float(user_id)
         await write(redis, "lesson", 1, user_id, user_id)
     pool = await asyncpg.create_pool(settings.database_url, min_size=0, max_size=2)
-    flusher = Flusher.from_settings(settings.flush, redis, pool)
+    flusher = Flusher(settings.flush, redis, pool)
     servers.postgres.stop()
     try:
         down = await flusher.flush_cycle()
@@ -273,7 +273,7 @@ async def test_idle_connections_killed_between_cycles_lose_nothing(
 ) -> None:
     await seed(db, users=20)
     pool = await asyncpg.create_pool(settings.database_url, min_size=2, max_size=2)
-    flusher = Flusher.from_settings(settings.flush, redis, pool)
+    flusher = Flusher(settings.flush, redis, pool)
     await pool.fetchval("SELECT 1")
     # every pooled connection dies under the flusher (failover, server restart, idle kill)
     await db.execute(
@@ -337,7 +337,7 @@ async def test_a_backend_terminated_during_the_upsert_requeues_its_batch(
     await seed(db, users=20)
     for user_id in range(1, 21):
         await write(redis, "lesson", 1, user_id, 7)
-    flusher = Flusher.from_settings(settings.model_copy(update={"progress_flush_concurrency": 1}).flush, redis, db)
+    flusher = Flusher(settings.model_copy(update={"progress_flush_concurrency": 1}).flush, redis, db)
     requeued_before = REGISTRY.get_sample_value("progress_flush_requeued_total") or 0
     async with db.acquire() as locker:
         lock = locker.transaction()

@@ -202,7 +202,7 @@ async def test_a_flusher_an_hour_ahead_killed_after_its_claim_holds_the_batch_fo
     leases = await redis.zrange(shard.in_flight_key, 0, -1, withscores=True)
     assert leases, "the killed flusher claimed nothing"
     assert max(score for _, score in leases) - now_ms <= 1000  # its lease ends by Redis's clock, 1 s after the claim
-    flusher = Flusher.from_settings(settings.flush, redis, db)
+    flusher = Flusher(settings.flush, redis, db)
 
     async def all_written() -> bool:
         await flusher.flush_cycle()

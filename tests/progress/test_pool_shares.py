@@ -66,7 +66,7 @@ async def test_60_live_syncs_behind_a_locked_table_leave_the_reads_the_flush_and
                 read = await client.get("/progress/lesson/1", headers=reader)
             read_s = loop.time() - started
             async with asyncio.timeout(5):
-                flushed = await Flusher.from_settings(siege.flush, redis, pool).flush_cycle()
+                flushed = await Flusher(siege.flush, redis, pool).flush_cycle()
             meditation = KIND_BY_NAME["meditation"]
             direct = app.api.state.services.sink._direct  # degraded mode's writer, on the app's pool
             async with asyncio.timeout(5):
@@ -119,7 +119,7 @@ async def test_a_pool_connection_not_had_in_time_is_the_store_unavailable_never_
         )
         assert heartbeat.status_code == 201
         pool = app.api.state.services.pool
-        flusher = Flusher.from_settings(settings.flush, redis, own)
+        flusher = Flusher(settings.flush, redis, own)
         held = [(p, await p.acquire()) for p in (pool, own) for _ in range(p.get_max_size())]
         waited: dict[str, float] = {}
         try:

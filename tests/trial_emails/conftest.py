@@ -29,7 +29,7 @@ async def stream(trials_db: asyncpg.Pool, redis: Redis, settings: Settings) -> A
     woken_only = settings.model_copy(update={"relay_poll_interval_seconds": 3600, "relay_listen": True})
     route = email_route(woken_only, StreamPublisher(redis, settings.email_queue_stream))
     stop = asyncio.Event()
-    relay = asyncio.create_task(Relay.from_settings(woken_only.relay, trials_db, [route]).run(stop))
+    relay = asyncio.create_task(Relay(woken_only.relay, trials_db, [route]).run(stop))
     try:
         yield settings.email_queue_stream
     finally:

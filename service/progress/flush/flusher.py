@@ -44,12 +44,6 @@ class Flusher:
         self._measured_rows_per_s = 0.0  # this pod's own rate in its last cycle that wrote
         self._step = BatchStep(settings, pool, self._leases, self.budget)
 
-    @classmethod
-    def from_settings(
-        cls, settings: FlushSettings, redis: RedisClient, pool: asyncpg.Pool, budget: FlushBudget | None = None
-    ) -> "Flusher":
-        return cls(settings, redis, pool, budget)
-
     async def run(self, stop: asyncio.Event) -> None:
         """Flush every interval until `stop`; then one last cycle within the shutdown timeout."""
         # The loop is the only way out of the buffer. Jitter spreads the pods' cycles; a failed cycle is retried

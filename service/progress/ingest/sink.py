@@ -138,17 +138,12 @@ class DirectWriter:
 
 
 class HeartbeatSink:
-    @classmethod
-    def from_settings(
-        cls, settings: DegradedSettings, writer: PositionWriter, pool: asyncpg.Pool | None, budget: FlushBudget
-    ) -> "HeartbeatSink":
+    def __init__(
+        self, settings: DegradedSettings, writer: PositionWriter, pool: asyncpg.Pool | None, budget: FlushBudget
+    ) -> None:
         """Redis through `writer`; without a database (`pool` None), no degraded mode."""
-        direct = None if pool is None else DirectWriter(pool, budget=budget, margin_s=settings.margin_s)
-        return cls(writer, direct, settings)
-
-    def __init__(self, writer: PositionWriter, direct: DirectWriter | None, settings: DegradedSettings) -> None:
         self._writer = writer
-        self._direct = direct
+        self._direct = None if pool is None else DirectWriter(pool, budget=budget, margin_s=settings.margin_s)
         self._redis_retry_s = settings.redis_retry_s
         self._direct_timeout_s = settings.write_timeout_s
         # per Redis node ("" for a standalone server), monotonic; while in the future, skip that node
