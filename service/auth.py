@@ -56,13 +56,6 @@ def parse_user_id(raw: object, source: str) -> int:
     return raw
 
 
-def _expiry(claims: dict[str, object]) -> float:
-    exp = claims["exp"]  # PyJWT checked it is there and an integer in the past-or-future sense
-    if isinstance(exp, bool) or not isinstance(exp, int | float) or not 0 <= exp <= _MAX_EXP_S:
-        raise AuthError("invalid token: 'exp' is not a date")
-    return float(exp)
-
-
 class Authenticator:
     def __init__(self, settings: AuthSettings, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock  # a cached token's expiry is checked against it (tests move it)
@@ -149,7 +142,10 @@ class Authenticator:
         if self._claim not in claims:
             raise AuthError(f"token has no '{self._claim}' claim")
         user_id = parse_user_id(claims[self._claim], f"token claim '{self._claim}'")
-        self._remember(token, (user_id, _expiry(claims), previous_key))
+        exp = claims["exp"]  # PyJWT checked it is there and an integer in the past-or-future sense
+        if isinstance(exp, bool) or not isinstance(exp, int | float) or not 0 <= exp <= _MAX_EXP_S:
+            raise AuthError("invalid token: 'exp' is not a date")
+        self._remember(token, (user_id, float(exp), previous_key))
         if previous_key:
             AUTH_PREVIOUS_KEY.inc()
         return user_id

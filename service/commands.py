@@ -18,14 +18,18 @@ from service.console import Progress
 from service.lifecycle import Lifecycle
 from service.logs import configure_logging
 from service.loops import run_until_stopped
+from service.outbox.admin import count_parked, list_parked, redrive_parked
 from service.outbox.celery_publisher import CeleryPublisher
-from service.outbox.outboxes import Outbox
-from service.outbox.relay import counts_text
+from service.outbox.outboxes import OUTBOXES, Outbox
+from service.outbox.relay import Relay, counts_text
 from service.postgres import create_db_pool
 from service.progress.flush.backlog import measure_backlog
+from service.progress.flush.budget import FlushBudget
+from service.progress.flush.flusher import Flusher
+from service.progress.keys import KeyLayout
 from service.redis_client import RedisClient, connect_redis
 from service.stores import POSTGRES_FAILED, REDIS_FAILED
-from service.trial_emails.batch import BatchResult
+from service.trial_emails.batch import BatchOptions, BatchResult
 from service.trial_emails.sweep import sweep_journeys
 
 
@@ -83,9 +87,6 @@ def flush_command(args: argparse.Namespace) -> int:
 
 
 async def _run_flusher(parts: _Parts, *, once: bool) -> int:
-    from service.progress.flush.flusher import Flusher
-    from service.progress.keys import KeyLayout
-
     flusher = Flusher(parts.settings.flush, parts.redis, parts.pool)
     if once:
         # what is pending now: heartbeats that arrive during the drain are flushed too, past the total
@@ -105,8 +106,6 @@ def relay_command(args: argparse.Namespace) -> int:
 
 
 async def _run_relay(parts: _Parts, *, once: bool) -> int:
-    from service.outbox.relay import Relay
-
     assert parts.publisher is not None
     relay = Relay(parts.settings.relay, parts.pool, relay_routes(parts.settings, parts.redis, parts.publisher))
     if once:
@@ -130,9 +129,6 @@ def trial_emails_command(args: argparse.Namespace) -> int:
 
 
 async def _sweep_once(parts: _Parts) -> int:
-    from service.progress.flush.budget import FlushBudget
-    from service.trial_emails.batch import BatchOptions
-
     with Progress("trial-emails run-once", unit="trials") as progress:
 
         def show(done: int, in_journey: int, batch: BatchResult) -> None:
@@ -160,14 +156,10 @@ def outbox_command(args: argparse.Namespace) -> int:
 
 
 def _chosen_outboxes(args: argparse.Namespace) -> list[Outbox]:
-    from service.outbox.outboxes import OUTBOXES
-
     return [OUTBOXES[args.outbox]] if args.outbox else list(OUTBOXES.values())
 
 
 async def _list_parked(parts: _Parts, *, args: argparse.Namespace) -> int:
-    from service.outbox.admin import list_parked
-
     rows = await list_parked(parts.pool, _chosen_outboxes(args), limit=args.limit, ids=args.ids)
     if args.json:
         print(json.dumps([row.as_json() for row in rows]), flush=True)
@@ -184,8 +176,6 @@ async def _list_parked(parts: _Parts, *, args: argparse.Namespace) -> int:
 
 
 async def _redrive_parked(parts: _Parts, *, args: argparse.Namespace) -> int:
-    from service.outbox.admin import count_parked, redrive_parked
-
     outboxes = _chosen_outboxes(args)
     owed = {outbox.name: await count_parked(parts.pool, outbox, args.ids) for outbox in outboxes}
     if args.dry_run:

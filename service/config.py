@@ -50,7 +50,7 @@ REMOVED_SETTINGS: dict[str, str] = {
     "OUTBOX_RETRY_BACKOFF_SECONDS": "a constant (45 s, doubling; OUTBOX_MAX_ATTEMPTS bounds the retries)",
 }
 
-# The pool's shares (check_pool_shares), constants: the pool's size is the operator's one number.
+# The pool's shares (check_can_serve), constants: the pool's size is the operator's one number.
 # GET /progress reads each content type in a lane of its own, one connection each: a locked table holds one only
 READ_LANES = 4
 SYNC_CONNECTIONS = 2  # POST /progress/sync reading Postgres at once per process
@@ -280,12 +280,10 @@ class Settings(BaseSettings):
                 "RELAY_ENABLED=true needs CELERY_BROKER_URL (the monolith's broker: sqs://, redis:// or amqp://) "
                 "to deliver completions; or set RELAY_ENABLED=false where another process runs the relay"
             )
-        if self.database_url:
-            self.check_pool_shares()
-
-    def check_pool_shares(self) -> None:
-        """The pool holds every part's connections at once, so none waits on another's: the reads and the
-        syncs (bounded in-process) can never take the connections the flush and degraded mode need."""
+        if not self.database_url:
+            return
+        # The pool holds every part's connections at once, so none waits on another's: the reads and the
+        # syncs (bounded in-process) can never take the connections the flush and degraded mode need.
         shares = {
             "PROGRESS_FLUSH_CONCURRENCY": self.progress_flush_concurrency if self.progress_flusher_enabled else 0,
             "degraded mode": DEGRADED_CONNECTIONS,

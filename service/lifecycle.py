@@ -7,7 +7,6 @@ A stop that raises does not keep the others from stopping; its error comes out o
 
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from functools import partial
 from typing import Any
 
 
@@ -20,11 +19,8 @@ class Lifecycle:
     def started_part(self, name: str, stop: Callable[..., Awaitable[Any]], *args: Any) -> None:
         """`name` is running; `stop(*args)` stops it, after every part started later has stopped."""
         self.started.append(name)
-        self._stops.push_async_callback(self._stop, name, partial(stop, *args))
-
-    async def _stop(self, name: str, stop: Callable[[], Awaitable[Any]]) -> None:
-        self.stopped.append(name)
-        await stop()
+        self._stops.push_async_callback(stop, *args)
+        self._stops.callback(self.stopped.append, name)  # last in, first out: named as it begins to stop
 
     async def aclose(self) -> None:
         await self._stops.aclose()
