@@ -20,7 +20,7 @@ from monolith_worker import CREATE_TABLE_SQL
 
 from service.compose import completion_route
 from service.config import Settings
-from service.outbox.celery_publisher import publisher_from_settings
+from service.outbox.celery_publisher import CeleryPublisher
 from service.outbox.relay import Relay
 from service.progress.content import CONTENT_KINDS
 from service.progress.flush.store import Heartbeat, persist_batch
@@ -44,7 +44,7 @@ def monolith_worker(s: harness.Servers, broker_url: str, threads: int) -> harnes
 
 def bare_loop(settings: Settings, count: int) -> float:
     """Seconds for `count` send_task calls, one thread, one producer: nothing but Celery's client."""
-    with closing(publisher_from_settings(settings.relay)) as publisher, publisher.app.producer_or_acquire() as producer:
+    with closing(CeleryPublisher(settings.relay)) as publisher, publisher.app.producer_or_acquire() as producer:
         publisher.app.send_task("bench.warmup", kwargs={}, queue="bench-bare", producer=producer)
         started = time.perf_counter()  # the producer connected before the clock starts
         send = partial(publisher.app.send_task, queue="bench-bare", serializer="json", producer=producer)
@@ -56,7 +56,7 @@ def bare_loop(settings: Settings, count: int) -> float:
 async def relay_drain(settings: Settings, pool: asyncpg.Pool, count: int) -> float:
     await pool.execute("TRUNCATE progress_completion_event")
     await pool.execute(EVENTS_SQL, count)
-    with closing(publisher_from_settings(settings.relay)) as publisher:
+    with closing(CeleryPublisher(settings.relay)) as publisher:
         relay = Relay(settings.relay, pool, [completion_route(settings, publisher)])
         await publisher.publish([])  # nothing: the thread pool exists before the clock starts
         started = time.perf_counter()
@@ -71,7 +71,7 @@ async def steady_latency(settings: Settings, pool: asyncpg.Pool, rate: int, seco
     """Commit `rate` completions per second (10 flush statements a second) while relay and worker run."""
     await pool.execute("TRUNCATE progress_completion_event, monolith_task_execution, engagements_lessonprogress")
     total = int(rate * seconds)
-    publisher, stop = publisher_from_settings(settings.relay), asyncio.Event()
+    publisher, stop = CeleryPublisher(settings.relay), asyncio.Event()
     relay = asyncio.create_task(Relay(settings.relay, pool, [completion_route(settings, publisher)]).run(stop))
     try:
         await asyncio.sleep(1.0)  # LISTEN in place

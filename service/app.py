@@ -78,12 +78,10 @@ class Services:
     """The pod's parts, built whole by `start_services` before the first request. None: not configured
     (`pool`, `reader`, `offline` without DATABASE_URL; `catalog` with the door off)."""
 
-    settings: Settings
     redis: RedisClient
     pool: asyncpg.Pool | None
     # readiness probes left waiting on a hung store (service/api/health.py): cancelled before the pools close
     readiness_checks: dict[str, "asyncio.Task[object]"]
-    background: BackgroundTasks
     sink: HeartbeatSink
     catalog: ContentCatalog | None
     reader: ProgressReader | None
@@ -112,7 +110,6 @@ async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock 
     if settings.database_url:
         pool = await create_db_pool(settings.database)
         lifecycle.started_part("postgres pool", pool.close)
-        # the flush, the trial-journey sweep and the outbox relay, as the settings ask
         if settings.progress_flusher_enabled:
             background.start("progress-flusher", Flusher(settings.flush, redis, pool, budget).run(background.stop))
         publisher = start_publisher(settings, lifecycle) if settings.celery_broker_url else None
@@ -146,7 +143,7 @@ async def start_services(settings: Settings, lifecycle: Lifecycle, clock: Clock 
         lifecycle.started_part("progress reader", reader.aclose)
         # its own writer: a sync's pipeline is its own, not shared with the heartbeats of the turn
         offline = OfflineSync(PositionWriter(redis, layout=layout), pool)
-    return Services(settings, redis, pool, checks, background, sink, catalog, reader, offline)
+    return Services(redis, pool, checks, sink, catalog, reader, offline)
 
 
 @asynccontextmanager

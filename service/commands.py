@@ -101,8 +101,7 @@ async def _run_flusher(parts: _Parts, *, once: bool) -> int:
 
 
 def relay_command(args: argparse.Namespace) -> int:
-    name = "relay --once" if args.once else "relay"
-    return _run_command(name, partial(_run_relay, once=args.once), publishes=True)
+    return _run_command("relay --once" if args.once else "relay", partial(_run_relay, once=args.once), publishes=True)
 
 
 async def _run_relay(parts: _Parts, *, once: bool) -> int:

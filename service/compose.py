@@ -11,7 +11,7 @@ import asyncpg
 from service.auth import check_keys
 from service.config import Settings
 from service.lifecycle import Lifecycle
-from service.outbox.celery_publisher import CeleryPublisher, check_transport, publisher_from_settings
+from service.outbox.celery_publisher import CeleryPublisher, check_transport
 from service.outbox.messages import Publisher
 from service.outbox.outboxes import COMPLETIONS, EMAILS
 from service.outbox.relay import Route
@@ -32,7 +32,7 @@ def check_startup(settings: Settings) -> None:
 
 def start_publisher(settings: Settings, lifecycle: Lifecycle) -> CeleryPublisher:
     """Celery's client for the monolith's broker; it stops off the loop (closing waits for a publish in flight)."""
-    publisher = publisher_from_settings(settings.relay)
+    publisher = CeleryPublisher(settings.relay)
     lifecycle.started_part("celery publisher", asyncio.to_thread, publisher.close)
     return publisher
 

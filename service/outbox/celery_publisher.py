@@ -74,25 +74,25 @@ _REDIS_TIMEOUTS = {"socket_timeout": 5.0, "socket_connect_timeout": 3.0}
 class CeleryPublisher:
     """Owns the Celery app object and the threads that publish with it."""
 
-    def __init__(self, broker_url: str, transport_options: dict[str, Any], *, timeout_s: float) -> None:
+    def __init__(self, settings: RelaySettings) -> None:
         from celery import Celery
         from kombu.exceptions import OperationalError
         from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.exceptions import TimeoutError as RedisTimeoutError
 
+        broker_url, self.timeout_s = settings.broker_url, settings.publish_timeout_s
         check_transport(broker_url)
-        self.timeout_s = timeout_s
         self.app = Celery("progress-service", broker=broker_url, set_as_current=False)
         self.app.conf.update(
             broker_transport_options=(_REDIS_TIMEOUTS if urlsplit(broker_url).scheme in ("redis", "rediss") else {})
-            | transport_options,
+            | settings.broker_transport_options,
             task_serializer="json",
             accept_content=["json"],
             task_protocol=2,
             # one quick retry covers a pooled connection gone stale (broker restarted); an outage is
             # the relay's to wait out, with backoff, not a thread's
             task_publish_retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0.2},
-            broker_connection_timeout=min(timeout_s, 4.0),
+            broker_connection_timeout=min(self.timeout_s, 4.0),
         )
         # what says "the broker is not reachable now" rather than "this message is refused"
         errors: list[type[BaseException]] = [OperationalError, OSError, RedisConnectionError, RedisTimeoutError]
@@ -174,10 +174,6 @@ class CeleryPublisher:
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.app.close()
-
-
-def publisher_from_settings(settings: RelaySettings) -> CeleryPublisher:
-    return CeleryPublisher(settings.broker_url, settings.broker_transport_options, timeout_s=settings.publish_timeout_s)
 
 
 # scheme -> the extra that installs its transport (the transports celery needs nothing more for are absent)

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from service.auth import make_token
 from service.compose import completion_route
 from service.config import Settings
-from service.outbox.celery_publisher import publisher_from_settings
+from service.outbox.celery_publisher import CeleryPublisher
 from service.outbox.relay import Relay
 from service.postgres import create_db_pool, local_timeouts_sql
 from service.progress.content import CONTENT_KINDS
@@ -157,7 +157,7 @@ async def test_the_relay_behind_pgbouncer_listens_on_its_direct_url_and_otherwis
     polling = through_pgbouncer.model_copy(update={"relay_listen": False, "relay_poll_interval_seconds": 0.3})
     for user_id, relay_settings in ((1, through_pgbouncer), (2, polling)):
         pool = await create_db_pool(relay_settings.database)
-        publisher = publisher_from_settings(relay_settings.relay)
+        publisher = CeleryPublisher(relay_settings.relay)
         stop = asyncio.Event()
         relay = asyncio.create_task(
             Relay(relay_settings.relay, pool, [completion_route(relay_settings, publisher)]).run(stop)

@@ -9,7 +9,7 @@ from redis.asyncio import Redis
 
 from service.compose import completion_route
 from service.config import Settings
-from service.outbox.celery_publisher import _broker_reply, publisher_from_settings
+from service.outbox.celery_publisher import CeleryPublisher, _broker_reply
 from service.outbox.relay import Relay
 from service.progress.flush.flusher import Flusher
 from tests.helpers import add_events, limited_broker_user, metric, post_near_end, running_app, seed
@@ -116,7 +116,7 @@ async def test_a_refused_message_is_retried_with_a_doubling_backoff_and_parked_o
             "outbox_max_attempts": 3,
         }
     )
-    publisher = publisher_from_settings(refused.relay)
+    publisher = CeleryPublisher(refused.relay)
     relay = Relay(refused.relay, db, [completion_route(refused, publisher)], retry_backoff_s=0.5)
     retried_before = metric("progress_outbox_retried_total", outbox="completion")
     parked_before = metric("progress_outbox_failed_total", outbox="completion")

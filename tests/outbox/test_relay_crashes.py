@@ -10,7 +10,7 @@ import pytest
 from service.compose import completion_route
 from service.config import Settings
 from service.dev.embedded import free_port
-from service.outbox.celery_publisher import publisher_from_settings
+from service.outbox.celery_publisher import CeleryPublisher
 from service.outbox.messages import Message, Publisher, PublishResult
 from service.outbox.relay import Relay
 from service.postgres import create_db_pool
@@ -166,7 +166,7 @@ async def test_a_mark_the_database_refuses_for_a_moment_sends_nothing_twice(
     )
     pool = await create_db_pool(settings.database)
     locker = await asyncpg.connect(migrated)
-    publisher = publisher_from_settings(settings.relay)
+    publisher = CeleryPublisher(settings.relay)
     try:
         locking = _LockedAfterPublish(publisher, locker, hold_s=1.0)
         relay = Relay(settings.relay, pool, [completion_route(settings, locking)])

@@ -4,6 +4,7 @@ takes its whole deadline ends within its batch's lease, so a second relay never 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -12,7 +13,7 @@ from redis.asyncio import Redis
 
 from service.compose import completion_route
 from service.config import Settings
-from service.outbox.celery_publisher import CeleryPublisher, publisher_from_settings
+from service.outbox.celery_publisher import CeleryPublisher
 from service.outbox.messages import Message, PublishResult
 from service.outbox.relay import Relay
 from tests.helpers import add_events
@@ -71,7 +72,7 @@ async def test_a_publish_timing_out_mid_batch_marks_what_the_broker_took_and_sen
     settings = relay_settings.model_copy(update={"celery_publish_timeout_seconds": 1.0, "relay_lease_seconds": 30.0})
     proxy = SlowProxy(urlsplit(broker.url).port or 6379)
     async with proxy.running() as port:
-        slow = CeleryPublisher(f"redis://127.0.0.1:{port}/0", {}, timeout_s=settings.celery_publish_timeout_seconds)
+        slow = CeleryPublisher(replace(settings.relay, broker_url=f"redis://127.0.0.1:{port}/0"))
         try:
             # connected while the broker is fast; then each reply takes 1.2 s, and one send (two replies) outlasts
             # the timeout by more than a second
@@ -89,7 +90,7 @@ async def test_a_publish_timing_out_mid_batch_marks_what_the_broker_took_and_sen
 
     # the broker fast again, and every lease of that pass run out
     await db.execute("UPDATE progress_completion_event SET claimed_until = now() - interval '1 second'")
-    fast = publisher_from_settings(settings.relay)
+    fast = CeleryPublisher(settings.relay)
     try:
         again = await Relay(settings.relay, db, [completion_route(settings, fast)]).relay_once()
     finally:

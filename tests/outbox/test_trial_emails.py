@@ -16,7 +16,7 @@ import pytest
 from service.compose import email_route
 from service.config import Settings
 from service.dev.embedded import free_port
-from service.outbox.celery_publisher import publisher_from_settings
+from service.outbox.celery_publisher import CeleryPublisher
 from service.outbox.outboxes import email_task_id
 from service.outbox.relay import Relay
 from service.trial_emails.batch import BatchOptions, send_trial_journey_emails_batch
@@ -87,7 +87,7 @@ async def assert_each_reservation_delivered_once(db: asyncpg.Pool, executions: E
 async def relay_running(settings: Settings, db: asyncpg.Pool) -> AsyncIterator[None]:
     """The relay of a pod, sending the email outbox to the worker; it polls once an hour, so it sends on NOTIFY."""
     woken_only = settings.model_copy(update={"relay_poll_interval_seconds": 3600})
-    publisher = publisher_from_settings(woken_only.relay)
+    publisher = CeleryPublisher(woken_only.relay)
     stop = asyncio.Event()
     relay = asyncio.create_task(Relay(woken_only.relay, db, [email_route(woken_only, publisher)]).run(stop))
     try:
