@@ -95,10 +95,9 @@ async def _read_redis(settings: Settings, status: Status) -> None:
                 f"{where}: {len(backlog.errors)} of the buffer's reads failed, its counts are "
                 f"partial ({type(error).__name__}: {error})"
             )
-        by_node = await memory_by_node(redis)
         nodes: dict[str, dict[str, Any]] = {
             name: dict(zip(("used_memory_bytes", "maxmemory_bytes"), used_and_max(info), strict=True))
-            for name, info in by_node.items()
+            for name, info in (await memory_by_node(redis)).items()
         }
         memory["used_memory_bytes"] = sum(node["used_memory_bytes"] for node in nodes.values())
         memory["maxmemory_bytes"] = sum(node["maxmemory_bytes"] for node in nodes.values())
