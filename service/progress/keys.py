@@ -32,16 +32,6 @@ FLUSH_BUDGET_KEY = "progress:flush_budget:{flush_budget}"
 CLUSTER_DEFAULT_SHARDS = 60
 
 
-def latest_position_key(content_type: str, content_id: int, user_id: int) -> str:
-    """The one-shard (standalone) layout's value key; KeyLayout.value_key in general."""
-    return f"{LATEST_POSITION_PREFIX}{content_type}:{content_id}:{user_id}"
-
-
-def pending_flush_key(content_type: str) -> str:
-    """The one-shard (standalone) layout's pending set; Shard.pending_key in general."""
-    return f"{PENDING_FLUSH_PREFIX}{content_type}"
-
-
 def pending_member(content_id: int, user_id: int) -> str:
     return f"{content_id}:{user_id}"
 

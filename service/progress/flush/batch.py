@@ -118,7 +118,7 @@ class BatchStep:
             # the one way back for what was not acked (a failure, a stop, a cancellation): now, not after
             # the lease; and the budget's rows that were not written go back to the fleet
             if unsettled is not None:
-                await asyncio.shield(self._leases.release(unsettled))
+                await asyncio.shield(self._leases.ack(unsettled, requeue=True))
             if reservation is not None:
                 await asyncio.shield(self.budget.refund(reservation, reservation.rows - result.written))
             for f in fields(CycleResult):
@@ -142,7 +142,8 @@ class BatchStep:
         checkpoints.reached("flush.after_commit")
         held = set(batch.locked)
         if held:
-            await self._leases.release(replace(claim, entries=[entry for entry in claim.entries if entry[0] in held]))
+            held_back = [entry for entry in claim.entries if entry[0] in held]
+            await self._leases.ack(replace(claim, entries=held_back), requeue=True)
             claim = replace(claim, entries=[entry for entry in claim.entries if entry[0] not in held])
             metrics.FLUSH_LOCKED.labels(kind.name).inc(len(held))
         # the values of unknown users or content go in the same script, unless written again since the claim

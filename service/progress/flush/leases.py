@@ -135,32 +135,27 @@ class Leases:
         ]
         return Claim(shard, lease_score.decode() if isinstance(lease_score, bytes) else lease_score, entries)
 
-    async def ack(self, claim: Claim, *, dropped: Collection[str] = ()) -> int:
-        """The batch is committed: forget it, and the values of its `dropped` members unless written since."""
-        return await self._settle_claim(claim, requeue=False, dropped=dropped)
-
-    async def release(self, claim: Claim) -> int:
-        """The batch was not committed: put it back in the pending set now, not after the lease."""
-        return await self._settle_claim(claim, requeue=True)
-
-    async def _settle_claim(self, claim: Claim, *, requeue: bool, dropped: Collection[str] = ()) -> int:
+    async def ack(self, claim: Claim, *, dropped: Collection[str] = (), requeue: bool = False) -> int:
+        """The batch is committed: forget it, and the values of its `dropped` members unless written since.
+        `requeue`: it was not committed: it goes back to the pending set now, not after the lease."""
         if not claim.entries:
             return 0
         drop = set(dropped)
         forget = [part for member, raw in claim.entries if member in drop and raw is not None for part in (member, raw)]
-        settled: int = await self._settle(
-            keys=[claim.shard.in_flight_key, claim.shard.pending_key],
-            args=[
-                claim.lease_score,
-                "1" if requeue else "0",
-                claim.shard.value_prefix,
-                self._value_ttl_s,
-                len(claim.entries),
-                *claim.members,
-                *forget,
-            ],
+        return int(
+            await self._settle(
+                keys=[claim.shard.in_flight_key, claim.shard.pending_key],
+                args=[
+                    claim.lease_score,
+                    "1" if requeue else "0",
+                    claim.shard.value_prefix,
+                    self._value_ttl_s,
+                    len(claim.entries),
+                    *claim.members,
+                    *forget,
+                ],
+            )
         )
-        return settled
 
     async def requeue_expired(self, shard: Shard, *, limit: int = 10_000, ahead_ms: int = 0) -> int:
         """Leases of flushers that died: their members go back to the pending set. `ahead_ms`: also the leases
