@@ -68,8 +68,7 @@ class BatchStep:
         self._pool = pool
         self._leases = leases
         self.budget = budget
-        self._lease_ms = int(settings.lease_s * 1000)
-        self._margin_s = settings.margin_s
+        self._settings = settings
         # the timeouts for each batch's transaction only (behind PgBouncer too)
         self._timeouts_sql = local_timeouts_sql(
             statement_timeout_s=settings.statement_timeout_s, lock_timeout_s=settings.lock_timeout_s
@@ -82,7 +81,7 @@ class BatchStep:
         cycle.left[shard] = None if left is None else left - rows
         if not rows or kind.name in cycle.failed or cycle.stop.is_set():
             return False
-        claim = await self._leases.claim_batch(shard, count=rows, lease_ms=self._lease_ms)
+        claim = await self._leases.claim_batch(shard, count=rows, lease_ms=int(self._settings.lease_s * 1000))
         if not claim.entries:
             return False
         checkpoints.reached("flush.after_claim")
@@ -137,7 +136,7 @@ class BatchStep:
             async with pooled_connection(self._pool) as conn, conn.transaction():
                 if self._timeouts_sql:
                     await conn.execute(self._timeouts_sql)
-                batch = await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s)
+                batch = await persist_batch(conn, kind, heartbeats, margin_s=self._settings.margin_s)
             span.set_attribute("completions", batch.completions)
         checkpoints.reached("flush.after_commit")
         held = set(batch.locked)
