@@ -113,10 +113,6 @@ class Claim:
     lease_score: str  # deadline in Redis's ms, its microseconds as a fraction: identifies this claim
     entries: list[tuple[str, bytes | None]]  # (member, raw value or None if expired)
 
-    @property
-    def members(self) -> list[str]:
-        return [member for member, _ in self.entries]
-
 
 class Leases:
     def __init__(self, redis: RedisClient, *, value_ttl_s: int = 3600) -> None:
@@ -138,8 +134,6 @@ class Leases:
     async def ack(self, claim: Claim, *, dropped: Collection[str] = (), requeue: bool = False) -> int:
         """The batch is committed: forget it, and the values of its `dropped` members unless written since.
         `requeue`: it was not committed: it goes back to the pending set now, not after the lease."""
-        if not claim.entries:
-            return 0
         drop = set(dropped)
         forget = [part for member, raw in claim.entries if member in drop and raw is not None for part in (member, raw)]
         return int(
@@ -151,7 +145,7 @@ class Leases:
                     claim.shard.value_prefix,
                     self._value_ttl_s,
                     len(claim.entries),
-                    *claim.members,
+                    *(member for member, _ in claim.entries),
                     *forget,
                 ],
             )

@@ -1,7 +1,4 @@
-"""The size of the monolith's content tables, for `status` (the door's catalog reads their ids: service/api/catalog.py).
-
-An index-only scan of the primary key: content tables hold thousands of rows.
-"""
+"""The content tables' sizes for `status`: an index-only scan of each primary key (they hold thousands of rows)."""
 
 import asyncpg
 
