@@ -30,9 +30,6 @@ log = logging.getLogger(__name__)
 # after a failed lookup, its id is accepted without asking for this long: an outage must not cost each of
 # its heartbeats a connection attempt (other ids are still asked, a type's in one query at a time)
 _DB_RETRY_S = 1.0
-# answers for ids outside the snapshot (~100 bytes each); distinct ids of a type waiting for (one) lookup
-CATALOG_MAX_ANSWERS = 100_000
-CATALOG_MAX_LOOKUPS = 64
 # a lesson asked about just before the monolith created it is not refused for the whole cache period
 UNKNOWN_ANSWER_TTL_S = 1.0
 # how often each pod reloads the known ids; a lesson created meanwhile is looked up on its first heartbeat
@@ -88,8 +85,9 @@ class ContentCatalog:
         self,
         pool: asyncpg.Pool,
         *,
-        max_answers: int = CATALOG_MAX_ANSWERS,
-        max_lookups: int = CATALOG_MAX_LOOKUPS,
+        # answers kept for ids outside the snapshot (~100 bytes each); distinct ids of a type waiting for (one) lookup
+        max_answers: int = 100_000,
+        max_lookups: int = 64,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pool = pool

@@ -22,9 +22,6 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from service.config import RedisSettings
 
-LATEST_POSITION_PREFIX = "progress:latest_position:"
-PENDING_FLUSH_PREFIX = "progress:pending_flush:"
-IN_FLIGHT_PREFIX = "progress:in_flight:"
 # the fleet's write budget (service/progress/flush/budget.py): one key, its own hash tag, so one slot on a cluster
 FLUSH_BUDGET_KEY = "progress:flush_budget:{flush_budget}"
 
@@ -50,16 +47,16 @@ class Shard:
 
     @property
     def pending_key(self) -> str:
-        return PENDING_FLUSH_PREFIX + self.name
+        return f"progress:pending_flush:{self.name}"
 
     @property
     def in_flight_key(self) -> str:
-        return IN_FLIGHT_PREFIX + self.name
+        return f"progress:in_flight:{self.name}"
 
     @property
     def value_prefix(self) -> str:
         """The claim script appends a pending member to this to find its value."""
-        return f"{LATEST_POSITION_PREFIX}{self.name}:"
+        return f"progress:latest_position:{self.name}:"
 
     def value_key(self, content_id: int, user_id: int) -> str:
         return f"{self.value_prefix}{content_id}:{user_id}"
