@@ -26,10 +26,11 @@ from service.progress.completion import completes, completes_sql
 from service.progress.content import CONTENT_KINDS
 from service.progress.flush.flusher import Flusher
 from service.progress.ingest.buffer import decode_value
-from service.progress.keys import latest_position_key, parse_member, pending_flush_key
+from service.progress.keys import STANDALONE, parse_member
 from service.redis_client import connect_redis
 
 EPOCHS = itertools.count(1)  # each fill's positions differ from the last's
+PENDING = STANDALONE.shards_of("lesson")[0].pending_key
 # the flush's own speed, with no write budget (bench_flush_budget.py measures it with one)
 NO_BUDGET = {"PROGRESS_FLUSH_MAX_ROWS_PER_SECOND": "0"}
 LESSONS, DURATION_S = 10, 600  # harness.fill: key i is lesson i % 10 + 1 of user i // 10 + 1
@@ -85,7 +86,7 @@ async def drain(s: harness.Servers, db: asyncpg.Connection, redis: Redis, how: s
     epoch = next(EPOCHS)
     for back in range(beats - 1, -1, -1):  # 10 s apart, ending at last_position
         await harness.fill(redis, keys, lambda i, b=back: max(0.0, last_position(i, epoch) - 10.0 * b))
-    if await redis.scard(pending_flush_key("lesson")) != keys:
+    if await redis.scard(PENDING) != keys:
         raise RuntimeError(f"fill: not {keys} pending members")
     await db.execute("CHECKPOINT")  # none lands in a drain by chance
     for _ in range(1200):  # a rewrite of the append-only file forks Redis: none during a drain
@@ -114,10 +115,10 @@ async def drain(s: harness.Servers, db: asyncpg.Connection, redis: Redis, how: s
 
 async def baseline(db: asyncpg.Connection, redis: Redis) -> int:
     statements = 0
-    while members := await redis.spop(pending_flush_key("lesson"), 500):
+    while members := await redis.spop(PENDING, 500):
         for member in members:
             lesson_id, user_id = parse_member(member.decode())
-            if (raw := await redis.get(latest_position_key("lesson", lesson_id, user_id))) is not None:
+            if (raw := await redis.get(STANDALONE.value_key("lesson", lesson_id, user_id))) is not None:
                 stored = decode_value(raw)
                 received_at = datetime.fromtimestamp(stored.received_ms / 1000, UTC)
                 await db.execute(BASELINE_SQL, user_id, lesson_id, stored.position, received_at, MARGIN_S)

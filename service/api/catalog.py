@@ -23,7 +23,6 @@ from service import metrics
 from service.loops import every
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.content import CONTENT_KINDS, ContentKind
-from service.progress.ingest.known_content import existing, load_ids
 from service.stores import POSTGRES_FAILED
 
 log = logging.getLogger(__name__)
@@ -31,9 +30,6 @@ log = logging.getLogger(__name__)
 # after a failed lookup, its id is accepted without asking for this long: an outage must not cost each of
 # its heartbeats a connection attempt (other ids are still asked, a type's in one query at a time)
 _DB_RETRY_S = 1.0
-# answers for ids outside the snapshot (~100 bytes each); distinct ids of a type waiting for (one) lookup
-CATALOG_MAX_ANSWERS = 100_000
-CATALOG_MAX_LOOKUPS = 64
 # a lesson asked about just before the monolith created it is not refused for the whole cache period
 UNKNOWN_ANSWER_TTL_S = 1.0
 # how often each pod reloads the known ids; a lesson created meanwhile is looked up on its first heartbeat
@@ -42,6 +38,36 @@ REFRESH_S = 60.0
 LOOKUP_TIMEOUT_S = 1.0
 # how long a "known" answer for an id outside the snapshot is reused (until the next snapshot has it)
 ANSWER_TTL_S = 10.0
+
+
+# The snapshot is read in pages by primary key (keyset pagination: each an index range scan, whatever the table's
+# size), each page one array value, not one Record per id: memory while loading stays a page of Python ints, and
+# the snapshot is a sorted array of 8-byte integers (1M ids: 8 MB).
+_PAGE_SQL = """
+SELECT coalesce(array_agg(id ORDER BY id), '{{}}')
+FROM (SELECT id FROM {content_table} WHERE id > $1 ORDER BY id LIMIT $2) AS page
+"""
+# ids not in the snapshot (content published since the last refresh, or made up), a batch in one query
+_EXISTING_SQL = "SELECT coalesce(array_agg(id), '{{}}') FROM {content_table} WHERE id = ANY($1::bigint[])"
+
+
+async def load_ids(pool: asyncpg.Pool, kind: ContentKind, *, page_size: int = 100_000) -> "array[int]":
+    """Every id of the kind's content table, ascending."""
+    ids = array("q")
+    after = -(2**63)
+    while True:
+        page = await pool.fetchval(_PAGE_SQL.format(content_table=kind.content_table), after, page_size)
+        ids.extend(page)
+        if len(page) < page_size:
+            return ids
+        after = page[-1]
+
+
+async def existing(pool: asyncpg.Pool, kind: ContentKind, content_ids: list[int], *, timeout_s: float) -> set[int]:
+    """Those of `content_ids` that exist."""
+    return set(
+        await pool.fetchval(_EXISTING_SQL.format(content_table=kind.content_table), content_ids, timeout=timeout_s)
+    )
 
 
 class LookupsSaturated(Exception):
@@ -59,8 +85,9 @@ class ContentCatalog:
         self,
         pool: asyncpg.Pool,
         *,
-        max_answers: int = CATALOG_MAX_ANSWERS,
-        max_lookups: int = CATALOG_MAX_LOOKUPS,
+        # answers kept for ids outside the snapshot (~100 bytes each); distinct ids of a type waiting for (one) lookup
+        max_answers: int = 100_000,
+        max_lookups: int = 64,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._pool = pool

@@ -75,17 +75,14 @@ async def ready(request: Request) -> JSONResponse:
     if checks["redis"] == "ok" and pod.sink.redis_writes_failing:
         # PING answers, writes do not (a full Redis under noeviction, a node of the cluster down)
         checks["redis"] = "answers, but heartbeat writes fail: degraded mode"
-    if checks["redis"] == "ok":
-        readiness = Readiness(status="ready", mode="normal", checks=checks)
-    elif checks.get("postgres") == "ok":
-        readiness = Readiness(status="ready", mode="degraded", checks=checks)
-    else:
-        readiness = Readiness(status="unavailable", mode="unavailable", checks=checks)
-    if draining(request.scope) and readiness.status == "ready":
+    mode = "normal" if checks["redis"] == "ok" else "degraded" if checks.get("postgres") == "ok" else "unavailable"
+    status = "unavailable" if mode == "unavailable" else "ready"
+    if draining(request.scope) and status == "ready":
         # SIGTERM came (service/serving.py): the load balancer must take the pod out while it still answers
         checks["shutdown"] = "draining: SIGTERM received, the pod stops once the drain is over"
-        readiness = Readiness(status="draining", mode=readiness.mode, checks=checks)
-    return JSONResponse(readiness.model_dump(), status_code=200 if readiness.status == "ready" else 503)
+        status = "draining"
+    body = {"status": status, "mode": mode, "checks": checks}  # a Readiness
+    return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
 
 async def _bounded_check(

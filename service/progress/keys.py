@@ -15,31 +15,18 @@ Every caller goes through KeyLayout (which shard, which keys): it is the one pla
 
 import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import dataclass
+from functools import cache, cached_property
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from service.config import RedisSettings
 
-LATEST_POSITION_PREFIX = "progress:latest_position:"
-PENDING_FLUSH_PREFIX = "progress:pending_flush:"
-IN_FLIGHT_PREFIX = "progress:in_flight:"
 # the fleet's write budget (service/progress/flush/budget.py): one key, its own hash tag, so one slot on a cluster
 FLUSH_BUDGET_KEY = "progress:flush_budget:{flush_budget}"
 
 # 60 shards divide evenly over 3, 4, 5, 6, 10 and 12 masters (and within 7 % over 7-11): see _shard_tag
 CLUSTER_DEFAULT_SHARDS = 60
-
-
-def latest_position_key(content_type: str, content_id: int, user_id: int) -> str:
-    """The one-shard (standalone) layout's value key; KeyLayout.value_key in general."""
-    return f"{LATEST_POSITION_PREFIX}{content_type}:{content_id}:{user_id}"
-
-
-def pending_flush_key(content_type: str) -> str:
-    """The one-shard (standalone) layout's pending set; Shard.pending_key in general."""
-    return f"{PENDING_FLUSH_PREFIX}{content_type}"
 
 
 def pending_member(content_id: int, user_id: int) -> str:
@@ -60,16 +47,16 @@ class Shard:
 
     @property
     def pending_key(self) -> str:
-        return PENDING_FLUSH_PREFIX + self.name
+        return f"progress:pending_flush:{self.name}"
 
     @property
     def in_flight_key(self) -> str:
-        return IN_FLIGHT_PREFIX + self.name
+        return f"progress:in_flight:{self.name}"
 
     @property
     def value_prefix(self) -> str:
         """The claim script appends a pending member to this to find its value."""
-        return f"{LATEST_POSITION_PREFIX}{self.name}:"
+        return f"progress:latest_position:{self.name}:"
 
     def value_key(self, content_id: int, user_id: int) -> str:
         return f"{self.value_prefix}{content_id}:{user_id}"
@@ -92,6 +79,13 @@ def _shard_tag(content_type: str, index: int, shards: int) -> str:
         suffix += 1
 
 
+@cache  # the tag's search runs once per shard, not on every write
+def _shard(content_type: str, index: int, shards: int, cluster: bool) -> Shard:
+    # one shard on a standalone server keeps the monolith's names; a cluster needs tags always
+    tagged = cluster or shards > 1
+    return Shard(content_type, "{" + _shard_tag(content_type, index, shards) + "}" if tagged else content_type)
+
+
 @dataclass(frozen=True)
 class KeyLayout:
     """Which shard a (content, user) belongs to and the names of its keys.
@@ -104,7 +98,6 @@ class KeyLayout:
     shards: int = 1
     cluster: bool = False
     previous_shards: int = 0
-    _cache: dict[tuple[str, int, int], Shard] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_settings(cls, settings: RedisSettings) -> "KeyLayout":
@@ -123,7 +116,7 @@ class KeyLayout:
         # crc32, not hash(): stable across processes, every pod picks the same shard; one shard (the standalone
         # default): no hash to work out on the request path
         index = zlib.crc32(pending_member(content_id, user_id).encode()) % self.shards if self.shards > 1 else 0
-        return self._shard(content_type, index, self.shards)
+        return _shard(content_type, index, self.shards, self.cluster)
 
     def value_key(self, content_type: str, content_id: int, user_id: int) -> str:
         return self.shard(content_type, content_id, user_id).value_key(content_id, user_id)
@@ -133,27 +126,18 @@ class KeyLayout:
         Shard.value_key's format written out (tests/api/test_read_decoding.py holds the two equal)."""
         if self.shards > 1:
             return [self.value_key(content_type, content_id, user_id) for content_id in content_ids]
-        prefix = self._shard(content_type, 0, 1).value_prefix
+        prefix = _shard(content_type, 0, 1, self.cluster).value_prefix
         return [f"{prefix}{content_id}:{user_id}" for content_id in content_ids]
 
     def shards_of(self, content_type: str) -> list[Shard]:
         """Every shard writes go to."""
-        return [self._shard(content_type, index, self.shards) for index in range(self.shards)]
+        return [_shard(content_type, index, self.shards, self.cluster) for index in range(self.shards)]
 
     def shards_to_flush(self, content_type: str) -> list[Shard]:
         """Every shard that can hold pending members: today's, then those of the previous count."""
         current = self.shards_of(content_type)
         previous = [] if self.previous is None else self.previous.shards_of(content_type)
         return current + [shard for shard in previous if shard not in current]
-
-    def _shard(self, content_type: str, index: int, shards: int) -> Shard:
-        cached = self._cache.get((content_type, index, shards))
-        if cached is None:
-            # one shard on a standalone server keeps the monolith's names; a cluster needs tags always
-            tagged = self.cluster or shards > 1
-            name = "{" + _shard_tag(content_type, index, shards) + "}" if tagged else content_type
-            cached = self._cache[(content_type, index, shards)] = Shard(content_type, name)
-        return cached
 
 
 STANDALONE = KeyLayout()

@@ -14,14 +14,13 @@ from redis.asyncio import Redis
 
 from service import metrics
 from service.api import catalog as catalog_module
-from service.api.catalog import ANSWER_TTL_S, ContentCatalog, LookupsSaturated
+from service.api.catalog import ANSWER_TTL_S, ContentCatalog, LookupsSaturated, load_ids
 from service.auth import make_token
 from service.config import Settings
 from service.dev import embedded
 from service.progress.content import KIND_BY_PATH
 from service.progress.flush.flusher import Flusher
 from service.progress.ingest.buffer import decode_value
-from service.progress.ingest.known_content import load_ids
 from tests.helpers import MovedClock, auth, degraded_settings, events, running_app, seed
 
 LESSON = KIND_BY_PATH["/engagements/progress/lesson"]

@@ -34,7 +34,7 @@ from service.auth import make_token
 from service.config import Settings
 from service.dev.embedded import free_port
 from service.progress.content import CONTENT_KINDS, KIND_BY_PATH
-from service.progress.keys import latest_position_key, pending_flush_key, pending_member
+from service.progress.keys import STANDALONE, pending_member
 from tests.helpers import TEST_JWT_SECRET, Servers, wait_ready
 
 pytestmark = pytest.mark.slow  # schemathesis against a live server
@@ -129,7 +129,9 @@ RedisState = tuple[int, dict[str, set[str]]]
 
 
 def _redis_state(redis: "Redis[str]") -> RedisState:
-    return redis.dbsize(), {kind.name: redis.smembers(pending_flush_key(kind.name)) for kind in CONTENT_KINDS}
+    return redis.dbsize(), {
+        kind.name: redis.smembers(STANDALONE.shards_of(kind.name)[0].pending_key) for kind in CONTENT_KINDS
+    }
 
 
 def _check_sync_writes(case: schemathesis.Case, redis: "Redis[str]", before: RedisState, after: RedisState) -> None:
@@ -142,7 +144,7 @@ def _check_sync_writes(case: schemathesis.Case, redis: "Redis[str]", before: Red
         assert added <= sent[name], f"the sync added members it was not sent: {added - sent[name]}"
         for member in added:
             content_id = int(member.split(":")[0])
-            assert redis.exists(latest_position_key(name, content_id, USER_ID))
+            assert redis.exists(STANDALONE.value_key(name, content_id, USER_ID))
     # value keys of the items, and a pending set the first time
     assert after[0] - before[0] <= sum(len(members) for members in sent.values()) + len(CONTENT_KINDS)
 
@@ -165,7 +167,7 @@ def test_every_answer_is_documented_and_only_a_201_writes(case: schemathesis.Cas
     assert isinstance(case.body, dict)
     content_id = int(case.body[kind.id_column])  # 42.0 is the integer 42 for JSON Schema, and for the service
     assert after[1][kind.name] == before[1][kind.name] | {pending_member(content_id, USER_ID)}
-    assert live_service.redis.exists(latest_position_key(kind.name, content_id, USER_ID))
+    assert live_service.redis.exists(STANDALONE.value_key(kind.name, content_id, USER_ID))
     assert after[0] - before[0] in (0, 1, 2)  # its value key, and the pending set the first time
 
 

@@ -48,7 +48,7 @@ from service.config import Settings
 from service.progress.completion import completes
 from service.progress.content import CONTENT_KINDS
 from service.progress.flush.backlog import measure_backlog
-from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, parse_member, pending_flush_key
+from service.progress.keys import FLUSH_BUDGET_KEY, STANDALONE, parse_member
 from tests.faults.load import DURATION_S, KIND, Key, Load
 from tests.faults.suite import Cluster, backlog_left, start_load, wait_drained
 from tests.helpers import RowsWatch, push_budget_key
@@ -294,7 +294,7 @@ class Nemesis:
         redis = Redis.from_url(self.cluster.redis.url, decode_responses=True)
         try:
             for _ in range(50):  # a type's pending set is empty between two flushes only briefly
-                pending = await redis.srandmember(pending_flush_key(kind.name), 50)
+                pending = await redis.srandmember(STANDALONE.shards_of(kind.name)[0].pending_key, 50)
                 if candidates := sorted(row for row in map(parse_member, pending) if row in seen):
                     break
                 await asyncio.sleep(0.1)

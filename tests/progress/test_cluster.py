@@ -22,7 +22,7 @@ from service.outbox.stream_publisher import StreamPublisher, publish_guard_key
 from service.progress.content import CONTENT_KINDS
 from service.progress.flush.flusher import Flusher
 from service.progress.ingest.buffer import decode_value
-from service.progress.keys import KeyLayout, latest_position_key
+from service.progress.keys import STANDALONE, KeyLayout
 from tests.helpers import (
     RowsWatch,
     Servers,
@@ -72,7 +72,9 @@ def test_a_cluster_url_with_a_database_number_refuses_to_start(settings: Setting
 def test_one_shard_on_a_standalone_server_keeps_the_monoliths_key_names() -> None:
     layout = KeyLayout.from_settings(Settings().redis)
     (shard,) = layout.shards_of("audio")
-    assert layout.value_key("audio", 5, 7) == "progress:latest_position:audio:5:7" == latest_position_key("audio", 5, 7)
+    assert (
+        layout.value_key("audio", 5, 7) == "progress:latest_position:audio:5:7" == STANDALONE.value_key("audio", 5, 7)
+    )
     assert (shard.pending_key, shard.in_flight_key) == ("progress:pending_flush:audio", "progress:in_flight:audio")
     # after a change of shard count, the flusher still drains the old layout
     changed = KeyLayout.from_settings(Settings(progress_buffer_shards=4, progress_buffer_previous_shards=1).redis)

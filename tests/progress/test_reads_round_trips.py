@@ -262,11 +262,7 @@ async def test_closing_the_reader_answers_the_reads_still_waiting(counted: Count
 
 async def test_500_items_in_one_sync_are_one_redis_round_trip(counted: Counted, db: asyncpg.Pool, redis: Redis) -> None:
     await seed(db, users=7, contents=125)
-    sync = OfflineSync(
-        PositionWriter(counted.redis),
-        counted.pool,
-        max_concurrency=1,
-    )
+    sync = OfflineSync(PositionWriter(counted.redis), counted.pool)
     listened_at = datetime.now(UTC) - timedelta(minutes=5)
     items = [
         OfflineItem.of(SyncItem(content_type=kind.name, content_id=cid, position=float(cid), listened_at=listened_at))

@@ -68,8 +68,7 @@ class BatchStep:
         self._pool = pool
         self._leases = leases
         self.budget = budget
-        self._lease_ms = int(settings.lease_s * 1000)
-        self._margin_s = settings.margin_s
+        self._settings = settings
         # the timeouts for each batch's transaction only (behind PgBouncer too)
         self._timeouts_sql = local_timeouts_sql(
             statement_timeout_s=settings.statement_timeout_s, lock_timeout_s=settings.lock_timeout_s
@@ -82,7 +81,7 @@ class BatchStep:
         cycle.left[shard] = None if left is None else left - rows
         if not rows or kind.name in cycle.failed or cycle.stop.is_set():
             return False
-        claim = await self._leases.claim_batch(shard, count=rows, lease_ms=self._lease_ms)
+        claim = await self._leases.claim_batch(shard, count=rows, lease_ms=int(self._settings.lease_s * 1000))
         if not claim.entries:
             return False
         checkpoints.reached("flush.after_claim")
@@ -118,7 +117,7 @@ class BatchStep:
             # the one way back for what was not acked (a failure, a stop, a cancellation): now, not after
             # the lease; and the budget's rows that were not written go back to the fleet
             if unsettled is not None:
-                await asyncio.shield(self._leases.release(unsettled))
+                await asyncio.shield(self._leases.ack(unsettled, requeue=True))
             if reservation is not None:
                 await asyncio.shield(self.budget.refund(reservation, reservation.rows - result.written))
             for f in fields(CycleResult):
@@ -137,12 +136,13 @@ class BatchStep:
             async with pooled_connection(self._pool) as conn, conn.transaction():
                 if self._timeouts_sql:
                     await conn.execute(self._timeouts_sql)
-                batch = await persist_batch(conn, kind, heartbeats, margin_s=self._margin_s)
+                batch = await persist_batch(conn, kind, heartbeats, margin_s=self._settings.margin_s)
             span.set_attribute("completions", batch.completions)
         checkpoints.reached("flush.after_commit")
         held = set(batch.locked)
         if held:
-            await self._leases.release(replace(claim, entries=[entry for entry in claim.entries if entry[0] in held]))
+            held_back = [entry for entry in claim.entries if entry[0] in held]
+            await self._leases.ack(replace(claim, entries=held_back), requeue=True)
             claim = replace(claim, entries=[entry for entry in claim.entries if entry[0] not in held])
             metrics.FLUSH_LOCKED.labels(kind.name).inc(len(held))
         # the values of unknown users or content go in the same script, unless written again since the claim

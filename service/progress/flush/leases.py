@@ -113,10 +113,6 @@ class Claim:
     lease_score: str  # deadline in Redis's ms, its microseconds as a fraction: identifies this claim
     entries: list[tuple[str, bytes | None]]  # (member, raw value or None if expired)
 
-    @property
-    def members(self) -> list[str]:
-        return [member for member, _ in self.entries]
-
 
 class Leases:
     def __init__(self, redis: RedisClient, *, value_ttl_s: int = 3600) -> None:
@@ -135,32 +131,25 @@ class Leases:
         ]
         return Claim(shard, lease_score.decode() if isinstance(lease_score, bytes) else lease_score, entries)
 
-    async def ack(self, claim: Claim, *, dropped: Collection[str] = ()) -> int:
-        """The batch is committed: forget it, and the values of its `dropped` members unless written since."""
-        return await self._settle_claim(claim, requeue=False, dropped=dropped)
-
-    async def release(self, claim: Claim) -> int:
-        """The batch was not committed: put it back in the pending set now, not after the lease."""
-        return await self._settle_claim(claim, requeue=True)
-
-    async def _settle_claim(self, claim: Claim, *, requeue: bool, dropped: Collection[str] = ()) -> int:
-        if not claim.entries:
-            return 0
+    async def ack(self, claim: Claim, *, dropped: Collection[str] = (), requeue: bool = False) -> int:
+        """The batch is committed: forget it, and the values of its `dropped` members unless written since.
+        `requeue`: it was not committed: it goes back to the pending set now, not after the lease."""
         drop = set(dropped)
         forget = [part for member, raw in claim.entries if member in drop and raw is not None for part in (member, raw)]
-        settled: int = await self._settle(
-            keys=[claim.shard.in_flight_key, claim.shard.pending_key],
-            args=[
-                claim.lease_score,
-                "1" if requeue else "0",
-                claim.shard.value_prefix,
-                self._value_ttl_s,
-                len(claim.entries),
-                *claim.members,
-                *forget,
-            ],
+        return int(
+            await self._settle(
+                keys=[claim.shard.in_flight_key, claim.shard.pending_key],
+                args=[
+                    claim.lease_score,
+                    "1" if requeue else "0",
+                    claim.shard.value_prefix,
+                    self._value_ttl_s,
+                    len(claim.entries),
+                    *(member for member, _ in claim.entries),
+                    *forget,
+                ],
+            )
         )
-        return settled
 
     async def requeue_expired(self, shard: Shard, *, limit: int = 10_000, ahead_ms: int = 0) -> int:
         """Leases of flushers that died: their members go back to the pending set. `ahead_ms`: also the leases

@@ -144,8 +144,7 @@ class HeartbeatSink:
         """Redis through `writer`; without a database (`pool` None), no degraded mode."""
         self._writer = writer
         self._direct = None if pool is None else DirectWriter(pool, budget=budget, margin_s=settings.margin_s)
-        self._redis_retry_s = settings.redis_retry_s
-        self._direct_timeout_s = settings.write_timeout_s
+        self._settings = settings
         # per Redis node ("" for a standalone server), monotonic; while in the future, skip that node
         # instead of waiting on it
         self._redis_down_until: dict[str, float] = {}
@@ -159,11 +158,17 @@ class HeartbeatSink:
                     content_type=kind.name, content_id=content_id, user_id=user_id, position=position
                 )
                 if self._redis_down_until:
-                    self._recovered(node)
+                    # a node whose retry time passed unused gets no heartbeats any more (its slots failed over to
+                    # a replica under another name): it no longer holds the pod in degraded mode either
+                    now = time.monotonic()
+                    down = self._redis_down_until
+                    self._redis_down_until = {name: t for name, t in down.items() if t > now and name != node}
+                    if not self._redis_down_until and self.degraded:
+                        self._set_degraded(False, "Redis answers again: normal mode")
                 return
             except REDIS_FAILED as exc:
                 metrics.REDIS_WRITE_ERRORS.labels(kind.name).inc()
-                self._redis_down_until[node] = time.monotonic() + self._redis_retry_s
+                self._redis_down_until[node] = time.monotonic() + self._settings.redis_retry_s
                 if not self.degraded:
                     self._set_degraded(
                         True,
@@ -173,7 +178,7 @@ class HeartbeatSink:
         if self._direct is None:
             raise Unavailable("progress buffer unavailable and no database configured for degraded mode")
         # a deadline: a slow database must not hold the app's requests (and their sockets) open
-        deadline = asyncio.get_running_loop().time() + self._direct_timeout_s
+        deadline = asyncio.get_running_loop().time() + self._settings.write_timeout_s
         try:
             await self._direct.write(
                 kind, Heartbeat(content_id, user_id, position, None, peak=position), deadline=deadline
@@ -187,15 +192,6 @@ class HeartbeatSink:
         with no traffic that would never clear, and a pod reported unready gets no traffic to clear it."""
         now = time.monotonic()
         return any(until > now for until in self._redis_down_until.values())
-
-    def _recovered(self, node: str) -> None:
-        self._redis_down_until.pop(node, None)
-        # a node whose retry time passed unused gets no heartbeats any more (its slots failed over to a
-        # replica under another name): it no longer holds the pod in degraded mode
-        now = time.monotonic()
-        self._redis_down_until = {name: until for name, until in self._redis_down_until.items() if until > now}
-        if not self._redis_down_until and self.degraded:
-            self._set_degraded(False, "Redis answers again: normal mode")
 
     def _set_degraded(self, degraded: bool, message: str) -> None:
         self.degraded = degraded

@@ -179,15 +179,14 @@ class SyncsWaiting(Exception):
 
 
 class OfflineSync:
-    """Applies a user's offline items; at most `max_concurrency` syncs of the process hold a connection at
+    """Applies a user's offline items; at most SYNC_CONNECTIONS syncs of the process hold a connection at
     once, so syncs stalled on a locked table leave the rest of the pool to the reads, the flush and degraded
     mode. A sync that waited MAX_WAIT_S for its turn, as a read waits for its batch, raises SyncsWaiting."""
 
-    def __init__(self, writer: PositionWriter, pool: asyncpg.Pool, *, max_concurrency: int = SYNC_CONNECTIONS) -> None:
+    def __init__(self, writer: PositionWriter, pool: asyncpg.Pool) -> None:
         self._writer = writer
         self._pool = pool
-        self._max_concurrency = max_concurrency
-        self._connections = asyncio.Semaphore(max_concurrency)
+        self._connections = asyncio.Semaphore(SYNC_CONNECTIONS)
 
     async def apply(self, user_id: int, items: Sequence[OfflineItem]) -> list[SyncOutcome]:
         outcomes = {at: _TOO_EARLY for at, item in enumerate(items) if item.listened_ms < EARLIEST_LISTEN_MS}
@@ -257,7 +256,7 @@ class OfflineSync:
                 await self._connections.acquire()
         except TimeoutError:
             raise SyncsWaiting(
-                f"{self._max_concurrency} syncs at the database did not come back in {MAX_WAIT_S:g} s"
+                f"{SYNC_CONNECTIONS} syncs at the database did not come back in {MAX_WAIT_S:g} s"
             ) from None
         try:
             return await fetch_rows(
