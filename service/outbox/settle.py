@@ -17,7 +17,7 @@ import asyncpg
 from service import checkpoints, metrics
 from service.config import RelaySettings
 from service.outbox.messages import PublishResult
-from service.outbox.outboxes import Outbox
+from service.outbox.outboxes import MARK_SQL, REFUSE_SQL, Outbox
 from service.stores import POSTGRES_UNAVAILABLE
 
 log = logging.getLogger(__name__)
@@ -90,12 +90,14 @@ class Settler:
         Past the batch's lease another relay may have these rows: a statement still failing then goes up.
         """
         if sent:
-            await self._while_leased(outbox, "mark", len(sent), lease_ends, self._pool.execute, outbox.mark_sql, sent)
+            await self._while_leased(
+                outbox, "mark", len(sent), lease_ends, self._pool.execute, outbox.sql(MARK_SQL), sent
+            )
         if not refused:
             return set()
         args = (list(refused), list(refused.values()), self._settings.max_attempts, self._retry_backoff_s)
         rows = await self._while_leased(
-            outbox, "refusals", len(refused), lease_ends, self._pool.fetch, outbox.refuse_sql, *args
+            outbox, "refusals", len(refused), lease_ends, self._pool.fetch, outbox.sql(REFUSE_SQL), *args
         )
         return {row["id"] for row in rows if row["parked"]}
 
