@@ -123,10 +123,7 @@ async def on_each_master(redis: RedisClient, command: Callable[[dict[str, Any]],
 
 async def ping(redis: RedisClient) -> None:
     """Raise unless Redis answers: on a cluster, every master (each holds a share of the heartbeats)."""
-    if isinstance(redis, RedisCluster):
-        await redis.ping(target_nodes=RedisCluster.PRIMARIES)  # redis-py would ask one node only
-    else:
-        await redis.ping()
+    await on_each_master(redis, lambda target: redis.ping(**target))
 
 
 def same_slot_prefix(key: str) -> str:
