@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from service import tracing
 from service.config import ConfigError, RelaySettings
 from service.outbox.messages import Message, PublishResult
+from service.stores import REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,6 @@ class CeleryPublisher:
     def __init__(self, broker_url: str, transport_options: dict[str, Any], *, timeout_s: float) -> None:
         from celery import Celery
         from kombu.exceptions import OperationalError
-        from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import TimeoutError as RedisTimeoutError
 
         check_transport(broker_url)
         self.timeout_s = timeout_s
@@ -95,7 +94,7 @@ class CeleryPublisher:
             broker_connection_timeout=min(timeout_s, 4.0),
         )
         # what says "the broker is not reachable now" rather than "this message is refused"
-        errors: list[type[BaseException]] = [OperationalError, OSError, RedisConnectionError, RedisTimeoutError]
+        errors: list[type[BaseException]] = [OperationalError, *REDIS_UNAVAILABLE]
         try:
             from botocore.exceptions import ConnectionError as BotoConnectionError  # EndpointConnectionError's too
 
@@ -180,9 +179,8 @@ def publisher_from_settings(settings: RelaySettings) -> CeleryPublisher:
     return CeleryPublisher(settings.broker_url, settings.broker_transport_options, timeout_s=settings.publish_timeout_s)
 
 
-# scheme -> the extra that installs its transport (the transports celery needs nothing more for are absent)
-_TRANSPORT_EXTRAS = {"sqs": "sqs"}
-_BUILT_IN_SCHEMES = {"redis", "rediss", "amqp", "amqps", "pyamqp", "memory"}
+# sqs:// needs the `sqs` extra installed; celery needs nothing more for the others
+_SCHEMES = {"redis", "rediss", "amqp", "amqps", "pyamqp", "memory", "sqs"}
 
 
 def check_transport(broker_url: str) -> None:
@@ -190,14 +188,13 @@ def check_transport(broker_url: str) -> None:
     from kombu.transport import resolve_transport  # kombu is imported only when a broker is used
 
     scheme = urlsplit(broker_url).scheme.split("+")[0]
-    if scheme not in _BUILT_IN_SCHEMES and scheme not in _TRANSPORT_EXTRAS:
+    if scheme not in _SCHEMES:
         raise ConfigError(f"CELERY_BROKER_URL: unsupported transport {scheme!r} (use sqs://, redis:// or amqp://)")
     try:
-        if scheme in _TRANSPORT_EXTRAS:
+        if scheme == "sqs":
             import boto3  # noqa: F401  # what kombu's SQS transport needs, imported by it only on first use
         # kombu imports a transport's module (and what it needs) only at the first connection
         resolve_transport(scheme)
     except ImportError as exc:
-        extra = _TRANSPORT_EXTRAS.get(scheme)
-        hint = f"pip install 'progress-service[{extra}]'" if extra else f"install the missing module ({exc.name})"
+        hint = "pip install 'progress-service[sqs]'" if scheme == "sqs" else f"install the missing module ({exc.name})"
         raise ConfigError(f"CELERY_BROKER_URL uses {scheme}://, whose transport cannot load ({exc}): {hint}") from None
