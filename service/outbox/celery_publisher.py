@@ -86,7 +86,6 @@ class CeleryPublisher:
             broker_transport_options=(_REDIS_TIMEOUTS if urlsplit(broker_url).scheme in ("redis", "rediss") else {})
             | transport_options,
             task_serializer="json",
-            accept_content=["json"],
             task_protocol=2,
             # one quick retry covers a pooled connection gone stale (broker restarted); an outage is
             # the relay's to wait out, with backoff, not a thread's
@@ -164,7 +163,6 @@ class CeleryPublisher:
                 kwargs=message.kwargs,
                 task_id=task_id,
                 queue=queue,
-                serializer="json",
                 producer=producer,
                 retry=True,
                 headers=headers,
