@@ -98,9 +98,7 @@ class Relay:
         outbox = route.outbox
         while True:
             leased_at = time.monotonic()  # the batch's lease runs from about now
-            rows: list[asyncpg.Record] = await self._pool.fetch(
-                outbox.sql(CLAIM_SQL), BATCH_SIZE, self._settings.lease_s
-            )
+            rows = await self._pool.fetch(outbox.sql(CLAIM_SQL), BATCH_SIZE, self._settings.lease_s)
             if not rows:
                 return
             checkpoints.reached("relay.after_claim")
