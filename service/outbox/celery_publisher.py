@@ -111,8 +111,6 @@ class CeleryPublisher:
         took it would be unknown): each of its round trips ends within the transport's socket timeout
         (_REDIS_TIMEOUTS on a Redis broker).
         """
-        if not messages:
-            return PublishResult()
         loop = asyncio.get_running_loop()
         stop = threading.Event()
         timer = loop.call_later(self.timeout_s, stop.set)

@@ -109,8 +109,7 @@ class OutboxCounts:
 
 async def outbox_counts(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox) -> OutboxCounts:
     """Messages owed and parked in `outbox`, and the age of the oldest owed: one short indexed statement."""
-    row = await conn.fetchrow(outbox.sql(COUNTS_SQL))
-    assert row is not None
+    row = await conn.fetchrow(outbox.sql(COUNTS_SQL))  # one row: an aggregate's
     return OutboxCounts(int(row["owed"]), int(row["parked"]), row["oldest_owed_age_s"])
 
 
