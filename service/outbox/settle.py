@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 
@@ -25,8 +25,6 @@ log = logging.getLogger(__name__)
 # a published batch's mark that failed is tried again after these pauses (doubling), while its lease lasts
 _SETTLE_FIRST_PAUSE_S = 0.2
 _SETTLE_MAX_PAUSE_S = 2.0
-
-T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -102,8 +100,8 @@ class Settler:
         return {row["id"] for row in rows if row["parked"]}
 
     async def _while_leased(
-        self, outbox: Outbox, what: str, count: int, lease_ends: float, run: Callable[..., Awaitable[T]], *args: Any
-    ) -> T:
+        self, outbox: Outbox, what: str, count: int, lease_ends: float, run: Callable[..., Awaitable[Any]], *args: Any
+    ) -> Any:
         pause_s = _SETTLE_FIRST_PAUSE_S
         while True:
             try:
