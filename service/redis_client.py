@@ -162,7 +162,6 @@ async def _pipeline(
             results: list[object] = await pipe.execute(raise_on_error=False)
             return results
     # a cluster's commands already grouped by node: one round trip, and a command whose slot moved follows the move
-    assert isinstance(redis, RedisCluster)
     results = await node_pipeline(node, commands)
     for i, result in enumerate(results):
         if isinstance(result, (MovedError, AskError, TryAgainError)):
