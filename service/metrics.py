@@ -1,6 +1,7 @@
 """Every Prometheus metric of the service, in one place (the README's metrics table lists them)."""
 
 import os
+from collections.abc import Sequence
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -15,6 +16,12 @@ from prometheus_client import (
 
 # the *_created series double the output and no alert uses them
 disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+def _gauge(name: str, documentation: str, labels: Sequence[str] = ()) -> Gauge:
+    """A gauge of the pod, not of one process: with several worker processes, a scrape shows the highest value."""
+    return Gauge(name, documentation, labels, multiprocess_mode="max")
+
 
 HTTP_REQUESTS = Counter(
     "progress_http_requests_total", "HTTP requests answered, by route and status.", ["route", "status"]
@@ -32,10 +39,8 @@ REDIS_WRITE_BATCH_SIZE = Histogram(
 REDIS_WRITE_ERRORS = Counter(
     "progress_redis_write_errors_total", "Heartbeats whose Redis write failed.", ["content_type"]
 )
-DEGRADED_MODE = Gauge(
-    "progress_degraded_mode",
-    "1 while heartbeats go straight to Postgres because Redis is unreachable.",
-    multiprocess_mode="max",
+DEGRADED_MODE = _gauge(
+    "progress_degraded_mode", "1 while heartbeats go straight to Postgres because Redis is unreachable."
 )
 DEGRADED_WRITES = Counter(
     "progress_degraded_writes_total", "Heartbeats written straight to Postgres (degraded mode).", ["content_type"]
@@ -57,37 +62,23 @@ CATALOG_UNVERIFIED = Counter(
     "Heartbeats for an id not in the catalog snapshot, accepted unchecked because its lookup failed or timed out.",
     ["content_type"],
 )
-CATALOG_KNOWN_IDS = Gauge(
-    "progress_catalog_known_ids", "Content ids in the catalog snapshot.", ["content_type"], multiprocess_mode="max"
+CATALOG_KNOWN_IDS = _gauge("progress_catalog_known_ids", "Content ids in the catalog snapshot.", ["content_type"])
+CATALOG_LAST_REFRESH = _gauge(
+    "progress_catalog_last_refresh_timestamp_seconds", "When the catalog snapshot was last loaded."
 )
-CATALOG_LAST_REFRESH = Gauge(
-    "progress_catalog_last_refresh_timestamp_seconds",
-    "When the catalog snapshot was last loaded.",
-    multiprocess_mode="max",
-)
-REDIS_USED_MEMORY = Gauge(
-    "progress_redis_used_memory_bytes", "Redis used_memory (INFO memory), sampled.", multiprocess_mode="max"
-)
-REDIS_MAX_MEMORY = Gauge(
-    "progress_redis_maxmemory_bytes", "Redis maxmemory (0: no limit), sampled.", multiprocess_mode="max"
-)
-REDIS_PERSISTENCE = Gauge(
+REDIS_USED_MEMORY = _gauge("progress_redis_used_memory_bytes", "Redis used_memory (INFO memory), sampled.")
+REDIS_MAX_MEMORY = _gauge("progress_redis_maxmemory_bytes", "Redis maxmemory (0: no limit), sampled.")
+REDIS_PERSISTENCE = _gauge(
     "progress_redis_persistence",
     "1 for the persistence Redis runs with, 0 for the others: aof, rdb, none (a restart loses everything not yet "
     "flushed), unknown (neither CONFIG GET nor INFO answered); the weakest master of a cluster. Sampled.",
     ["mode"],
-    multiprocess_mode="max",
 )
 
 # flusher
-PENDING_ENTRIES = Gauge(
-    "progress_pending_entries", "Members waiting in a pending set.", ["content_type"], multiprocess_mode="max"
-)
-IN_FLIGHT_ENTRIES = Gauge(
-    "progress_in_flight_entries",
-    "Members claimed by a flusher, not yet acked.",
-    ["content_type"],
-    multiprocess_mode="max",
+PENDING_ENTRIES = _gauge("progress_pending_entries", "Members waiting in a pending set.", ["content_type"])
+IN_FLIGHT_ENTRIES = _gauge(
+    "progress_in_flight_entries", "Members claimed by a flusher, not yet acked.", ["content_type"]
 )
 FLUSH_ROWS = Counter("progress_flush_rows_total", "Progress rows inserted or moved forward.", ["content_type"])
 FLUSH_COMPLETIONS = Counter("progress_flush_completions_total", "Completion events created.", ["content_type"])
@@ -134,21 +125,16 @@ FLUSH_LOCKED = Counter(
     "Entries left pending because another session held a row they need (the rest of the batch was written).",
     ["content_type"],
 )
-FLUSH_DRAIN_SECONDS = Gauge(
-    "progress_flush_drain_seconds",
-    "Estimated time to write the backlog: pending entries / the rate they drain at.",
-    multiprocess_mode="max",
+FLUSH_DRAIN_SECONDS = _gauge(
+    "progress_flush_drain_seconds", "Estimated time to write the backlog: pending entries / the rate they drain at."
 )
-FLUSH_LAST_SUCCESS = Gauge(
-    "progress_flush_last_success_timestamp_seconds",
-    "When a flush cycle last finished with no failed batch.",
-    multiprocess_mode="max",
+FLUSH_LAST_SUCCESS = _gauge(
+    "progress_flush_last_success_timestamp_seconds", "When a flush cycle last finished with no failed batch."
 )
 # the setting itself, so that alerts.yml counts in intervals and follows the setting (not a copy of its default)
-FLUSH_INTERVAL = Gauge(
+FLUSH_INTERVAL = _gauge(
     "progress_flush_interval_seconds",
     "PROGRESS_FLUSH_INTERVAL_SECONDS of a running flusher (0: none runs in this process).",
-    multiprocess_mode="max",
 )
 
 
@@ -198,22 +184,17 @@ OUTBOX_BROKER_UNAVAILABLE = Counter(
 OUTBOX_RELAY_ERRORS = Counter(
     "progress_outbox_relay_errors_total", "Relay passes ended by an unexpected error (a bug: see the log)."
 )
-OUTBOX_OLDEST_AGE = Gauge(
+OUTBOX_OLDEST_AGE = _gauge(
     "progress_outbox_oldest_unpublished_age_seconds",
     "Age of the oldest outbox row still owed to the broker.",
     ["outbox"],
-    multiprocess_mode="max",
 )
 # counted by every relay pass, next to the age above; every pod counts the same rows: max, not sum
-OUTBOX_OWED = Gauge(
-    "progress_outbox_owed_messages",
-    "Outbox rows still owed to the broker (not published, not parked).",
-    ["outbox"],
-    multiprocess_mode="max",
+OUTBOX_OWED = _gauge(
+    "progress_outbox_owed_messages", "Outbox rows still owed to the broker (not published, not parked).", ["outbox"]
 )
-OUTBOX_PARKED = Gauge(
+OUTBOX_PARKED = _gauge(
     "progress_outbox_parked_messages",
     "Outbox rows parked after OUTBOX_MAX_ATTEMPTS refusals, waiting for a re-drive.",
     ["outbox"],
-    multiprocess_mode="max",
 )

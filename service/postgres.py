@@ -36,8 +36,7 @@ async def _reset_session(conn: asyncpg.Connection) -> None:
     if isinstance(conn, _PoolConnection) and conn._stateless_use:
         conn._stateless_use = False
         return
-    query = conn.get_reset_query()  # empty on a server without any of those (asyncpg's own check)
-    if query:
+    if query := conn.get_reset_query():  # empty on a server without any of those (asyncpg's own check)
         await conn.execute(query)
 
 

@@ -14,12 +14,11 @@ from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.connection import Connection, parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError, TryAgainError
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import AskError, MovedError, RedisClusterException, TryAgainError
 
 from service.config import RedisSettings
 from service.redis_internals import GUARDED, guard_cluster_connections, node_pipeline, topology_is_stale
-from service.stores import REDIS_UNAVAILABLE
+from service.stores import REDIS_FAILED, REDIS_UNAVAILABLE
 
 RedisClient: TypeAlias = Redis | RedisCluster
 T = TypeVar("T")
@@ -74,15 +73,13 @@ async def execute_by_node(
     """
     groups: list[tuple[ClusterNode | None, list[int]]] = [(None, list(range(len(commands))))]
     if isinstance(redis, RedisCluster):
-        try:
-            await redis.initialize()  # a no-op once the topology is known; re-reads it after a failure
-            by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
-            for i, args in enumerate(commands):
-                node = _node_of(redis, args[key_index])
-                by_node.setdefault(node.name, (node, []))[1].append(i)
-        except RedisClusterException as exc:
-            # no node answers, or a slot has no master during a failover: the callers' "Redis is down"
-            raise RedisConnectionError(f"Redis Cluster unavailable: {exc}") from exc
+        # no node answers, or a slot has no master during a failover: a RedisClusterException, which
+        # REDIS_UNAVAILABLE counts (service.stores), so it goes up as it is
+        await redis.initialize()  # a no-op once the topology is known; re-reads it after a failure
+        by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
+        for i, args in enumerate(commands):
+            node = _node_of(redis, args[key_index])
+            by_node.setdefault(node.name, (node, []))[1].append(i)
         groups = list(by_node.values())
     sent = await asyncio.gather(
         *(_pipeline(redis, [commands[i] for i in group], node) for node, group in groups),
@@ -92,9 +89,6 @@ async def execute_by_node(
     for (_, group), outcome in zip(groups, sent, strict=True):
         if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
             raise outcome  # cancelled: not a failure of that node
-        if isinstance(outcome, RedisClusterException):
-            # no node for a slot, a cluster that cannot be reached: not a RedisError, yet the same weather
-            outcome = RedisConnectionError(f"Redis Cluster unavailable: {outcome}")
         for position, i in enumerate(group):
             results[i] = outcome if isinstance(outcome, Exception) else outcome[position]
     if isinstance(redis, RedisCluster) and any(isinstance(result, REDIS_UNAVAILABLE) for result in results):
@@ -129,10 +123,7 @@ async def on_each_master(redis: RedisClient, command: Callable[[dict[str, Any]],
 
 async def ping(redis: RedisClient) -> None:
     """Raise unless Redis answers: on a cluster, every master (each holds a share of the heartbeats)."""
-    if isinstance(redis, RedisCluster):
-        await redis.ping(target_nodes=RedisCluster.PRIMARIES)  # redis-py would ask one node only
-    else:
-        await redis.ping()
+    await on_each_master(redis, lambda target: redis.ping(**target))
 
 
 def same_slot_prefix(key: str) -> str:
@@ -171,15 +162,12 @@ async def _pipeline(
             results: list[object] = await pipe.execute(raise_on_error=False)
             return results
     # a cluster's commands already grouped by node: one round trip, and a command whose slot moved follows the move
-    assert isinstance(redis, RedisCluster)
     results = await node_pipeline(node, commands)
     for i, result in enumerate(results):
         if isinstance(result, (MovedError, AskError, TryAgainError)):
             # its slot moved (resharding, failover): redis-py follows the redirection for this command
             try:
                 results[i] = await redis.execute_command(*commands[i])  # type: ignore[arg-type]
-            except RedisError as exc:
+            except REDIS_FAILED as exc:
                 results[i] = exc
-            except RedisClusterException as exc:  # not a RedisError: callers know "Redis is down" by that
-                results[i] = RedisConnectionError(f"Redis Cluster unavailable: {exc}")
     return results

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Protocol
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -25,17 +25,15 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 5.0
 
 
-class Span(Protocol):
-    def set_attribute(self, key: str, value: Any) -> None: ...
+class Span:
+    """What a span is used for here; this one, the span while tracing is off, keeps nothing."""
 
-
-class _NoSpan:
     def set_attribute(self, key: str, value: Any) -> None:
         return None
 
 
 # what `span` gives while tracing is off: one context, entered and left for nothing
-_NO_SPAN: AbstractContextManager[Span] = nullcontext(_NoSpan())
+_NO_SPAN: AbstractContextManager[Span] = nullcontext(Span())
 _provider: Any = None  # the SDK's TracerProvider while tracing is on
 _tracer: Any = None
 _propagator: Any = None

@@ -42,9 +42,8 @@ def run(args: argparse.Namespace) -> int:
             servers.append(pg)
             pg.create_database("progress")
             os.environ["DATABASE_URL"] = pg.url("progress")
-        if "CELERY_BROKER_URL" not in os.environ:
-            # the monolith's broker, played by the embedded Valkey in a database of its own
-            os.environ["CELERY_BROKER_URL"] = urlsplit(os.environ["REDIS_URL"])._replace(path="/2").geturl()
+        # the monolith's broker, played by the embedded Valkey in a database of its own
+        os.environ.setdefault("CELERY_BROKER_URL", urlsplit(os.environ["REDIS_URL"])._replace(path="/2").geturl())
         say("applying migrations_ref/*.sql and dev seed data")
         applied = asyncio.run(prepare_database(os.environ["DATABASE_URL"], seed=True))
         say(f"applied {', '.join(applied)}")

@@ -14,7 +14,7 @@ from datetime import datetime
 
 import asyncpg
 
-from service.outbox.outboxes import NOTIFY_CHANNEL, PARKED, Outbox
+from service.outbox.outboxes import Outbox
 
 # rows per re-drive statement: each is a few milliseconds of row locks on rows no relay wants
 REDRIVE_CHUNK = 500
@@ -64,17 +64,13 @@ class ParkedRow:
         return asdict(self) | {"failed_at": self.failed_at.isoformat()}
 
 
-def _sql(template: str, outbox: Outbox) -> str:
-    return template.format(table=outbox.table, key=outbox.key, parked=PARKED, channel=NOTIFY_CHANNEL)
-
-
 async def list_parked(
     conn: asyncpg.Connection | asyncpg.Pool, outboxes: Sequence[Outbox], *, limit: int, ids: Sequence[int] | None = None
 ) -> list[ParkedRow]:
     """The `limit` most recently parked rows of `outboxes` (only `ids`, when given), newest first."""
     found: list[ParkedRow] = []
     for outbox in outboxes:
-        rows = await conn.fetch(_sql(_LIST_SQL, outbox), limit, ids)
+        rows = await conn.fetch(outbox.sql(_LIST_SQL), limit, ids)
         found += [ParkedRow(outbox.name, row["id"], row["error"], row["failed_at"], row["attempts"]) for row in rows]
     found.sort(key=lambda row: (row.failed_at, row.id), reverse=True)
     return found[:limit]
@@ -84,7 +80,7 @@ async def count_parked(
     conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox, ids: Sequence[int] | None = None
 ) -> int:
     """What a re-drive of `outbox` (only `ids`, when given) would touch now."""
-    return int(await conn.fetchval(_sql(_COUNT_SQL, outbox), ids))
+    return int(await conn.fetchval(outbox.sql(_COUNT_SQL), ids))
 
 
 async def redrive_parked(
@@ -103,7 +99,7 @@ async def redrive_parked(
     """
     after, total = 0, 0
     while not should_stop():
-        row = await conn.fetchrow(_sql(_REDRIVE_SQL, outbox), after, chunk, ids)
+        row = await conn.fetchrow(outbox.sql(_REDRIVE_SQL), after, chunk, ids)
         if row is None or row["last"] is None:
             break
         after = row["last"]

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from service import tracing
 from service.config import ConfigError, RelaySettings
 from service.outbox.messages import Message, PublishResult
+from service.stores import REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,6 @@ class CeleryPublisher:
     def __init__(self, settings: RelaySettings) -> None:
         from celery import Celery
         from kombu.exceptions import OperationalError
-        from redis.exceptions import ConnectionError as RedisConnectionError
-        from redis.exceptions import TimeoutError as RedisTimeoutError
 
         broker_url, self.timeout_s = settings.broker_url, settings.publish_timeout_s
         check_transport(broker_url)
@@ -87,7 +86,6 @@ class CeleryPublisher:
             broker_transport_options=(_REDIS_TIMEOUTS if urlsplit(broker_url).scheme in ("redis", "rediss") else {})
             | settings.broker_transport_options,
             task_serializer="json",
-            accept_content=["json"],
             task_protocol=2,
             # one quick retry covers a pooled connection gone stale (broker restarted); an outage is
             # the relay's to wait out, with backoff, not a thread's
@@ -95,7 +93,7 @@ class CeleryPublisher:
             broker_connection_timeout=min(self.timeout_s, 4.0),
         )
         # what says "the broker is not reachable now" rather than "this message is refused"
-        errors: list[type[BaseException]] = [OperationalError, OSError, RedisConnectionError, RedisTimeoutError]
+        errors: list[type[BaseException]] = [OperationalError, *REDIS_UNAVAILABLE]
         try:
             from botocore.exceptions import ConnectionError as BotoConnectionError  # EndpointConnectionError's too
 
@@ -113,8 +111,6 @@ class CeleryPublisher:
         took it would be unknown): each of its round trips ends within the transport's socket timeout
         (_REDIS_TIMEOUTS on a Redis broker).
         """
-        if not messages:
-            return PublishResult()
         loop = asyncio.get_running_loop()
         stop = threading.Event()
         timer = loop.call_later(self.timeout_s, stop.set)
@@ -165,7 +161,6 @@ class CeleryPublisher:
                 kwargs=message.kwargs,
                 task_id=task_id,
                 queue=queue,
-                serializer="json",
                 producer=producer,
                 retry=True,
                 headers=headers,
@@ -176,9 +171,8 @@ class CeleryPublisher:
         self.app.close()
 
 
-# scheme -> the extra that installs its transport (the transports celery needs nothing more for are absent)
-_TRANSPORT_EXTRAS = {"sqs": "sqs"}
-_BUILT_IN_SCHEMES = {"redis", "rediss", "amqp", "amqps", "pyamqp", "memory"}
+# sqs:// needs the `sqs` extra installed; celery needs nothing more for the others
+_SCHEMES = {"redis", "rediss", "amqp", "amqps", "pyamqp", "memory", "sqs"}
 
 
 def check_transport(broker_url: str) -> None:
@@ -186,14 +180,13 @@ def check_transport(broker_url: str) -> None:
     from kombu.transport import resolve_transport  # kombu is imported only when a broker is used
 
     scheme = urlsplit(broker_url).scheme.split("+")[0]
-    if scheme not in _BUILT_IN_SCHEMES and scheme not in _TRANSPORT_EXTRAS:
+    if scheme not in _SCHEMES:
         raise ConfigError(f"CELERY_BROKER_URL: unsupported transport {scheme!r} (use sqs://, redis:// or amqp://)")
     try:
-        if scheme in _TRANSPORT_EXTRAS:
+        if scheme == "sqs":
             import boto3  # noqa: F401  # what kombu's SQS transport needs, imported by it only on first use
         # kombu imports a transport's module (and what it needs) only at the first connection
         resolve_transport(scheme)
     except ImportError as exc:
-        extra = _TRANSPORT_EXTRAS.get(scheme)
-        hint = f"pip install 'progress-service[{extra}]'" if extra else f"install the missing module ({exc.name})"
+        hint = "pip install 'progress-service[sqs]'" if scheme == "sqs" else f"install the missing module ({exc.name})"
         raise ConfigError(f"CELERY_BROKER_URL uses {scheme}://, whose transport cannot load ({exc}): {hint}") from None

@@ -30,15 +30,18 @@ def email_task_id(dispatch_id: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Outbox:
+    """Both outboxes are one shape: a table with a bigint key, published_at, a lease, attempts and a park."""
+
     name: str  # the metrics label: completion | email
     table: str
     key: str  # its bigint primary key: the `id` the relay, the log and `outbox list` name
+    returning: str  # what a claim returns besides the id and the attempts: what to_message reads
     to_message: Callable[[asyncpg.Record, str, str], Message]  # (row, task name, queue)
-    claim_sql: str  # $1 batch size, $2 lease (s); returns the rows with publish_attempts
-    mark_sql: str  # $1 row ids
-    release_sql: str  # $1 row ids: claimed, not published, no harm done (the broker was unreachable)
-    refuse_sql: str  # $1 row ids, $2 errors, $3 max attempts, $4 first backoff (s); returns id, parked
-    counts_sql: str  # owed, parked, and the age (s) of the oldest row still owed (or NULL)
+
+    def sql(self, template: str) -> str:
+        """A statement of this module's (or service.outbox.admin's) for this outbox's table."""
+        names = {"table": self.table, "key": self.key, "returning": self.returning, "channel": NOTIFY_CHANNEL}
+        return template.format(owed=OWED, parked=PARKED, **names)
 
 
 # The two states of an unpublished row, as the partial indexes of migrations_ref/006_outbox_counts.sql
@@ -51,7 +54,8 @@ PARKED = "publish_failed_at IS NOT NULL AND published_at IS NULL"
 # once, so a slow broker holds no row lock and no PgBouncer server connection. Rows parked
 # (publish_failed_at) are never claimed again; a refused row waits out its backoff in claimed_until.
 # `refused_before`: a row the broker refused earlier cannot have gone out, so its publish is no republish.
-_CLAIM_SQL = """
+# $1 batch size, $2 lease (s)
+CLAIM_SQL = """
 UPDATE {table} o
    SET claimed_until = now() + make_interval(secs => $2::float8), publish_attempts = o.publish_attempts + 1
  WHERE o.{key} IN (
@@ -63,18 +67,20 @@ UPDATE {table} o
            FOR UPDATE SKIP LOCKED)
 RETURNING o.{key} AS id, {returning}, o.publish_attempts, o.publish_error IS NOT NULL AS refused_before
 """
-_MARK_SQL = """
+# $1 row ids
+MARK_SQL = """
 UPDATE {table} SET published_at = now(), claimed_until = NULL WHERE {key} = ANY($1::bigint[])
 """
-# the claim counted an attempt that never reached the broker: take it back so a later publish is not
-# reported as a republish
-_RELEASE_SQL = """
+# $1 row ids: claimed, not published, no harm done (the broker was unreachable). The claim counted an attempt
+# that never reached the broker: take it back so a later publish is not reported as a republish
+RELEASE_SQL = """
 UPDATE {table} SET claimed_until = NULL, publish_attempts = publish_attempts - 1
  WHERE {key} = ANY($1::bigint[]) AND published_at IS NULL
 """
 # Sidekiq's retry-then-dead: a refusal is retried after first_s * 2^(attempts - 1) (the lease set into
-# the future), and parked for a human once the row has had its max attempts; the error is kept either way
-_REFUSE_SQL = """
+# the future), and parked for a human once the row has had its max attempts; the error is kept either way.
+# $1 row ids, $2 errors, $3 max attempts, $4 first backoff (s)
+REFUSE_SQL = """
 UPDATE {table} o
    SET publish_error = r.error,
        publish_failed_at = CASE WHEN o.publish_attempts >= $3 THEN now() END,
@@ -86,7 +92,7 @@ RETURNING o.{key} AS id, o.publish_failed_at IS NOT NULL AS parked
 """
 # Plain reads, no lock taken (`status` and the relay's gauges): two counts, each over a partial index
 # (migrations_ref/006_outbox_counts.sql): the owed rows by created_at, the parked ones
-_COUNTS_SQL = """
+COUNTS_SQL = """
 SELECT owed.count AS owed, owed.oldest_owed_age_s, (
         SELECT count(*) FROM {table} WHERE {parked}) AS parked
   FROM (SELECT count(*) AS count, extract(epoch FROM now() - min(created_at))::float8 AS oldest_owed_age_s
@@ -103,18 +109,8 @@ class OutboxCounts:
 
 async def outbox_counts(conn: asyncpg.Connection | asyncpg.Pool, outbox: Outbox) -> OutboxCounts:
     """Messages owed and parked in `outbox`, and the age of the oldest owed: one short indexed statement."""
-    row = await conn.fetchrow(outbox.counts_sql)
-    assert row is not None
+    row = await conn.fetchrow(outbox.sql(COUNTS_SQL))  # one row: an aggregate's
     return OutboxCounts(int(row["owed"]), int(row["parked"]), row["oldest_owed_age_s"])
-
-
-def _outbox(
-    name: str, *, table: str, key: str, returning: str, to_message: Callable[[asyncpg.Record, str, str], Message]
-) -> Outbox:
-    """Both outboxes are one shape: a table with a bigint key, published_at, a lease, attempts and a park."""
-    names = {"table": table, "key": key, "returning": returning, "owed": OWED, "parked": PARKED}
-    statements = (_CLAIM_SQL, _MARK_SQL, _RELEASE_SQL, _REFUSE_SQL, _COUNTS_SQL)
-    return Outbox(name, table, key, to_message, *(sql.format(**names) for sql in statements))
 
 
 def completion_message(row: asyncpg.Record, task_name: str, queue: str) -> Message:
@@ -139,7 +135,7 @@ def email_message(row: asyncpg.Record, task_name: str, queue: str) -> Message:
     return Message(row["id"], task_name, queue, email_task_id(row["id"]), kwargs, extra)
 
 
-COMPLETIONS = _outbox(
+COMPLETIONS = Outbox(
     "completion",
     table="progress_completion_event",
     key="id",
@@ -148,7 +144,7 @@ COMPLETIONS = _outbox(
 )
 # A row of the email outbox is written by the statement that reserves its email
 # (service.trial_emails.reservations), which wakes the relay: the batch publishes nothing itself.
-EMAILS = _outbox(
+EMAILS = Outbox(
     "email",
     table="trial_email_outbox",
     key="dispatch_id",

@@ -27,7 +27,7 @@ from service import checkpoints, metrics, tracing
 from service.config import RelaySettings
 from service.loops import Backoff, every
 from service.outbox.messages import Publisher
-from service.outbox.outboxes import NOTIFY_CHANNEL, Outbox, outbox_counts
+from service.outbox.outboxes import CLAIM_SQL, NOTIFY_CHANNEL, RELEASE_SQL, Outbox, outbox_counts
 from service.outbox.settle import RelayResult, Settler
 from service.postgres import CONNECT_TIMEOUT_S
 from service.stores import POSTGRES_FAILED
@@ -92,7 +92,7 @@ class Relay:
         outbox = route.outbox
         while True:
             leased_at = time.monotonic()  # the batch's lease runs from about now
-            rows: list[asyncpg.Record] = await self._pool.fetch(outbox.claim_sql, BATCH_SIZE, self._settings.lease_s)
+            rows = await self._pool.fetch(outbox.sql(CLAIM_SQL), BATCH_SIZE, self._settings.lease_s)
             if not rows:
                 return
             checkpoints.reached("relay.after_claim")
@@ -104,7 +104,7 @@ class Relay:
                 # unreachable, or slow: what was claimed and not sent goes back, to wait unleased
                 done = set(sent.sent) | set(sent.refused)
                 if unsent := [row["id"] for row in rows if row["id"] not in done]:
-                    await self._pool.execute(outbox.release_sql, unsent)
+                    await self._pool.execute(outbox.sql(RELEASE_SQL), unsent)
                 return
             if len(rows) < BATCH_SIZE or (stop is not None and stop.is_set()):
                 return

@@ -10,14 +10,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 
 from service import checkpoints, metrics
 from service.config import RelaySettings
 from service.outbox.messages import PublishResult
-from service.outbox.outboxes import Outbox
+from service.outbox.outboxes import MARK_SQL, REFUSE_SQL, Outbox
 from service.stores import POSTGRES_UNAVAILABLE
 
 log = logging.getLogger(__name__)
@@ -25,8 +25,6 @@ log = logging.getLogger(__name__)
 # a published batch's mark that failed is tried again after these pauses (doubling), while its lease lasts
 _SETTLE_FIRST_PAUSE_S = 0.2
 _SETTLE_MAX_PAUSE_S = 2.0
-
-T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -90,18 +88,20 @@ class Settler:
         Past the batch's lease another relay may have these rows: a statement still failing then goes up.
         """
         if sent:
-            await self._while_leased(outbox, "mark", len(sent), lease_ends, self._pool.execute, outbox.mark_sql, sent)
+            await self._while_leased(
+                outbox, "mark", len(sent), lease_ends, self._pool.execute, outbox.sql(MARK_SQL), sent
+            )
         if not refused:
             return set()
         args = (list(refused), list(refused.values()), self._settings.max_attempts, self._retry_backoff_s)
         rows = await self._while_leased(
-            outbox, "refusals", len(refused), lease_ends, self._pool.fetch, outbox.refuse_sql, *args
+            outbox, "refusals", len(refused), lease_ends, self._pool.fetch, outbox.sql(REFUSE_SQL), *args
         )
         return {row["id"] for row in rows if row["parked"]}
 
     async def _while_leased(
-        self, outbox: Outbox, what: str, count: int, lease_ends: float, run: Callable[..., Awaitable[T]], *args: Any
-    ) -> T:
+        self, outbox: Outbox, what: str, count: int, lease_ends: float, run: Callable[..., Awaitable[Any]], *args: Any
+    ) -> Any:
         pause_s = _SETTLE_FIRST_PAUSE_S
         while True:
             try:

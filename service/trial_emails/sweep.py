@@ -69,28 +69,6 @@ async def sweep_journeys(
     return total
 
 
-async def sweep_if_no_other_pod_is(
-    *, pool: asyncpg.Pool, options: BatchOptions, stop: asyncio.Event, budget: FlushBudget
-) -> BatchResult | None:
-    """One sweep under the advisory lock, or None when another pod holds it.
-
-    The lock only saves duplicated work. It is a session lock, so its connection must be a real
-    session to the primary (not PgBouncer in transaction mode). If the unlock never happens (a
-    cancellation, a lost connection), the pool's reset on release or the server's end of the
-    session releases it. The lock holds one connection of `pool` for the sweep, which needs another.
-    """
-    async with pool.acquire() as lock_conn:
-        if not await lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", SWEEP_LOCK_KEY):
-            return None
-        try:
-            return await sweep_journeys(pool=pool, options=options, should_stop=stop.is_set, budget=budget)
-        finally:
-            # on a broken connection the server has dropped the lock with the session already; an
-            # error here would only hide the one that got us here
-            with contextlib.suppress(*POSTGRES_FAILED):
-                await lock_conn.execute("SELECT pg_advisory_unlock($1)", SWEEP_LOCK_KEY)
-
-
 async def run_periodic_sweep(
     *, pool: asyncpg.Pool, options: BatchOptions, interval_s: float, stop: asyncio.Event, budget: FlushBudget
 ) -> None:
@@ -104,22 +82,34 @@ async def run_periodic_sweep(
         return
 
     async def sweep() -> bool:
+        # The lock only saves duplicated work. It is a session lock, so its connection must be a real session
+        # to the primary (not PgBouncer in transaction mode). If the unlock never happens (a cancellation, a
+        # lost connection), the pool's reset on release or the server's end of the session releases it. The
+        # lock holds one connection of `pool` for the sweep, which needs another.
         try:
-            result = await sweep_if_no_other_pod_is(pool=pool, options=options, stop=stop, budget=budget)
+            async with pool.acquire() as lock_conn:
+                if not await lock_conn.fetchval("SELECT pg_try_advisory_lock($1)", SWEEP_LOCK_KEY):
+                    metrics.TRIAL_JOURNEY_SWEEPS.labels("locked").inc()
+                    log.info("trial-journey sweep skipped: another pod holds the lock")
+                    return True
+                try:
+                    result = await sweep_journeys(pool=pool, options=options, should_stop=stop.is_set, budget=budget)
+                finally:
+                    # on a broken connection the server has dropped the lock with the session already; an
+                    # error here would only hide the one that got us here
+                    with contextlib.suppress(*POSTGRES_FAILED):
+                        await lock_conn.execute("SELECT pg_advisory_unlock($1)", SWEEP_LOCK_KEY)
         except POSTGRES_FAILED as exc:
             metrics.TRIAL_JOURNEY_SWEEPS.labels("failed").inc()
             log.exception("trial-journey sweep failed; next in %.0f s", interval_s, extra={"error": repr(exc)})
             return False
-        metrics.TRIAL_JOURNEY_SWEEPS.labels("locked" if result is None else "done").inc()
-        if result is None:
-            log.info("trial-journey sweep skipped: another pod holds the lock")
-        else:
-            log.info(
-                "trial-journey sweep done: %d trials, %d emails reserved for the relay",
-                result["user_trials"],
-                result["sent"],
-                extra={"count": result["sent"]},
-            )
+        metrics.TRIAL_JOURNEY_SWEEPS.labels("done").inc()
+        log.info(
+            "trial-journey sweep done: %d trials, %d emails reserved for the relay",
+            result["user_trials"],
+            result["sent"],
+            extra={"count": result["sent"]},
+        )
         return True
 
     await every(
