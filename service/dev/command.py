@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 from service.cli import uvicorn_options
 from service.commands import say
-from service.config import load_settings
+from service.config import Settings, load_settings
 from service.dev.database import EmbeddedPostgres, prepare_database
 from service.dev.embedded import EmbeddedRedis, EmbeddedServerError
 from service.logs import configure_logging
@@ -50,29 +50,13 @@ def run(args: argparse.Namespace) -> int:
         settings = load_settings()
         configure_logging(settings.log_level)
         app = create_app(settings)
-        token = make_token(settings, 1)
         http = uvicorn.Server(uvicorn.Config(app, **uvicorn_options(args.host, args.port, settings)))
         # Ctrl-C is uvicorn's graceful stop from the banner on, also before uvicorn installs its own handler
         # (the lifespan then starts and stops at once, final flush included): a Ctrl-C in that gap used to
         # be swallowed, and dev served on. With Python's own handler it would be a KeyboardInterrupt in the
         # middle of the lifespan's shutdown, when uvicorn re-raises it after the stop; this one is a no-op then.
         signal.signal(signal.SIGINT, http.handle_exit)
-        print(
-            f"\nprogress-service dev is ready on http://{args.host}:{args.port}\n"
-            f"REDIS_URL={settings.redis_url}\nDATABASE_URL={settings.database_url}\n"
-            f"CELERY_BROKER_URL={settings.celery_broker_url}\n\n"
-            "Try it (user 1, lesson 1):\n"
-            f"  curl -i -X POST http://{args.host}:{args.port}/engagements/progress/lesson \\\n"
-            f"    -H 'Authorization: Bearer {token}' \\\n"
-            "    -H 'Content-Type: application/json' -d '{\"lesson_id\": 1, \"position\": 42.5}'\n\n"
-            'Lesson 1 lasts 600 s: send "position": 595 and it completes. After the next flush '
-            f"(every {settings.progress_flush_interval_seconds:g} s) its {settings.completion_task_name} task "
-            "waits in the broker:\n"
-            f"  python -c \"import redis; print(redis.Redis.from_url('{settings.celery_broker_url}')"
-            f".lrange('{settings.completion_task_queue}', 0, -1))\"\n\n"
-            "Ctrl-C stops the service and the embedded servers.\n",
-            flush=True,
-        )
+        print(_banner(args, settings, make_token(settings, 1)), flush=True)
         http.run()
     except EmbeddedServerError as exc:  # dev's own Valkey or Postgres could not start
         print(f"progress-service: {exc}", file=sys.stderr)
@@ -82,3 +66,22 @@ def run(args: argparse.Namespace) -> int:
             say(f"stopping embedded {server.name}")
             server.stop()
     return 0
+
+
+def _banner(args: argparse.Namespace, settings: Settings, token: str) -> str:
+    """How to try it: the servers' URLs, a curl with a dev token, where the completion lands."""
+    return (
+        f"\nprogress-service dev is ready on http://{args.host}:{args.port}\n"
+        f"REDIS_URL={settings.redis_url}\nDATABASE_URL={settings.database_url}\n"
+        f"CELERY_BROKER_URL={settings.celery_broker_url}\n\n"
+        "Try it (user 1, lesson 1):\n"
+        f"  curl -i -X POST http://{args.host}:{args.port}/engagements/progress/lesson \\\n"
+        f"    -H 'Authorization: Bearer {token}' \\\n"
+        "    -H 'Content-Type: application/json' -d '{\"lesson_id\": 1, \"position\": 42.5}'\n\n"
+        'Lesson 1 lasts 600 s: send "position": 595 and it completes. After the next flush '
+        f"(every {settings.progress_flush_interval_seconds:g} s) its {settings.completion_task_name} task "
+        "waits in the broker:\n"
+        f"  python -c \"import redis; print(redis.Redis.from_url('{settings.celery_broker_url}')"
+        f".lrange('{settings.completion_task_queue}', 0, -1))\"\n\n"
+        "Ctrl-C stops the service and the embedded servers.\n"
+    )
