@@ -99,7 +99,14 @@ async def test_sigkill_at_random_moments_loses_nothing(servers: Servers, redis: 
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        await asyncio.sleep(rng.uniform(0.4, 1.0))  # start-up is ~0.3 s
+
+        async def draining(process: subprocess.Popen[bytes] = process) -> bool:
+            return process.poll() is not None or await redis.zcard("progress:in_flight:lesson") > 0
+
+        # from its first claim, not from its start (~0.3 s on a quiet machine, seconds on a busy one, when the
+        # kill came before any claim): every kill lands mid-drain
+        await wait_for(draining, timeout_s=60)
+        await asyncio.sleep(rng.uniform(0.1, 0.7))
         if process.poll() is None:
             process.kill()
             kills += 1
