@@ -24,7 +24,7 @@ from tests.helpers import TEST_JWT_SECRET, Servers, auth, clean_environment, see
 
 pytestmark = pytest.mark.slow
 
-LOAD_S = 2.0  # two scrapes at least (1 s apart) while it runs: what a rate() needs; more shows nothing more
+LOAD_S = 4.0
 CONCURRENCY = 8
 USERS = 40
 CONTENTS = 5
