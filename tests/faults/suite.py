@@ -456,7 +456,8 @@ def _count(ledger: dict[str, Any], report: Report) -> None:
 def run_scenario(
     scenario: str, size: Size, base: Path, log: Callable[[str], None] = print, cluster: Cluster | None = None
 ) -> Report:
-    """`cluster`: one already running (started by start_cluster for this size), emptied first and left running."""
+    """`cluster`: a Cluster of this size already started (tests/faults/test_fault_suite.py's, shared by its
+    scenarios), emptied first and left running; without it, one of its own for this run."""
     base.mkdir(parents=True, exist_ok=True)
     own = cluster is None
     report = Report(scenario, size.keys)
