@@ -98,6 +98,7 @@ def live_service(servers: Servers, migrated: str, fuzz_content: None) -> Iterato
         "PROGRESS_FLUSHER_ENABLED": "false",  # pending members stay put, so each case can see its own
         "RELAY_ENABLED": "false",
         "EMAIL_PUBLISHER": "redis-stream",
+        "SHUTDOWN_DRAIN_SECONDS": "0",  # no load balancer to leave: the default 5 s would be waited out at the stop
         "LOG_LEVEL": "WARNING",
     }
     command = [

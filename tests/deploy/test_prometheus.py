@@ -48,6 +48,7 @@ def _service_env(servers: Servers, port: int) -> dict[str, str]:
         PROGRESS_FLUSH_INTERVAL_SECONDS="0.5",
         RELAY_POLL_INTERVAL_SECONDS="0.5",
         PROGRESS_SHUTDOWN_TIMEOUT_SECONDS="5",
+        SHUTDOWN_DRAIN_SECONDS="0",  # no load balancer to leave: its default 5 s would be waited out at the stop
         LOG_LEVEL="WARNING",
     )
     return env
@@ -189,17 +190,31 @@ async def test_a_real_prometheus_evaluates_every_dashboard_and_alert_expression(
             await api.wait_until("sum(progress_outbox_published_total) > 0")
             # the interval the flush alerts count in is the setting the pod runs with
             await api.wait_until("max(progress_flush_interval_seconds) == 0.5")
-            await asyncio.sleep(2)
 
-            empty = []
-            for query in dashboard_queries(rate_interval=RATE_INTERVAL):
-                result = await api.query(query.expr)
-                if query.row in ROWS_WITH_DATA and not result:
-                    empty.append(f"{query.row} / {query.panel}: {query.expr}")
-            assert not empty, "no data for:\n" + "\n".join(empty)
-            for panel in ("Heartbeats/s by route and status", "Rows/s", "Completions/s"):
+            async def empty_panels() -> list[str]:
+                empty = []
+                for query in dashboard_queries(rate_interval=RATE_INTERVAL):
+                    result = await api.query(query.expr)
+                    if query.row in ROWS_WITH_DATA and not result:
+                        empty.append(f"{query.row} / {query.panel}: {query.expr}")
+                return empty
+
+            async def rising(panel: str) -> bool:
                 expr = next(q.expr for q in dashboard_queries(rate_interval=RATE_INTERVAL) if q.panel == panel)
-                assert any(float(sample["value"][1]) > 0 for sample in await api.query(expr)), panel
+                return any(float(sample["value"][1]) > 0 for sample in await api.query(expr))
+
+            panels = ("Heartbeats/s by route and status", "Rows/s", "Completions/s")
+            # until the rows have data and the rates rise (the scrapes after the load: they had 2 s, waited out),
+            # then the same checks
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if not await empty_panels() and all([await rising(panel) for panel in panels]):
+                    break
+                await asyncio.sleep(0.25)
+            empty = await empty_panels()
+            assert not empty, "no data for:\n" + "\n".join(empty)
+            for panel in panels:
+                assert await rising(panel), panel
 
             for rule in alert_rules():
                 await api.query(rule["expr"])

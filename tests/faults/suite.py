@@ -258,6 +258,11 @@ class Cluster:
         process.send_signal(signal.SIGTERM)
         return process.wait(timeout=timeout_s)
 
+    def exit_code(self, i: int) -> int:
+        process = self.services[i]
+        assert process is not None and process.returncode is not None
+        return process.returncode
+
     def terminate_services(self, indices: Sequence[int], timeout_s: float = 30) -> dict[int, float]:
         """SIGTERM to each running process of `indices` at once; the seconds each took to exit (SIGKILL past
         `timeout_s`: then its time is `inf`)."""
@@ -345,6 +350,24 @@ async def _drained(cluster: Cluster, timeout_s: float = 90) -> None:
         raise RuntimeError(f"backlog of {backlog} never drained")
 
 
+async def _emptied(cluster: Cluster) -> None:
+    """A running cluster as a new one has it: no progress row, no event, an empty buffer; every pod ready."""
+    for i in range(len(cluster.services)):
+        cluster.wait_ready(i)
+    if backlog := await wait_drained(cluster.redis.url, 30):
+        raise RuntimeError(f"backlog of {backlog} never drained")
+    conn = await asyncpg.connect(cluster.database_url)
+    try:
+        await conn.execute("TRUNCATE engagements_lessonprogress, progress_completion_event RESTART IDENTITY")
+    finally:
+        await conn.close()
+    redis = Redis.from_url(cluster.redis.url)
+    try:
+        await redis.flushall()
+    finally:
+        await redis.aclose()
+
+
 async def _verify(cluster: Cluster, ledger: dict[str, object], size: Size, report: Report) -> None:
     conn = await asyncpg.connect(cluster.database_url)
     rows = {
@@ -430,13 +453,22 @@ def _count(ledger: dict[str, Any], report: Report) -> None:
         }
 
 
-def run_scenario(scenario: str, size: Size, base: Path, log: Callable[[str], None] = print) -> Report:
+def run_scenario(
+    scenario: str, size: Size, base: Path, log: Callable[[str], None] = print, cluster: Cluster | None = None
+) -> Report:
+    """`cluster`: a Cluster of this size already started (tests/faults/test_fault_suite.py's, shared by its
+    scenarios), emptied first and left running; without it, one of its own for this run."""
     base.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(base, size=size)
+    own = cluster is None
     report = Report(scenario, size.keys)
+    if cluster is None:
+        cluster = Cluster(base, size=size)
     try:
-        log(f"[{scenario}] starting Valkey, Postgres and {len(cluster.ports)} service processes")
-        cluster.start(users=size.users, contents=size.lessons)
+        if own:
+            log(f"[{scenario}] starting Valkey, Postgres and {len(cluster.ports)} service processes")
+            cluster.start(users=size.users, contents=size.lessons)
+        else:
+            asyncio.run(_emptied(cluster))
         ledger_path = base / "ledger.json"
         load = start_load(cluster, _rounds_load(size), seed=0, ledger_path=ledger_path)
         _inject(cluster, scenario, size, load, report)
@@ -448,12 +480,15 @@ def run_scenario(scenario: str, size: Size, base: Path, log: Callable[[str], Non
         _count(ledger, report)
         log(f"[{scenario}] load done: {report.sent} sent, {report.acknowledged} acknowledged; draining")
         if scenario == FLEET:
-            # the pods' final flushes write what the last interval left (and exit 0, as the rolled ones did)
-            report.exit_codes += [cluster.stop_service(i) for i in range(len(cluster.ports))]
+            # the pods' final flushes write what the last interval left (and exit 0, as the rolled ones did); the load
+            # is over, so the three drain and flush at once rather than one after another
+            stopped = cluster.terminate_services(range(len(cluster.ports)), timeout_s=60)
+            report.exit_codes += [cluster.exit_code(i) for i in stopped]
         asyncio.run(_drained(cluster, timeout_s=5 if scenario == FLEET else 90))
         asyncio.run(_verify(cluster, ledger, size, report))
     finally:
-        cluster.stop()
+        if own:
+            cluster.stop()
     log(f"[{scenario}] {json.dumps(report.__dict__)}")
     return report
 

@@ -12,7 +12,10 @@ import asyncpg
 import pytest
 from redis.asyncio import Redis
 
+from service.progress.flush.leases import Leases
+from service.progress.keys import STANDALONE
 from tests.helpers import (
+    FLUSH_LEASE_S,
     Servers,
     assert_all_persisted,
     events,
@@ -96,12 +99,23 @@ async def test_sigkill_at_random_moments_loses_nothing(servers: Servers, redis: 
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        await asyncio.sleep(rng.uniform(0.4, 1.0))  # start-up is ~0.3 s
+
+        async def draining(process: subprocess.Popen[bytes] = process) -> bool:
+            return process.poll() is not None or await redis.zcard("progress:in_flight:lesson") > 0
+
+        # from its first claim, not from its start (~0.3 s on a quiet machine, seconds on a busy one, when the
+        # kill came before any claim): every kill lands mid-drain
+        await wait_for(draining, timeout_s=60)
+        await asyncio.sleep(rng.uniform(0.1, 0.7))
         if process.poll() is None:
             process.kill()
             kills += 1
         process.wait()
-        await wait_for(lambda: leases_ended(redis))  # the dead flusher's batches are free to claim again
+        # the dead flusher's batches are free to claim again once its lease has passed: time moved by the lease
+        # (FLUSH_LEASE_S), not waited out, through the requeue every flusher runs
+        for shard in STANDALONE.shards_to_flush("lesson"):
+            await Leases(redis).requeue_expired(shard, ahead_ms=int(FLUSH_LEASE_S * 1000) + 100)
+        assert await leases_ended(redis)
     assert kills >= 1
     assert flush_once(servers).returncode == 0
     await assert_all_persisted(redis, db, last)

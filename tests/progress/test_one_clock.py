@@ -53,8 +53,9 @@ def skewed(faketime: Path, offset: str) -> dict[str, str]:
 async def fleet(
     base: Path, pod_env: Sequence[Mapping[str, str]], *, users: int, contents: int
 ) -> AsyncIterator[Cluster]:
-    """`serve` pods on a Valkey and a Postgres of their own, pod i with `pod_env[i]`; flush every second."""
-    cluster = Cluster(base, processes=len(pod_env), pod_env=pod_env)
+    """`serve` pods on a Valkey and a Postgres of their own, pod i with `pod_env[i]`; flush every second. No load
+    balancer: no drain either (its default 5 s would be waited out at every stop; the drain has its own tests)."""
+    cluster = Cluster(base, processes=len(pod_env), env={"SHUTDOWN_DRAIN_SECONDS": "0"}, pod_env=pod_env)
     try:
         await asyncio.to_thread(partial(cluster.start, users=users, contents=contents))
         yield cluster
