@@ -3,6 +3,10 @@
 TEST_REDIS_URL / TEST_DATABASE_URL point the suite at servers you run yourself; otherwise it
 starts its own in a temporary folder and stops them at the end. Every test starts from an empty
 Redis database and empty tables.
+
+The suite runs in WORKERS processes (pytest-xdist), each with servers of its own; `-n 0` (or `-p no:xdist`) runs
+it in this process, as does a selection of one file. The session fixtures that take seconds to start, or that an
+apt-get installs, are each started by one worker only: the tests that use them share an xdist group (SHARED_BY).
 """
 
 import os
@@ -22,6 +26,44 @@ from tests.helpers import TEST_JWT_SECRET, RunningApp, Servers, running_app
 
 # the monolith stand-in (broker, real Celery worker), started only by the tests that ask for it
 pytest_plugins = ["tests.monolith.fixtures"]
+
+# Two cores: the suite waits far more than it computes (subprocesses starting, leases, pacing, servers), and a
+# third worker adds a third set of servers and more CPU contention to the tests that measure a rate.
+WORKERS = 2
+
+# session fixture -> the xdist group of every test that uses it, so one worker starts it. One group for the
+# monolith stand-in and the deploy servers: a PgBouncer test relays to the broker.
+SHARED_BY = {
+    "valkey_cluster": "valkey-cluster",  # six Valkey nodes and a cluster create (tests/progress/conftest.py)
+    "broker": "monolith",  # a Valkey and a Celery worker (tests/monolith/fixtures.py)
+    "worker": "monolith",
+    "pgbouncer": "monolith",  # apt-get install when missing, a PgBouncer, a CA (tests/deploy/conftest.py)
+    "prometheus_bin": "monolith",
+    "tls": "monolith",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own: it reads these options
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """WORKERS workers and --dist loadgroup unless -n, --dist or -p no:xdist say otherwise, or one file is run."""
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):  # a worker runs its share
+        return
+    if config.option.numprocesses is not None or config.option.dist != "no":
+        return
+    one_file = len(config.args) == 1 and Path(config.args[0].split("::")[0]).is_file()
+    if not one_file and not config.option.collectonly:
+        config.option.numprocesses = WORKERS
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the group into the test's scheduling unit
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        groups = {SHARED_BY[name] for name in getattr(item, "fixturenames", ()) if name in SHARED_BY}
+        assert len(groups) <= 1, f"{item.nodeid} needs {groups}: one group in SHARED_BY for these fixtures"
+        if groups:
+            item.add_marker(pytest.mark.xdist_group(groups.pop()))
+
 
 # every table the tests write; TRUNCATE ... CASCADE keeps the order irrelevant
 _TABLES = (
