@@ -4,9 +4,9 @@ TEST_REDIS_URL / TEST_DATABASE_URL point the suite at servers you run yourself; 
 starts its own in a temporary folder and stops them at the end. Every test starts from an empty
 Redis database and empty tables.
 
-The suite runs in WORKERS processes (pytest-xdist), each with servers of its own; `-n 0` (or `-p no:xdist`) runs
-it in this process, as does a selection of one file. The session fixtures that take seconds to start, or that an
-apt-get installs, are each started by one worker only: the tests that use them share an xdist group (SHARED_BY).
+The suite runs in worker processes (pytest-xdist, `-n` in pyproject.toml's addopts), each with servers of its own;
+`-n 0` runs it in this process. The session fixtures that take seconds to start, or that apt-get installs, are each
+started by one worker only: the tests that use them share an xdist group (SHARED_BY, with `--dist loadgroup`).
 """
 
 import os
@@ -16,6 +16,7 @@ from pathlib import Path
 import asyncpg
 import httpx
 import pytest
+from _pytest.nodeid import NodeId
 from redis.asyncio import Redis
 
 from service.api.routes import Routes
@@ -26,10 +27,6 @@ from tests.helpers import TEST_JWT_SECRET, RunningApp, Servers, running_app
 
 # the monolith stand-in (broker, real Celery worker), started only by the tests that ask for it
 pytest_plugins = ["tests.monolith.fixtures"]
-
-# Two cores: the suite waits far more than it computes (subprocesses starting, leases, pacing, servers), and a
-# third worker adds a third set of servers and more CPU contention to the tests that measure a rate.
-WORKERS = 2
 
 # session fixture -> the xdist group of every test that uses it, so one worker starts it. One group for the
 # monolith stand-in and the deploy servers: a PgBouncer test relays to the broker.
@@ -43,26 +40,20 @@ SHARED_BY = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own: it reads these options
-def pytest_cmdline_main(config: pytest.Config) -> None:
-    """WORKERS workers and --dist loadgroup unless -n, --dist or -p no:xdist say otherwise, or one file is run."""
-    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):  # a worker runs its share
-        return
-    if config.option.numprocesses is not None or config.option.dist != "no":
-        return
-    one_file = len(config.args) == 1 and Path(config.args[0].split("::")[0]).is_file()
-    if not one_file and not config.option.collectonly:
-        config.option.numprocesses = WORKERS
-        config.option.dist = "loadgroup"
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the group into the test's scheduling unit
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    loadgroup = getattr(config.option, "loadgroup", False)  # a worker of --dist loadgroup
     for item in items:
         groups = {SHARED_BY[name] for name in getattr(item, "fixturenames", ()) if name in SHARED_BY}
         assert len(groups) <= 1, f"{item.nodeid} needs {groups}: one group in SHARED_BY for these fixtures"
-        if groups:
-            item.add_marker(pytest.mark.xdist_group(groups.pop()))
+        if not groups:
+            continue
+        group = groups.pop()
+        item.add_marker(pytest.mark.xdist_group(group))
+        if loadgroup and isinstance(getattr(item, "_id", None), NodeId):
+            # the scheduler groups by the node id's "@group" suffix, which xdist 3.8 writes where pytest 9.2 no
+            # longer reads it (pytest-dev/pytest-xdist#1386): without this, each test is scheduled on its own
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 # every table the tests write; TRUNCATE ... CASCADE keeps the order irrelevant
