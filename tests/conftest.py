@@ -70,6 +70,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     redis_server = pg = None
     redis_url = os.environ.get("TEST_REDIS_URL")
     database_url = os.environ.get("TEST_DATABASE_URL")
+    if (redis_url or database_url) and os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
+        pytest.fail("TEST_REDIS_URL / TEST_DATABASE_URL would be shared by every worker, each emptying them: add -n 0")
     try:
         if not redis_url:
             redis_server = embedded.EmbeddedRedis(base / "valkey", None)
