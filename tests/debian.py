@@ -1,14 +1,16 @@
 """Programs from Debian's packages without installing them: Prometheus and promtool, HAProxy, libfaketime.
 
 `apt-get download` of the package (and of the packages of the shared libraries it links that a bare host may lack),
-then `dpkg-deb -x` of each into `.cache/<package>/` under the repository (gitignored), once; later sessions reuse
-it. A program on PATH (the package installed for real) is used as it is. A program that needs the unpacked
-libraries is started through a wrapper next to the tree, `.cache/<package>/run/<program>`, which puts them on
-LD_LIBRARY_PATH and execs it (same process, same signals). `.ci/run` calls this module too:
+then `dpkg-deb -x` of each into `.cache/<package>/` under the repository (gitignored), once, by one process at a time
+(a file lock: the suite's workers may ask at once); later sessions reuse it. A program on PATH (the package installed
+for real) is used as it is. A program that needs the unpacked libraries is started through a wrapper next to the
+tree, `.cache/<package>/run/<program>`, which puts them on LD_LIBRARY_PATH and execs it (same process, same
+signals). `.ci/run` calls this module too:
 
     .venv/bin/python -m tests.debian prometheus promtool     # prints the path of the program
 """
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -54,7 +56,11 @@ def program(package: Package, name: str) -> Path:
         return Path(found)
     unpacked = _launcher(package.tree, package, name)
     if not unpacked.exists():
-        _extract(package, time.monotonic() + INSTALL_TIMEOUT_S)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        with open(CACHE / f"{package.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, or when the process dies
+            if not package.tree.exists():  # the process that held the lock may have unpacked it
+                _extract(package, time.monotonic() + INSTALL_TIMEOUT_S)
     if not unpacked.exists():
         raise Unavailable(f"{unpacked} is missing after unpacking Debian's {package.name} package")
     return unpacked
@@ -81,7 +87,6 @@ def _extract(package: Package, deadline: float) -> None:
     """Download the .debs into a scratch dir, unpack them into one tree, then move it into place in one rename."""
     if not shutil.which("apt-get") or not shutil.which("dpkg-deb"):
         raise Unavailable(f"neither {package.name} on PATH nor apt-get/dpkg-deb to fetch Debian's package")
-    CACHE.mkdir(parents=True, exist_ok=True)
     names = [package.name, *package.libraries]
     with tempfile.TemporaryDirectory(dir=CACHE, prefix=f"{package.name}-") as scratch:
         work = Path(scratch)
@@ -102,9 +107,7 @@ def _extract(package: Package, deadline: float) -> None:
                 raise Unavailable(f"dpkg-deb -x {deb.name} failed:\n{unpacked.stderr[-2000:]}")
         if package.libraries:
             _write_launchers(tree, package)
-        if package.tree.exists():  # another session got there first
-            return
-        tree.rename(package.tree)
+        tree.rename(package.tree)  # in one step: a tree in place is a whole one
 
 
 def _write_launchers(tree: Path, package: Package) -> None:

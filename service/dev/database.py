@@ -69,7 +69,8 @@ class EmbeddedPostgres(_ChildServer):
             )
         (self.pgdata / "postmaster.pid").unlink(missing_ok=True)  # left by a SIGKILLed server
         args = [self._bin("postgres"), "-D", str(self.pgdata), "-p", str(self.port), "-h", "127.0.0.1"]
-        args += ["-k", str(self.data_dir), "-c", "max_connections=200", "-c", "shared_buffers=128MB"]
+        # TCP only: a Unix socket's path is limited to 107 bytes, which a data dir deep in a temporary folder exceeds
+        args += ["-k", "", "-c", "max_connections=200", "-c", "shared_buffers=128MB"]
         if not self.durable:
             # tests only: no fsync makes a throwaway cluster several times faster
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
