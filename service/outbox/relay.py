@@ -53,6 +53,10 @@ class Route:
     queue: str
 
 
+# what the final pass on shutdown leaves, logged when it is cut short: another pod sends it
+_FINAL_PASS_LEFT = "final pass on shutdown: the rows wait in the outbox for another pod"
+
+
 class Relay:
     def __init__(
         self,
@@ -127,7 +131,7 @@ class Relay:
             async with asyncio.timeout(timeout_s):
                 await self._pass(None)
         except TimeoutError:
-            log.warning("outbox relay: final pass on shutdown cut at %gs; the rows wait in the outbox", timeout_s)
+            log.warning("outbox relay: cut at %gs; %s", timeout_s, _FINAL_PASS_LEFT)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Relay until `stop`: on each NOTIFY, every poll interval, and after a backoff while the broker is down."""
@@ -157,17 +161,19 @@ class Relay:
                     await listener.close(timeout=2)
 
     async def _pass(self, stop: asyncio.Event | None) -> bool:
+        """One pass; `stop` None is the final pass on shutdown, which nothing retries."""
+        then = (
+            f"retrying with backoff (at most {self._settings.max_backoff_s:.0f}s)"
+            if stop is not None
+            else _FINAL_PASS_LEFT
+        )
         try:
             result = await self.relay_once(stop=stop)
         except POSTGRES_FAILED as exc:
-            log.warning("outbox relay: database error, retrying: %r", exc, extra={"error": repr(exc)})
+            log.warning("outbox relay: database error, %s: %r", then, exc, extra={"error": repr(exc)})
             return False
         if result.broker_unavailable is not None:
-            log.warning(
-                "outbox relay: broker unavailable (%s); retrying with backoff (at most %.0fs)",
-                result.broker_unavailable,
-                self._settings.max_backoff_s,
-            )
+            log.warning("outbox relay: broker unavailable (%s); %s", result.broker_unavailable, then)
             return False
         if any(result.published.values()) or any(result.parked.values()) or any(result.retried.values()):
             log.info(

@@ -1,10 +1,12 @@
 """EMAIL_PUBLISHER=redis-stream: the relay, the only publisher, puts what the batches reserved on the stream."""
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import asyncpg
+import pytest
 from redis.asyncio import Redis
 
 from service import metrics
@@ -102,3 +104,22 @@ async def test_a_republish_after_a_lost_mark_adds_no_second_entry_to_the_stream(
 
     assert again.published["email"] == 2 and again.republished["email"] == 2
     assert await enqueued(redis, publisher.stream) == dict.fromkeys(pairs, 1)  # the guard names each dispatch row
+
+
+class BrokerDown:
+    async def publish(self, messages: Sequence[Message]) -> PublishResult:
+        return PublishResult(unavailable="connection refused")
+
+
+async def test_the_final_pass_with_the_broker_down_says_the_rows_wait_for_another_pod_not_a_retry(
+    settings: Settings, db: asyncpg.Pool, caplog: pytest.LogCaptureFixture
+) -> None:
+    await seed(db, users=1, contents=1)
+    await reserve(db, [(1, "trial_welcome")])
+
+    with caplog.at_level(logging.WARNING, logger="service.outbox.relay"):
+        await Relay(settings.relay, db, [email_route(settings, BrokerDown())]).final_pass(5)
+
+    [line] = [r.getMessage() for r in caplog.records if r.name == "service.outbox.relay"]
+    assert "final pass on shutdown: the rows wait in the outbox for another pod" in line and "retrying" not in line
+    assert await db.fetchval("SELECT count(*) FROM trial_email_outbox WHERE published_at IS NULL") == 1
