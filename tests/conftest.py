@@ -16,7 +16,6 @@ from pathlib import Path
 import asyncpg
 import httpx
 import pytest
-from _pytest.nodeid import NodeId
 from redis.asyncio import Redis
 
 from service.api.routes import Routes
@@ -24,6 +23,11 @@ from service.auth import make_token
 from service.config import Settings
 from service.dev import database, embedded
 from tests.helpers import TEST_JWT_SECRET, RunningApp, Servers, running_app
+
+try:  # pytest 9.2's node ids (the xdist group workaround below); an older pytest runs without it
+    from _pytest.nodeid import NodeId
+except ImportError:
+    NodeId = None
 
 # the monolith stand-in (broker, real Celery worker), started only by the tests that ask for it
 pytest_plugins = ["tests.monolith.fixtures"]
@@ -37,6 +41,7 @@ SHARED_BY = {
     "pgbouncer": "monolith",  # apt-get install when missing, a PgBouncer, a CA (tests/deploy/conftest.py)
     "prometheus_bin": "monolith",
     "tls": "monolith",
+    "cluster": "fault-suite",  # the fault suite's three pods, one per module (tests/faults/test_fault_suite.py)
 }
 
 
@@ -50,7 +55,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         group = groups.pop()
         item.add_marker(pytest.mark.xdist_group(group))
-        if loadgroup and isinstance(getattr(item, "_id", None), NodeId):
+        if (
+            loadgroup
+            and NodeId is not None
+            and isinstance(getattr(item, "_id", None), NodeId)
+            and "@" not in item.nodeid
+        ):
             # the scheduler groups by the node id's "@group" suffix, which xdist 3.8 writes where pytest 9.2 no
             # longer reads it (pytest-dev/pytest-xdist#1386): without this, each test is scheduled on its own
             item._id = NodeId.parse(f"{item.nodeid}@{group}")
