@@ -4,9 +4,8 @@ TEST_REDIS_URL / TEST_DATABASE_URL point the suite at servers you run yourself; 
 starts its own in a temporary folder and stops them at the end. Every test starts from an empty
 Redis database and empty tables.
 
-The suite runs in worker processes (pytest-xdist, `-n` in pyproject.toml's addopts), each with servers of its own;
-`-n 0` runs it in this process. The session fixtures that take seconds to start, or that apt-get installs, are each
-started by one worker only: the tests that use them share an xdist group (SHARED_BY, with `--dist loadgroup`).
+The suite runs in worker processes (pytest-xdist, `-n` in pyproject.toml's addopts), each with servers of its own
+and each test file on one worker (`--dist loadfile`); `-n 0` runs it in this process.
 """
 
 import os
@@ -24,47 +23,8 @@ from service.config import Settings
 from service.dev import database, embedded
 from tests.helpers import TEST_JWT_SECRET, RunningApp, Servers, running_app
 
-try:  # pytest 9.2's node ids (the xdist group workaround below); an older pytest runs without it
-    from _pytest.nodeid import NodeId
-except ImportError:
-    NodeId = None
-
 # the monolith stand-in (broker, real Celery worker), started only by the tests that ask for it
 pytest_plugins = ["tests.monolith.fixtures"]
-
-# session fixture -> the xdist group of every test that uses it, so one worker starts it. One group for the
-# monolith stand-in and the deploy servers: a PgBouncer test relays to the broker.
-SHARED_BY = {
-    "valkey_cluster": "valkey-cluster",  # six Valkey nodes and a cluster create (tests/progress/conftest.py)
-    "broker": "monolith",  # a Valkey and a Celery worker (tests/monolith/fixtures.py)
-    "worker": "monolith",
-    "pgbouncer": "monolith",  # apt-get install when missing, a PgBouncer, a CA (tests/deploy/conftest.py)
-    "prometheus_bin": "monolith",
-    "tls": "monolith",
-    "cluster": "fault-suite",  # the fault suite's three pods, one per module (tests/faults/test_fault_suite.py)
-}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    loadgroup = getattr(config.option, "loadgroup", False)  # a worker of --dist loadgroup
-    for item in items:
-        groups = {SHARED_BY[name] for name in getattr(item, "fixturenames", ()) if name in SHARED_BY}
-        assert len(groups) <= 1, f"{item.nodeid} needs {groups}: one group in SHARED_BY for these fixtures"
-        if not groups:
-            continue
-        group = groups.pop()
-        item.add_marker(pytest.mark.xdist_group(group))
-        if (
-            loadgroup
-            and NodeId is not None
-            and isinstance(getattr(item, "_id", None), NodeId)
-            and "@" not in item.nodeid
-        ):
-            # the scheduler groups by the node id's "@group" suffix, which xdist 3.8 writes where pytest 9.2 no
-            # longer reads it (pytest-dev/pytest-xdist#1386): without this, each test is scheduled on its own
-            item._id = NodeId.parse(f"{item.nodeid}@{group}")
-
 
 # every table the tests write; TRUNCATE ... CASCADE keeps the order irrelevant
 _TABLES = (
