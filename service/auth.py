@@ -175,6 +175,8 @@ def check_keys(settings: AuthSettings) -> None:
             "or JWT_PUBLIC_KEY with JWT_ALGORITHMS=RS256/ES256; "
             "or set AUTH_MODE=gateway behind a gateway that authenticates"
         )
+    if not algorithms:  # PyJWT would refuse every token
+        raise ConfigError("JWT_ALGORITHMS is empty: name the algorithm the tokens are signed with (HS256, RS256, ...)")
     if not settings.public_key and any(not a.startswith("HS") for a in algorithms):
         raise ConfigError(f"JWT_ALGORITHMS={settings.algorithms} needs JWT_PUBLIC_KEY (PEM)")
     # Every key verifies every token (JWT_PUBLIC_KEY with HS256 too): an algorithm of another key kind can only

@@ -80,6 +80,17 @@ def test_start_up_refuses_algorithms_the_rsa_key_cannot_serve(settings: Settings
         )
 
 
+@pytest.mark.regression
+@pytest.mark.parametrize("algorithms", ["", " , "])
+@pytest.mark.parametrize("key", ["secret", "public key"])
+def test_start_up_refuses_an_empty_algorithm_list_that_would_answer_every_token_401(
+    settings: Settings, algorithms: str, key: str
+) -> None:
+    keys = {"jwt_secret": "", "jwt_public_key": _RSA_PUBLIC_PEM} if key == "public key" else {}
+    with pytest.raises(ConfigError, match="JWT_ALGORITHMS is empty"):
+        create_app(settings.model_copy(update={**keys, "jwt_algorithms": algorithms}))
+
+
 def test_start_up_accepts_one_key_kind_and_refuses_asymmetric_algorithms_with_a_secret(settings: Settings) -> None:
     create_app(
         settings.model_copy(
