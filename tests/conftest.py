@@ -4,8 +4,8 @@ TEST_REDIS_URL / TEST_DATABASE_URL point the suite at servers you run yourself; 
 starts its own in a temporary folder and stops them at the end. Every test starts from an empty
 Redis database and empty tables.
 
-The suite runs in worker processes (pytest-xdist, `-n` in pyproject.toml's addopts), each with servers of its own
-and each test file on one worker (`--dist loadfile`); `-n 0` runs it in this process.
+The suite runs in worker processes (pytest-xdist, `-n` in pyproject.toml's addopts), each with servers of its own;
+`-n 0` runs it in this process.
 """
 
 import os
@@ -25,6 +25,16 @@ from tests.helpers import TEST_JWT_SECRET, RunningApp, Servers, running_app
 
 # the monolith stand-in (broker, real Celery worker), started only by the tests that ask for it
 pytest_plugins = ["tests.monolith.fixtures"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """xdist's per-file and per-group modes key tests by node id, and schemathesis gives each fuzz case its
+    function's: those modes would run one case of each and report the run green. Refuse them."""
+    dist = getattr(config.option, "dist", "no")
+    ids = [item.nodeid for item in items]
+    if dist not in ("no", "load") and len(set(ids)) < len(ids):
+        raise pytest.UsageError(f"--dist {dist} would skip the tests that share a node id (the fuzz cases): use load")
+
 
 # every table the tests write; TRUNCATE ... CASCADE keeps the order irrelevant
 _TABLES = (
