@@ -20,13 +20,14 @@ IN_FLIGHT_TIMEOUT_S = 30
 
 
 def uvicorn_options(host: str, port: int, settings: Settings) -> dict[str, Any]:
-    from service.api.http_limits import LimitedHttpToolsProtocol
+    from service.api.protocol import ServiceProtocol
 
     return {
         "host": host,
         "port": port,
         "loop": "uvloop",
-        "http": LimitedHttpToolsProtocol,  # httptools with a limit on the request head's size and time
+        # httptools with a limit on the request head's size and time, and the heartbeat answered below ASGI
+        "http": ServiceProtocol,
         "lifespan": "on",
         "log_config": None,
         "access_log": False,

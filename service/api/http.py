@@ -17,7 +17,7 @@ from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 
 from service import metrics
-from service.asgi import Receive, Scope, Send
+from service.asgi import Receive, Send
 from service.auth import Authenticator, AuthError
 
 Headers = list[tuple[bytes, bytes]]
@@ -70,27 +70,38 @@ def requests_total(route: str, status: int) -> Counter:
     return metrics.HTTP_REQUESTS.labels(route, str(status))
 
 
-async def respond(
-    send: Send, route: str, handled: Awaitable[bytes], *, status: int = 200, headers: Sequence[tuple[bytes, bytes]] = ()
-) -> None:
-    """`status` with the body `handled` gives, or the error it raises; each answer counted in
-    progress_http_requests_total. Nothing is sent to a client that hung up (ClientGone)."""
+Answer = tuple[int, bytes, Sequence[tuple[bytes, bytes]]]  # status, body, the headers after content-type
+
+
+async def answer_of(
+    route: str, handled: Awaitable[bytes], *, status: int = 200, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> Answer | None:
+    """`status` with the body `handled` gives, or the error it raises, counted in progress_http_requests_total;
+    None (nothing to send, nothing counted) when the client hung up mid-body (ClientGone)."""
     try:
         body = await handled
     except ClientGone:
-        return
+        return None
     except Exception as exc:
         error = as_http_error(exc, route)
-        await send_error(send, error, headers)
         requests_total(route, error.status).inc()
-        return
-    await send_json(send, status, body, headers)
+        return error.status, json_body({"detail": error.detail}), [*headers, *error.headers]
     requests_total(route, status).inc()
+    return status, body, headers
 
 
-def check_method(scope: Scope, method: str) -> None:
-    if scope["method"] != method:
-        raise HttpError(405, f"method not allowed: use {method}", [(b"allow", method.encode())])
+async def respond(
+    send: Send, route: str, handled: Awaitable[bytes], *, status: int = 200, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    """The answer `answer_of` gives, sent over ASGI."""
+    answer = await answer_of(route, handled, status=status, headers=headers)
+    if answer is not None:
+        await send_json(send, *answer)
+
+
+def check_method(method: str, allowed: str) -> None:
+    if method != allowed:
+        raise HttpError(405, f"method not allowed: use {allowed}", [(b"allow", allowed.encode())])
 
 
 def identify(authenticator: Authenticator, headers: Headers) -> tuple[int, int]:
@@ -127,9 +138,8 @@ def retry_soon(detail: str) -> HttpError:
     return HttpError(503, detail, [(b"retry-after", b"1")])
 
 
-async def read_json(receive: Receive, model: type[Body], declared_length: int, *, limit: int, timeout_s: float) -> Body:
-    """The body as `model`: read_body's answers (413, 408, ClientGone), and HttpError 400/422 when invalid."""
-    body = await read_body(receive, declared_length, limit=limit, timeout_s=timeout_s)
+def parse_json(model: type[Body], body: bytes) -> Body:
+    """`body` as `model`; HttpError 400/422 when invalid."""
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
@@ -139,7 +149,7 @@ async def read_json(receive: Receive, model: type[Body], declared_length: int, *
 async def read_body(receive: Receive, declared_length: int, *, limit: int, timeout_s: float) -> bytes:
     """The whole body; HttpError 413 past `limit` bytes, 408 past `timeout_s`; ClientGone on a hang-up."""
     if declared_length > limit:
-        raise HttpError(413, f"body larger than {limit} bytes")
+        raise too_large(limit)
     chunks: list[bytes] = []
     size = 0
     try:
@@ -151,7 +161,7 @@ async def read_body(receive: Receive, declared_length: int, *, limit: int, timeo
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:
-                    raise HttpError(413, f"body larger than {limit} bytes")
+                    raise too_large(limit)
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     break
@@ -160,6 +170,10 @@ async def read_body(receive: Receive, declared_length: int, *, limit: int, timeo
         metrics.REFUSED.labels("body_timeout").inc()
         raise HttpError(408, f"body not received within {timeout_s:g} s", [(b"connection", b"close")]) from None
     return b"".join(chunks)
+
+
+def too_large(limit: int) -> HttpError:
+    return HttpError(413, f"body larger than {limit} bytes")
 
 
 def invalid_body(exc: ValidationError) -> HttpError:

@@ -43,12 +43,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._oversized = self._head_bytes > MAX_HEADER_BYTES
         if self._oversized:
             self._refuse(b"431 Request Header Fields Too Large", f"request head larger than {MAX_HEADER_BYTES} bytes")
+        elif self._in_head and self._head_deadline is None:
+            # a head that goes on in a later chunk has its deadline from here (one that ends in its first chunk,
+            # nearly every head, never needs a timer)
+            self._head_deadline = self.loop.call_later(HEADER_READ_TIMEOUT_S, self._head_too_slow)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes, self._oversized = True, 0, False
         self._head_began_in_chunk = True
-        self._head_deadline = self.loop.call_later(HEADER_READ_TIMEOUT_S, self._head_too_slow)
 
     def on_headers_complete(self) -> None:
         self._end_head()
@@ -57,6 +60,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if size > MAX_HEADER_BYTES:
             self._oversized = True
             return
+        self.begin_request()
+
+    def begin_request(self) -> None:
+        """A head within the limits, whole: uvicorn's start of the request (its cycle, the ASGI app's task)."""
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:

@@ -10,7 +10,19 @@ import time
 
 from service import metrics
 from service.api.catalog import ContentCatalog, LookupsSaturated
-from service.api.http import HttpError, check_method, identify, read_json, requests_total, respond
+from service.api.http import (
+    Answer,
+    Headers,
+    HttpError,
+    answer_of,
+    check_method,
+    identify,
+    parse_json,
+    read_body,
+    requests_total,
+    respond,
+    too_large,
+)
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.content import CONTENT_KINDS, ContentKind
@@ -46,15 +58,28 @@ class ProgressIngest:
                 requests_total(kind.path, status)
 
     async def answer(self, kind: ContentKind, scope: Scope, receive: Receive, send: Send) -> None:
-        await respond(send, kind.path, self._handle(kind, scope, receive), status=201)
+        """The ASGI way in: the route table's handler (every request the server's own protocol does not answer)."""
+        await respond(send, kind.path, self._asgi(kind, scope, receive), status=201)
 
-    async def _handle(self, kind: ContentKind, scope: Scope, receive: Receive) -> bytes:
-        """The 201's body once the heartbeat is stored; raises HttpError for any other answer."""
-        check_method(scope, "POST")
-        user_id, declared_length = identify(self.authenticator, scope["headers"])
-        heartbeat = await read_json(
-            receive, kind.body, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s
-        )
+    async def answer_received(self, kind: ContentKind, headers: Headers, body: bytes) -> Answer | None:
+        """The other way in: a POST whose whole body has arrived, answered by the server's protocol without ASGI
+        (service/api/protocol.py)."""
+        return await answer_of(kind.path, self._handle(kind, headers, body), status=201)
+
+    async def _asgi(self, kind: ContentKind, scope: Scope, receive: Receive) -> bytes:
+        check_method(scope["method"], "POST")
+        return await self._handle(kind, scope["headers"], receive)
+
+    async def _handle(self, kind: ContentKind, headers: Headers, body: bytes | Receive) -> bytes:
+        """The 201's body once the heartbeat of a POST is stored; raises HttpError for any other answer. `body`:
+        the whole body, or the ASGI `receive` to read it from."""
+        user_id, declared_length = identify(self.authenticator, headers)
+        limit = self.max_body_bytes
+        if not isinstance(body, bytes):
+            body = await read_body(body, declared_length, limit=limit, timeout_s=self.body_read_timeout_s)
+        elif max(declared_length, len(body)) > limit:
+            raise too_large(limit)
+        heartbeat = parse_json(kind.body, body)
         content_id: int = getattr(heartbeat, kind.id_column)
         if self.catalog is not None:
             known = self.catalog.is_known(kind, content_id)

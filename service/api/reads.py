@@ -9,11 +9,13 @@ as `ingest.py`, as `openapi.yaml` describes them.
 import json
 import logging
 import math
+from collections.abc import Coroutine
 from datetime import timedelta
+from typing import Any
 from urllib.parse import parse_qsl
 
 from service import tracing
-from service.api.http import HttpError, check_method, identify, respond, retry_soon
+from service.api.http import Answer, Headers, HttpError, answer_of, check_method, identify, respond, retry_soon
 from service.asgi import Receive, Scope, Send
 from service.auth import Authenticator
 from service.progress.content import EPOCH, KIND_BY_NAME, MAX_ID, ContentKind
@@ -119,13 +121,26 @@ class ProgressReads:
         self.authenticator = authenticator
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        parts = scope["path"][len(PREFIX) :].split("/")
-        route = ONE_ROUTE if len(parts) == 2 else MANY_ROUTE
-        await respond(send, route, self._handle(route, parts, scope), headers=_NO_STORE)
+        """The ASGI way in: the route table's handler (every read the server's own protocol does not answer)."""
+        route, handled = self._route(scope["path"], scope["method"], scope["headers"], scope["query_string"])
+        await respond(send, route, handled, headers=_NO_STORE)
 
-    async def _handle(self, route: str, parts: list[str], scope: Scope) -> bytes:
-        check_method(scope, "GET")
-        user_id, _ = identify(self.authenticator, scope["headers"])
+    async def answer_received(self, path: str, query_string: bytes, headers: Headers, body: bytes) -> Answer | None:
+        """The other way in: a GET of `path` (a read's, is_read), answered by the server's protocol without ASGI
+        (service/api/protocol.py); a body is ignored, as over ASGI."""
+        route, handled = self._route(path, "GET", headers, query_string)
+        return await answer_of(route, handled, headers=_NO_STORE)
+
+    def _route(
+        self, path: str, method: str, headers: Headers, query_string: bytes
+    ) -> tuple[str, Coroutine[Any, Any, bytes]]:
+        parts = path[len(PREFIX) :].split("/")
+        route = ONE_ROUTE if len(parts) == 2 else MANY_ROUTE
+        return route, self._handle(route, parts, method, headers, query_string)
+
+    async def _handle(self, route: str, parts: list[str], method: str, headers: Headers, query_string: bytes) -> bytes:
+        check_method(method, "GET")
+        user_id, _ = identify(self.authenticator, headers)
         kind = KIND_BY_NAME.get(parts[0])
         if kind is None:
             raise _invalid("path", "content_type", f"must be one of {', '.join(KIND_BY_NAME)}", "enum")
@@ -135,7 +150,7 @@ class ProgressReads:
             if not found:
                 raise HttpError(404, f"no progress for {kind.name} {content_id}")
             return progress_json(kind.name, found[0]).encode()
-        found = await self._read(kind, user_id, read_ids(scope["query_string"]))
+        found = await self._read(kind, user_id, read_ids(query_string))
         return ('{"data":[' + ",".join([progress_json(kind.name, progress) for progress in found]) + "]}").encode()
 
     async def _read(self, kind: ContentKind, user_id: int, content_ids: list[int]) -> list[Progress]:

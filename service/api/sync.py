@@ -41,7 +41,7 @@ class ProgressSync:
         await respond(send, SYNC_ROUTE, self._handle(scope, receive))
 
     async def _handle(self, scope: Scope, receive: Receive) -> bytes:
-        check_method(scope, "POST")
+        check_method(scope["method"], "POST")
         user_id, declared_length = identify(self.authenticator, scope["headers"])
         body = await read_body(receive, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s)
         try:

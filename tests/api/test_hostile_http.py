@@ -1,5 +1,5 @@
-"""Hostile HTTP against a real uvicorn server (the protocol `serve` runs): slow bodies, header
-bloat, duplicate JSON keys, a JSON body under another content type. Each writes nothing it should not."""
+"""Hostile HTTP against a real uvicorn server (the protocol `serve` runs, the heartbeat answered below ASGI): slow
+bodies, header bloat, duplicate JSON keys, a JSON body under another content type. Each writes nothing it should not."""
 
 import asyncio
 import json
@@ -12,7 +12,7 @@ import uvicorn
 from redis.asyncio import Redis
 
 from service.api import http_limits
-from service.api.http_limits import LimitedHttpToolsProtocol
+from service.api.protocol import ServiceProtocol
 from service.config import Settings
 from tests.helpers import running_app, seed
 
@@ -29,7 +29,7 @@ async def server(settings: Settings, redis: Redis) -> AsyncIterator[int]:
             app,
             host="127.0.0.1",
             port=0,
-            http=LimitedHttpToolsProtocol,
+            http=ServiceProtocol,
             lifespan="off",
             log_config=None,
             access_log=False,
