@@ -90,7 +90,7 @@ def orders(names: list[str], count: int) -> Iterator[list[str]]:
     return (names if i % 2 == 0 else names[::-1] for i in range(count))
 
 
-def main(**flags: float | bool) -> Callable[[Callable[[Namespace], None]], None]:
+def main(**flags: float | bool | str) -> Callable[[Callable[[Namespace], None]], None]:
     """The decorator of a scenario's main(args), which it runs when the scenario runs as a script: the flags from the
     script's docstring and `flags` (`wait_idle=60.0` is `--wait-idle`, default 60.0; False is a switch); a SIGTERM
     unwinds like Ctrl-C (so every server started is stopped); exit 1 on a failure or a missed target."""

@@ -35,11 +35,6 @@ _INTERNAL_ERROR_HEAD = [
 _INTERNAL_ERROR_BODY = b"Internal Server Error"
 
 
-# the default headers (a new list each second: the date) and the content of the last 201 written on a kept
-# connection, and its bytes
-_created: list[Any] = [None, b"", b""]
-
-
 class _Answering:
     """What uvicorn's protocol reads of the request in flight (`self.cycle`) for one answered here."""
 
@@ -146,15 +141,7 @@ class ServiceProtocol(LimitedHttpToolsProtocol):
             await self.flow.drain()  # the client reads no answers: this one waits, and the next request behind it
         if cycle.disconnected:
             return
-        defaults = self.server_state.default_headers
-        cacheable = status == 201 and not extra and cycle.keep_alive  # a heartbeat stored: the same bytes
-        if cacheable and defaults is _created[0] and content == _created[1]:
-            message = _created[2]
-        else:
-            message = _message(cycle, status, [*defaults, *fields], content)
-            if cacheable and cycle.keep_alive:  # (the defaults did not close the connection)
-                _created[:] = defaults, content, message
-        self.transport.write(message)
+        self.transport.write(_message(cycle, status, [*self.server_state.default_headers, *fields], content))
         cycle.response_complete = True
         if not cycle.keep_alive:
             self.transport.close()
