@@ -1,8 +1,6 @@
 """Where a request's server CPU goes: `py-spy record` of `serve --workers 1` (the door on) under wrk, per kind of
-request, summarised as the top functions by self time and the top files (issue 32's "see first").
-
-The service is the one `python -m service` imports from the working directory: run it from an export of an older
-commit (its bench/ as it is here) to profile the code before a change.
+request: the top functions and files by self time. `python -m service` runs the service of the working directory:
+from an export of an older commit, this profiles the code before a change.
 
     .venv/bin/python bench/profile_request.py [--modes heartbeat,one,many] [--connections 64] [--duration 8]
     smallest: --modes heartbeat --duration 2 --warmup 1 --users 20 --contents 5
@@ -19,8 +17,8 @@ import harness
 ANSWERS = {"heartbeat": (201,), "lesson": (201,), "one": (200,), "many": (200,), "sync": (200,)}
 
 
-def self_time(raw: str) -> tuple[Counter[str], Counter[str], int]:
-    """py-spy's raw (collapsed) stacks -> samples per leaf function and per leaf file, and the samples in all."""
+def self_time(raw: str) -> tuple[Counter[str], Counter[str]]:
+    """py-spy's raw (collapsed) stacks -> samples per leaf function and per leaf file."""
     functions: Counter[str] = Counter()
     files: Counter[str] = Counter()
     for line in raw.splitlines():
@@ -28,11 +26,10 @@ def self_time(raw: str) -> tuple[Counter[str], Counter[str], int]:
         leaf = stack.rsplit(";", 1)[-1]  # "function (path/to/file.py:line)"
         name, _, where = leaf.partition(" (")
         path = where.rsplit(":", 1)[0]
-        if not name:  # a sample with no Python frame
-            name, path = "(native code)", "-"
+        name = name or "(no Python frame)"
         functions[f"{name} ({Path(path).name})"] += int(count)
         files["/".join(Path(path).parts[-3:])] += int(count)
-    return functions, files, sum(functions.values())
+    return functions, files
 
 
 @harness.main(modes="heartbeat,one,many", duration=8.0, warmup=4.0, connections=64, users=2000, contents=100, top=10.0)
@@ -43,18 +40,18 @@ def main(args: harness.Namespace) -> None:
         tokens = harness.tokens(s.work, args.users)
         service = s.service("service", CONTENT_CATALOG_ENABLED=None)  # the door on, as a production pod runs
         for mode in args.modes.split(","):
-            how = {"mode": mode, "expect": ANSWERS[mode], "ids": (1, args.contents), "pids": (service.pid,)}
-            harness.wrk(service.url, tokens, duration_s=args.warmup, connections=args.connections, **how)
+            how = {"mode": mode, "expect": ANSWERS[mode], "ids": (1, args.contents), "connections": args.connections}
+            harness.wrk(service.url, tokens, duration_s=args.warmup, **how)
             raw = s.work / f"{mode}.txt"
             record = [str(spy), "record", "--rate", "500", "--duration", str(max(1, int(args.duration) - 1))]
             record += ["--format", "raw", "--nonblocking", "--pid", str(service.pid), "--output", str(raw)]
             with subprocess.Popen(record, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
-                result = harness.wrk(service.url, tokens, duration_s=args.duration, connections=args.connections, **how)
-            functions, files, total = self_time(raw.read_text())
-            print(
-                f"\n{mode}: {result.rps:,.0f} req/s at {args.connections} connections, "
-                f"{result.us_per_request(service.pid):.1f} µs server CPU per request; {total:,} samples by self time"
-            )
-            rows = [[f"{n / total:.1%}", name] for name, n in functions.most_common(int(args.top))]
-            harness.table("share | function (file)", rows)
-            harness.table("share | file", [[f"{n / total:.1%}", name] for name, n in files.most_common(int(args.top))])
+                result = harness.wrk(service.url, tokens, duration_s=args.duration, pids=(service.pid,), **how)
+            functions, files = self_time(raw.read_text())
+            total = functions.total()
+            cpu = result.us_per_request(service.pid)
+            print(f"\n{mode}: {result.rps:,.0f} req/s, {cpu:.1f} µs server CPU per request, {total:,} samples")
+            for title, counts in (("function (file)", functions), ("file", files)):
+                harness.table(
+                    f"share | {title}", [[f"{n / total:.1%}", k] for k, n in counts.most_common(int(args.top))]
+                )
