@@ -181,14 +181,7 @@ def create_app(
     """The route table over FastAPI; `clock` (the door's catalog) and `wall_clock` (token expiry) are for tests."""
     settings = settings or load_settings()
     check_startup(settings)
-    api = FastAPI(
-        title="progress-service",
-        version="1.0.0",
-        description="Progress heartbeats of the mobile app, buffered in Redis and flushed to Postgres.",
-        lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
-    )
+    api = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None)  # the OpenAPI document is openapi.yaml's
     api.include_router(health.router)
     api.add_middleware(RequestIdMiddleware)  # the FastAPI routes only: the heartbeat path stays lean
     api.openapi = openapi_document  # type: ignore[method-assign]

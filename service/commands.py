@@ -45,14 +45,9 @@ class _Parts:
 
 
 def _run_command(name: str, body: Callable[[_Parts], Awaitable[int]], *, publishes: bool = False) -> int:
-    """The skeleton of flush, relay, trial-emails run-once and outbox: settings, JSON logs, the stores, the exit code.
-
-    Each needs DATABASE_URL (the primary: a sweep's reservations never go to a replica), one that
-    `publishes` with Celery its broker too. The stores are opened in order (publisher, Postgres, Redis)
-    and closed in reverse; SIGTERM or Ctrl-C sets `stop`, the body finishes what it has in hand and its
-    code is the exit code.
-    A store that cannot be reached is one line on stderr and exit 1 (whatever it could not do waits in
-    the store for the next run: nothing is lost), not a traceback.
+    """Settings, JSON logs, the stores (DATABASE_URL is the primary: a sweep's reservations never go to a replica),
+    the body's code as the exit code; SIGTERM or Ctrl-C sets `stop` and the body finishes what it has in hand. A store
+    that cannot be reached is one line on stderr and exit 1, not a traceback: what it could not do waits in the store.
     """
     settings = load_settings()
     configure_logging(settings.log_level)
@@ -117,13 +112,8 @@ async def _run_relay(parts: _Parts, *, once: bool) -> int:
 
 
 def trial_emails_command(args: argparse.Namespace) -> int:
-    """One sweep, progress on stderr, the summed result on stdout.
-
-    It publishes nothing: each block's statement reserves the emails, writes their outbox rows and wakes
-    the relays of the `serve` pods (or `relay`). SIGTERM (or Ctrl-C) stops it cleanly: the batch in hand
-    finishes, no new batch starts, the partial result is printed with "status": "stopped", and the exit
-    code is 0.
-    """
+    """One sweep; it publishes nothing: each block's statement writes its outbox rows and wakes the relays. SIGTERM
+    or Ctrl-C finishes the batch in hand, prints the partial result with "status": "stopped" and exits 0."""
     return _run_command("trial-emails run-once", _sweep_once)
 
 

@@ -3,10 +3,6 @@
 On a terminal: a rich progress bar with the count, the rate and the time left. Elsewhere (a pod, CI):
 a log line every `interval_s`, from a timer of its own so that a run that stalls still says so, and
 a summary at the end. Both go to stderr: stdout keeps the command's result.
-
-    with Progress("flush --once", total=pending, unit="entries") as progress:
-        ...
-        progress.advance(len(batch))
 """
 
 import logging

@@ -1,9 +1,5 @@
-"""The two shapes of everything that runs on its own here, each written once.
-
-every              a step every interval until a stop event: the flusher, the relay, the trial-journey
-                   sweep, the catalog refresh (sleep_unless_stopped: its one wait); sample_every, the same
-                   for the samplers (Redis memory and persistence)
-run_until_stopped  a long-running command (flush, relay, trial-emails run-once) until SIGTERM or Ctrl-C
+"""The two shapes of everything that runs on its own here, each written once: `every` (a step every interval until a
+stop event; `sample_every` for the samplers) and `run_until_stopped` (a long-running command until SIGTERM or Ctrl-C).
 """
 
 import asyncio

@@ -156,16 +156,12 @@ async def _bounded(
         async with conn.transaction(readonly=True):
             await conn.execute(_LIMITS_SQL)
             return await read(conn, *args)
-    except asyncpg.LockNotAvailableError as exc:  # lock_timeout: another session holds the table (a migration's?)
-        status.failures.append(
-            f"Postgres: {what} not read: waited {LOCK_TIMEOUT_S:g} s for a lock another session holds "
-            f"({type(exc).__name__}: {exc})"
-        )
-        return None
-    except POSTGRES_BUSY as exc:  # statement_timeout, or an operator's cancel
-        status.failures.append(
-            f"Postgres: {what} not read within {STATEMENT_TIMEOUT_S:g} s ({type(exc).__name__}: {exc})"
-        )
+    except POSTGRES_BUSY as exc:  # lock_timeout (a migration's lock?), statement_timeout, or an operator's cancel
+        if isinstance(exc, asyncpg.LockNotAvailableError):
+            why = f": waited {LOCK_TIMEOUT_S:g} s for a lock another session holds"
+        else:
+            why = f" within {STATEMENT_TIMEOUT_S:g} s"
+        status.failures.append(f"Postgres: {what} not read{why} ({type(exc).__name__}: {exc})")
         return None
 
 

@@ -55,15 +55,14 @@ class Settler:
         first_time = {row["id"] for row in rows if row["publish_attempts"] == 1 or row["refused_before"]}
         republished = sum(1 for row_id in sent.sent if row_id not in first_time)
         name = outbox.name
-        retried = len(sent.refused) - len(parked)
-        result.published[name] += len(sent.sent)
-        result.republished[name] += republished
-        result.parked[name] += len(parked)
-        result.retried[name] += retried
-        metrics.OUTBOX_PUBLISHED.labels(name).inc(len(sent.sent))
-        metrics.OUTBOX_REPUBLISHED.labels(name).inc(republished)
-        metrics.OUTBOX_FAILED.labels(name).inc(len(parked))
-        metrics.OUTBOX_RETRIED.labels(name).inc(retried)
+        for counts, metric, count in (
+            (result.published, metrics.OUTBOX_PUBLISHED, len(sent.sent)),
+            (result.republished, metrics.OUTBOX_REPUBLISHED, republished),
+            (result.parked, metrics.OUTBOX_FAILED, len(parked)),
+            (result.retried, metrics.OUTBOX_RETRIED, len(sent.refused) - len(parked)),
+        ):
+            counts[name] += count
+            metric.labels(name).inc(count)
         attempts = {row["id"]: row["publish_attempts"] for row in rows}
         for row_id, error in sent.refused.items():
             fate = "parked (publish_failed_at set)" if row_id in parked else "retried later"

@@ -186,11 +186,9 @@ def report_batch(kind: ContentKind, result: BatchResult) -> None:
         )
     if result.locked:
         users, content = set(result.held_users), set(result.held_content)
-        rows = []  # the keys held back by neither: their own progress row was held
-        for key in result.locked:
-            content_id, user_id = parse_member(key)
-            if user_id not in users and content_id not in content:
-                rows.append(key)
+        members = [(key, *parse_member(key)) for key in result.locked]
+        # the keys held back by neither: their own progress row was held
+        rows = [key for key, content_id, user_id in members if user_id not in users and content_id not in content]
         held = [
             f"{what} locked by another session: {name} {_sample(ids)}"
             for what, name, ids in (
