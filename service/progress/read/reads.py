@@ -57,7 +57,8 @@ in µs since the epoch, UTC."""
 _ROWS_SQL = """
 SELECT c.duration, p.position,
        (extract(epoch FROM p.updated_at) * 1000000)::int8, (extract(epoch FROM p.completed_at) * 1000000)::int8
-FROM unnest($1::bigint[], $2::bigint[]) WITH ORDINALITY AS q(user_id, content_id, at)
+FROM unnest(string_to_array($1, ',')::bigint[], string_to_array($2, ',')::bigint[]) WITH ORDINALITY
+     AS q(user_id, content_id, at)
 LEFT JOIN users_user u ON u.id = q.user_id
 LEFT JOIN {content_table} c ON c.id = q.content_id AND u.id IS NOT NULL
 LEFT JOIN {progress_table} p ON p.user_id = q.user_id AND p.{id_column} = q.content_id
@@ -86,20 +87,21 @@ def from_ms(ms: float) -> datetime:
 
 
 async def fetch_rows(
-    pool: asyncpg.Pool, pairs_by_kind: Mapping[ContentKind, Sequence[tuple[int, int]]]
+    pool: asyncpg.Pool, asked: Mapping[ContentKind, tuple[Sequence[int], Sequence[int]]]
 ) -> dict[ContentKind, list[StoredRow]]:
-    """Per type, what Postgres has of its (user_id, content_id) pairs, a StoredRow per pair in their order: one
-    query per type, in turn on one connection (a sync holds one of the pool's, a read's batch too), waited for
-    MAX_WAIT_S at most."""
+    """Per type, what Postgres has of the pairs user_ids[i], content_ids[i] of its (user_ids, content_ids), a
+    StoredRow per pair in their order: one query per type, in turn on one connection (a sync holds one of the
+    pool's, a read's batch too), waited for MAX_WAIT_S at most."""
     answers = await fetch_stateless(
         pool,
+        # the ids as text, one parameter each: asyncpg encodes a bigint[] through a Python type check per element
         [
-            (rows_sql(kind), ([user_id for user_id, _ in pairs], [content_id for _, content_id in pairs]))
-            for kind, pairs in pairs_by_kind.items()
+            (rows_sql(kind), (",".join(map(str, user_ids)), ",".join(map(str, content_ids))))
+            for kind, (user_ids, content_ids) in asked.items()
         ],
         timeout_s=MAX_WAIT_S,
     )
-    return dict(zip(pairs_by_kind, answers, strict=True))
+    return dict(zip(asked, answers, strict=True))
 
 
 async def alongside(query: Awaitable[Q], read: Awaitable[R]) -> tuple[Q, R]:
@@ -222,13 +224,19 @@ class ProgressReader:
             for lookup in lookups
             for key in layout.value_keys(kind.name, lookup.user_id, lookup.content_ids)
         ]
-        pairs = [(lookup.user_id, content_id) for lookup in lookups for content_id in lookup.content_ids]
-        rows_by_kind, raw_values = await alongside(fetch_rows(self._pool, {kind: pairs}), get_many(self._redis, keys))
+        user_ids: list[int] = []
+        content_ids: list[int] = []
+        for lookup in lookups:
+            user_ids += [lookup.user_id] * len(lookup.content_ids)
+            content_ids += lookup.content_ids
+        rows_by_kind, raw_values = await alongside(
+            fetch_rows(self._pool, {kind: (user_ids, content_ids)}), get_many(self._redis, keys)
+        )
         rows = iter(rows_by_kind[kind])
         decoded = decode_values(raw_values)
         if len(self._layouts) > 1:  # per key, the value received later (the current one's on a tie, as a flush of
             # both leaves it: the upsert's strict `<`)
-            now, old = decoded[: len(pairs)], decoded[len(pairs) :]
+            now, old = decoded[: len(content_ids)], decoded[len(content_ids) :]
             decoded = [b if a is None or (b is not None and b[1] > a[1]) else a for a, b in zip(now, old, strict=True)]
         buffered = iter(decoded)
         for lookup in lookups:

@@ -262,7 +262,7 @@ class OfflineSync:
             ) from None
         asked = {kind: sorted(ids) for kind, ids in ids_by_kind.items()}
         try:
-            rows = await fetch_rows(self._pool, {kind: [(user_id, cid) for cid in ids] for kind, ids in asked.items()})
+            rows = await fetch_rows(self._pool, {kind: ([user_id] * len(ids), ids) for kind, ids in asked.items()})
         finally:
             self._connections.release()
         return {
