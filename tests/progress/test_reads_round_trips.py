@@ -113,6 +113,29 @@ async def test_concurrent_reads_of_one_turn_share_the_mget_and_the_query(counted
     assert (sends, statements) == (1, [rows_sql(KINDS["lesson"])])
 
 
+async def test_each_read_of_a_shared_batch_answers_what_it_answers_alone(counted: Counted, db: asyncpg.Pool) -> None:
+    """The batch's rows and values come back in the order asked and are read in that order: a user asked twice,
+    an unknown user or content between them, shift no read's answer onto another's ids."""
+    await seed(db, users=3, contents=4)
+    await db.execute(
+        "INSERT INTO engagements_lessonprogress (user_id, lesson_id, position, completed_at, created_at, updated_at)"
+        " VALUES (1, 2, 590, now(), now(), now()), (2, 4, 12.5, NULL, now(), now())"
+    )
+    writer = PositionWriter(counted.redis)
+    for content_id, user_id, position in ((3, 1, 30.0), (1, 2, 10.0), (2, 1, 595.0)):
+        await writer.write(content_type="lesson", content_id=content_id, user_id=user_id, position=position)
+    reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=2)
+    asked = [(1, [1, 2, 3, 9]), (99, [1, 2]), (1, [3, 2]), (2, [4, 1, 2]), (3, [9, 2])]
+    alone = [await reader.read(KINDS["lesson"], user_id, ids) for user_id, ids in asked]
+    assert [[entry[0] for entry in found] for found in alone] == [[2, 3], [], [3, 2], [4, 1], []]
+    await counted.reset()
+
+    together = await asyncio.gather(*(reader.read(KINDS["lesson"], user_id, ids) for user_id, ids in asked))
+
+    assert together == alone
+    assert await counted.round_trips() == (1, [rows_sql(KINDS["lesson"])])
+
+
 @contextlib.asynccontextmanager
 async def lessons_locked(db: asyncpg.Pool) -> AsyncIterator[None]:
     """The lessons' progress table locked: a read's query of it waits until the block ends, its batch out (a

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
-from typing import TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import asyncpg
 from redis.exceptions import RedisError
@@ -37,11 +37,10 @@ R = TypeVar("R")
 # Plain tuples, not NamedTuples: a read of 100 ids builds 100 of each, and a NamedTuple's __new__ costs
 # several times a tuple's. Times are whole microseconds since the epoch (exact: the rows and the buffer
 # both keep microseconds), so comparing them costs nothing and the answer's text is made from them once.
-StoredRow: TypeAlias = tuple[int, float | None, datetime | None, datetime | None]
-"""What Postgres knows of one (user, content): its duration (s), and the progress row's position,
-updated_at and completed_at, or Nones when there is no row."""
-StoredRows: TypeAlias = dict[tuple[int, int], StoredRow]
-"""(user_id, content_id) -> its StoredRow, for the pairs whose user and content exist."""
+StoredRow: TypeAlias = Sequence[Any]
+"""What Postgres knows of one asked (user, content), by position: the content's duration (s), None when the
+user or the content does not exist; then the progress row's position, updated_at and completed_at (µs since
+the epoch), or Nones when there is no row. An asyncpg Record, read as it comes."""
 Buffered: TypeAlias = tuple[float, int, float, int | None]
 """A buffered value as decode_value reads it: position, receive time (µs since the epoch), peak, and an offline
 item's completion floor (µs) or None."""
@@ -50,15 +49,20 @@ Progress: TypeAlias = tuple[int, float, int, int | None]
 in µs since the epoch, UTC."""
 
 
-# One row per asked (user, content) that exists, with its progress row if any. Inner joins on the
-# content and the user: a value for either that does not exist is dropped by the flush, so it is
-# not progress to show. The content's duration comes along to judge a completion not flushed yet.
+# One row per asked (user, content), in the order asked (a pair asked twice, twice): zipped with the buffered
+# values of the same pairs, no lookup by key. A user or content that does not exist reads as a NULL duration
+# (the column is NOT NULL): the flush drops a value for either, so it is not progress to show. The content's
+# duration comes along to judge a completion not flushed yet. The times come as int8 µs since the epoch (exact
+# for timestamptz, which keeps µs): no datetime to build per field, and nothing to convert before comparing.
 _ROWS_SQL = """
-SELECT q.user_id, q.content_id, c.duration, p.position, p.updated_at, p.completed_at
-FROM unnest($1::bigint[], $2::bigint[]) AS q(user_id, content_id)
-JOIN {content_table} c ON c.id = q.content_id
-JOIN users_user u ON u.id = q.user_id
+SELECT c.duration, p.position,
+       (extract(epoch FROM p.updated_at) * 1000000)::int8, (extract(epoch FROM p.completed_at) * 1000000)::int8
+FROM unnest(string_to_array($1, ',')::bigint[], string_to_array($2, ',')::bigint[]) WITH ORDINALITY
+     AS q(user_id, content_id, at)
+LEFT JOIN users_user u ON u.id = q.user_id
+LEFT JOIN {content_table} c ON c.id = q.content_id AND u.id IS NOT NULL
 LEFT JOIN {progress_table} p ON p.user_id = q.user_id AND p.{id_column} = q.content_id
+ORDER BY q.at
 """
 
 
@@ -83,20 +87,21 @@ def from_ms(ms: float) -> datetime:
 
 
 async def fetch_rows(
-    pool: asyncpg.Pool, pairs_by_kind: Mapping[ContentKind, Sequence[tuple[int, int]]]
-) -> dict[ContentKind, StoredRows]:
-    """Per type, what Postgres has of its (user_id, content_id) pairs: one query per type, in turn on one
-    connection (a sync holds one of the pool's, a read's batch too), waited for MAX_WAIT_S at most."""
+    pool: asyncpg.Pool, asked: Mapping[ContentKind, tuple[Sequence[int], Sequence[int]]]
+) -> dict[ContentKind, list[StoredRow]]:
+    """Per type, what Postgres has of the pairs user_ids[i], content_ids[i] of its (user_ids, content_ids), a
+    StoredRow per pair in their order: one query per type, in turn on one connection (a sync holds one of the
+    pool's, a read's batch too), waited for MAX_WAIT_S at most."""
     answers = await fetch_stateless(
         pool,
+        # the ids as text, one parameter each: asyncpg encodes a bigint[] through a Python type check per element
         [
-            (rows_sql(kind), ([user_id for user_id, _ in pairs], [content_id for _, content_id in pairs]))
-            for kind, pairs in pairs_by_kind.items()
+            (rows_sql(kind), (",".join(map(str, user_ids)), ",".join(map(str, content_ids))))
+            for kind, (user_ids, content_ids) in asked.items()
         ],
         timeout_s=MAX_WAIT_S,
     )
-    # by position, in _ROWS_SQL's order: user_id, content_id, then the StoredRow (a slice of a record is a tuple)
-    return {kind: {(r[0], r[1]): r[2:] for r in answer} for kind, answer in zip(pairs_by_kind, answers, strict=True)}
+    return dict(zip(asked, answers, strict=True))
 
 
 async def alongside(query: Awaitable[Q], read: Awaitable[R]) -> tuple[Q, R]:
@@ -136,12 +141,10 @@ def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | N
     return decoded
 
 
-def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, *, margin_s: float) -> Progress | None:
-    if row is None:
+def freshest(content_id: int, buffered: Buffered | None, row: StoredRow, *, margin_s: float) -> Progress | None:
+    duration_s, position, updated_us, completed_us = row
+    if duration_s is None:
         return None  # unknown content or user: nothing the flush would keep
-    duration_s, position, updated_at, completed_at = row
-    updated_us = None if updated_at is None else as_us(updated_at)
-    completed_us = None if completed_at is None else as_us(completed_at)
     if buffered is not None:
         buffered_position, received_us, peak, floor_us = buffered
         if completed_us is None and completes(peak, duration_s, margin_s):
@@ -149,7 +152,7 @@ def freshest(content_id: int, buffered: Buffered | None, row: StoredRow | None, 
             completed_us = received_us if floor_us is None or floor_us < received_us else floor_us
         if updated_us is None or received_us > updated_us:
             return content_id, buffered_position, received_us, completed_us
-    if updated_us is None or position is None:
+    if updated_us is None:
         return None
     return content_id, position, updated_us, completed_us
 
@@ -221,19 +224,24 @@ class ProgressReader:
             for lookup in lookups
             for key in layout.value_keys(kind.name, lookup.user_id, lookup.content_ids)
         ]
-        pairs = [(lookup.user_id, content_id) for lookup in lookups for content_id in lookup.content_ids]
-        rows_by_kind, raw_values = await alongside(fetch_rows(self._pool, {kind: pairs}), get_many(self._redis, keys))
-        rows = rows_by_kind[kind]
+        user_ids: list[int] = []
+        content_ids: list[int] = []
+        for lookup in lookups:
+            user_ids += [lookup.user_id] * len(lookup.content_ids)
+            content_ids += lookup.content_ids
+        rows_by_kind, raw_values = await alongside(
+            fetch_rows(self._pool, {kind: (user_ids, content_ids)}), get_many(self._redis, keys)
+        )
+        rows = iter(rows_by_kind[kind])
         decoded = decode_values(raw_values)
         if len(self._layouts) > 1:  # per key, the value received later (the current one's on a tie, as a flush of
             # both leaves it: the upsert's strict `<`)
-            now, old = decoded[: len(pairs)], decoded[len(pairs) :]
+            now, old = decoded[: len(content_ids)], decoded[len(content_ids) :]
             decoded = [b if a is None or (b is not None and b[1] > a[1]) else a for a, b in zip(now, old, strict=True)]
         buffered = iter(decoded)
         for lookup in lookups:
             for content_id in lookup.content_ids:
-                row = rows.get((lookup.user_id, content_id))
-                progress = freshest(content_id, next(buffered), row, margin_s=self._margin_s)
+                progress = freshest(content_id, next(buffered), next(rows), margin_s=self._margin_s)
                 if progress is not None:
                     lookup.found.append(progress)
         return [None] * len(lookups)

@@ -40,7 +40,7 @@ from service.progress.content import (
     Position,
 )
 from service.progress.ingest.buffer import TOO_FAR_AHEAD, PositionWriter
-from service.progress.read.reads import MAX_WAIT_S, StoredRows, alongside, as_ms, decode_values, fetch_rows
+from service.progress.read.reads import MAX_WAIT_S, alongside, as_ms, decode_values, fetch_rows
 
 SYNC_MAX_ITEMS = 500
 # No listen is older than the app: a date before this is a broken clock, not a position to order by. It also keeps
@@ -193,7 +193,7 @@ class OfflineSync:
         accepted = [at for at in range(len(items)) if at not in outcomes]
         if not accepted:
             return [_TOO_EARLY] * len(items)
-        rows, previous_us = await self._rows_and_previous(user_id, [items[at] for at in accepted])
+        updated_us, previous_us = await self._rows_and_previous(user_id, [items[at] for at in accepted])
         # Oldest first: for one content the later item is written last and stands, the script keeps the
         # furthest position of all of them as the peak (an offline listen to the end completes). Items of
         # one content heard at the same time are one write: the last in the request, with the furthest
@@ -201,7 +201,7 @@ class OfflineSync:
         writes: dict[tuple[str, int, float], list[int]] = {}
         for at in sorted(accepted, key=lambda at: items[at].listened_ms):  # stable: in request order on a tie
             item = items[at]
-            if (user_id, item.content_id) in rows[KIND_BY_NAME[item.content_type]]:
+            if (item.content_type, item.content_id) in updated_us:
                 writes.setdefault((item.content_type, item.content_id, item.listened_ms), []).append(at)
             else:
                 outcomes[at] = _UNKNOWN  # the flush would drop it
@@ -223,10 +223,10 @@ class OfflineSync:
             for at in group:
                 item = items[at]
                 key = (item.content_type, item.content_id)
-                updated_at = rows[KIND_BY_NAME[item.content_type]][(user_id, item.content_id)][2]
+                row_us = updated_us[key]
                 # 0: a later value stands; or the row is later (the value may have expired after its flush), or a
                 # pod still on the previous shard count buffered a later one
-                older = answer == 0 or (updated_at is not None and as_ms(updated_at) > item.listened_ms)
+                older = answer == 0 or (row_us is not None and row_us / 1000 > item.listened_ms)
                 older = older or previous_us.get(key, -1) > round(item.listened_ms * 1000)
                 if answer == TOO_FAR_AHEAD:
                     outcomes[at] = _TOO_FAR_AHEAD
@@ -236,9 +236,9 @@ class OfflineSync:
 
     async def _rows_and_previous(
         self, user_id: int, accepted: list[OfflineItem]
-    ) -> tuple[dict[ContentKind, StoredRows], dict[tuple[str, int], int]]:
-        """The rows, and while the shard count changes the receive times (µs) of the previous layout's values,
-        read at the same time."""
+    ) -> tuple[dict[tuple[str, int], int | None], dict[tuple[str, int], int]]:
+        """The rows (as _rows), and while the shard count changes the receive times (µs) of the previous layout's
+        values, read at the same time."""
         previous = self._writer.layout.previous
         if previous is None:
             return await self._rows(user_id, accepted), {}
@@ -247,7 +247,9 @@ class OfflineSync:
         rows, raw_values = await alongside(self._rows(user_id, accepted), self._writer.read_values(keys))
         return rows, {item: value[1] for item, value in zip(items, decode_values(raw_values), strict=True) if value}
 
-    async def _rows(self, user_id: int, accepted: list[OfflineItem]) -> dict[ContentKind, StoredRows]:
+    async def _rows(self, user_id: int, accepted: list[OfflineItem]) -> dict[tuple[str, int], int | None]:
+        """(content_type, content_id) -> the row's updated_at (µs), or None without a row, for each content of
+        the items that exists, its user too."""
         ids_by_kind: dict[ContentKind, set[int]] = {}
         for item in accepted:
             ids_by_kind.setdefault(KIND_BY_NAME[item.content_type], set()).add(item.content_id)
@@ -258,9 +260,14 @@ class OfflineSync:
             raise SyncsWaiting(
                 f"{SYNC_CONNECTIONS} syncs at the database did not come back in {MAX_WAIT_S:g} s"
             ) from None
+        asked = {kind: sorted(ids) for kind, ids in ids_by_kind.items()}
         try:
-            return await fetch_rows(
-                self._pool, {kind: [(user_id, cid) for cid in sorted(ids)] for kind, ids in ids_by_kind.items()}
-            )
+            rows = await fetch_rows(self._pool, {kind: ([user_id] * len(ids), ids) for kind, ids in asked.items()})
         finally:
             self._connections.release()
+        return {
+            (kind.name, content_id): updated_us
+            for kind, ids in asked.items()
+            for content_id, (duration_s, _, updated_us, _) in zip(ids, rows[kind], strict=True)
+            if duration_s is not None
+        }
