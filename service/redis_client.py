@@ -17,7 +17,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import AskError, MovedError, RedisClusterException, TryAgainError
 
 from service.config import RedisSettings
-from service.redis_internals import GUARDED, guard_cluster_connections, node_pipeline, topology_is_stale
+from service.redis_internals import GUARDED, guard_cluster_connections, node_pipeline, round_trip, topology_is_stale
 from service.stores import REDIS_FAILED, REDIS_UNAVAILABLE
 
 RedisClient: TypeAlias = Redis | RedisCluster
@@ -71,18 +71,21 @@ async def execute_by_node(
     (they go to degraded mode; the others' heartbeats stay on Redis). `key_index` locates a key of
     each command; all its keys share that key's slot.
     """
-    groups: list[tuple[ClusterNode | None, list[int]]] = [(None, list(range(len(commands))))]
-    if isinstance(redis, RedisCluster):
-        # no node answers, or a slot has no master during a failover: a RedisClusterException, which
-        # REDIS_UNAVAILABLE counts (service.stores), so it goes up as it is
-        await redis.initialize()  # a no-op once the topology is known; re-reads it after a failure
-        by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
-        for i, args in enumerate(commands):
-            node = _node_of(redis, args[key_index])
-            by_node.setdefault(node.name, (node, []))[1].append(i)
-        groups = list(by_node.values())
+    if not isinstance(redis, RedisCluster):  # one server: its one pipeline, awaited here (no task to gather)
+        try:
+            return await _on_server(redis, commands)
+        except Exception as exc:  # as gather's return_exceptions below: each command's result
+            return [exc] * len(commands)
+    # no node answers, or a slot has no master during a failover: a RedisClusterException, which
+    # REDIS_UNAVAILABLE counts (service.stores), so it goes up as it is
+    await redis.initialize()  # a no-op once the topology is known; re-reads it after a failure
+    by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
+    for i, args in enumerate(commands):
+        node = _node_of(redis, args[key_index])
+        by_node.setdefault(node.name, (node, []))[1].append(i)
+    groups = list(by_node.values())
     sent = await asyncio.gather(
-        *(_pipeline(redis, [commands[i] for i in group], node) for node, group in groups),
+        *(_on_node(redis, [commands[i] for i in group], node) for node, group in groups),
         return_exceptions=True,
     )
     results: list[object] = [None] * len(commands)
@@ -91,7 +94,7 @@ async def execute_by_node(
             raise outcome  # cancelled: not a failure of that node
         for position, i in enumerate(group):
             results[i] = outcome if isinstance(outcome, Exception) else outcome[position]
-    if isinstance(redis, RedisCluster) and any(isinstance(result, REDIS_UNAVAILABLE) for result in results):
+    if any(isinstance(result, REDIS_UNAVAILABLE) for result in results):
         topology_is_stale(redis)
     return results
 
@@ -152,15 +155,16 @@ def _node_of(redis: RedisCluster, key: object) -> ClusterNode:
     return node
 
 
-async def _pipeline(
-    redis: RedisClient, commands: Sequence[tuple[object, ...]], node: ClusterNode | None
-) -> list[object]:
-    if node is None:
-        async with redis.pipeline(transaction=False) as pipe:
-            for args in commands:
-                pipe.execute_command(*args)  # type: ignore[arg-type]
-            results: list[object] = await pipe.execute(raise_on_error=False)
-            return results
+async def _on_server(redis: Redis, commands: Sequence[tuple[object, ...]]) -> list[object]:
+    pool = redis.connection_pool
+    connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+    try:
+        return await round_trip(connection, commands)
+    finally:
+        await pool.release(connection)
+
+
+async def _on_node(redis: RedisCluster, commands: Sequence[tuple[object, ...]], node: ClusterNode) -> list[object]:
     # a cluster's commands already grouped by node: one round trip, and a command whose slot moved follows the move
     results = await node_pipeline(node, commands)
     for i, result in enumerate(results):

@@ -9,20 +9,24 @@ fix is released and the pin allows it.
   in C, as the sync client does (redis-py #4176, fix proposed in #4191);
 - RedisCluster takes no connection class: ours is set in its node arguments (redis-py #3558);
 - a cluster pipeline per node, not one cluster pipeline that one dead node fails whole (redis-py
-  #2224, #3130): the node's own pipeline call, and a topology re-read before the next command after
-  a node failed, as redis-py does after a single command.
+  #2224, #3130), and a topology re-read before the next command after a node failed, as redis-py does
+  after a single command;
+- a pipeline's round trip under one deadline, not one per reply (`round_trip`): redis-py's pipeline
+  arms and cancels a timer for every reply it reads.
 """
 
 import asyncio
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from redis.asyncio import RedisCluster
-from redis.asyncio.cluster import ClusterNode, PipelineCommand
+from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.connection import AbstractConnection, Connection, SSLConnection, UnixDomainSocketConnection
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import HIREDIS_AVAILABLE
 
 
@@ -123,13 +127,42 @@ def topology_is_stale(cluster: RedisCluster) -> None:
     cluster._initialize = True
 
 
-async def node_pipeline(node: ClusterNode, commands: Sequence[tuple[object, ...]]) -> list[object]:
-    """Commands of one node's slots as one pipeline on one of its connections; each reply or its error.
+async def round_trip(connection: AbstractConnection, commands: Sequence[tuple[object, ...]]) -> list[object]:
+    """`commands` in one write on `connection` and their replies, each its value or its own error reply (a
+    ResponseError: NOSCRIPT, MOVED...), under the connection's retry policy; any other failure goes up.
 
-    The node's own pipeline call rather than a cluster pipeline: that one works out every command's
-    slot and node again (about half again the request path's client CPU), and one unreachable node
-    fails all of it.
+    What redis-py's pipeline does, but with one deadline (the socket timeout) for the whole round trip: its
+    pipeline arms and cancels a timer for every reply, a third of a heartbeat's Redis client CPU. A failure
+    drops the connection (read_response and send_packed_command do), since replies may still be on the way.
     """
-    stack = [PipelineCommand(i, *args) for i, args in enumerate(commands)]
-    await node.execute_pipeline(stack)  # each command's reply, or its error, in .result
-    return [command.result for command in stack]
+
+    async def once() -> list[object]:
+        async with asyncio.timeout(connection.socket_timeout):
+            await connection.send_packed_command(connection.pack_commands(commands))  # type: ignore[arg-type]
+            replies: list[object] = []
+            for _ in commands:
+                try:
+                    replies.append(await connection.read_response(timeout=math.inf))  # the deadline is the above
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
+
+    try:
+        replies: list[object] = await connection.retry.call_with_retry(once, lambda _: connection.disconnect())
+    except TimeoutError:  # the deadline's, as redis-py words it
+        raise RedisTimeoutError(f"Timeout reading from {connection._host_error()}") from None
+    return replies
+
+
+async def node_pipeline(node: ClusterNode, commands: Sequence[tuple[object, ...]]) -> list[object]:
+    """Commands of one node's slots in one round trip on one of its connections; each reply or its error.
+
+    The node's own connection rather than a cluster pipeline: that one works out every command's slot and
+    node again (about half again the request path's client CPU), and one unreachable node fails all of it.
+    """
+    connection = node.acquire_connection()
+    try:
+        await node.disconnect_if_needed(connection)  # marked for a reconnect (a maintenance notification)
+        return await round_trip(connection, commands)
+    finally:
+        node.release(connection)
