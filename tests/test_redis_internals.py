@@ -4,20 +4,25 @@ Each test fails on a redis-py release that moved a private piece the service rel
 the packing tests hold hiredis's bytes (in C) to redis-py's asyncio packing.
 """
 
+import asyncio
+import dataclasses
 import inspect
+import time
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from redis.asyncio import Redis, RedisCluster
-from redis.asyncio.cluster import ClusterNode, PipelineCommand
+from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.connection import AbstractConnection
-from redis.exceptions import DataError
+from redis.exceptions import DataError, NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import HIREDIS_AVAILABLE
 
 from service.config import Settings
 from service.redis_client import connect_redis
+from service.redis_internals import round_trip
 
 
 # every kind of connection the service makes (plain, TLS, unix socket) is made of the same packing class;
@@ -84,7 +89,48 @@ def test_a_cluster_client_still_takes_its_nodes_connection_class_and_topology_fl
     assert "self._initialize" in inspect.getsource(RedisCluster.execute_command)
 
 
-def test_a_node_pipeline_still_runs_pipeline_commands_by_position() -> None:
-    command = PipelineCommand(3, "GET", "k")
-    assert (command.position, command.args, command.result) == (3, ("GET", "k"), None)
-    assert list(inspect.signature(ClusterNode.execute_pipeline).parameters) == ["self", "commands"]
+def test_a_read_with_an_infinite_timeout_still_arms_no_timer_and_a_node_still_lends_its_connections() -> None:
+    # round_trip: one deadline around the replies, each read with timeout=math.inf (no timer of its own)
+    assert "math.inf" in inspect.getsource(AbstractConnection.read_response)
+    for method in ("acquire_connection", "disconnect_if_needed", "release"):  # node_pipeline's
+        assert callable(getattr(ClusterNode, method, None)), method
+
+
+async def test_a_round_trip_answers_each_command_in_order_its_error_reply_included(settings: Settings) -> None:
+    client = connect_redis(settings.redis)
+    assert isinstance(client, Redis)
+    connection = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+    try:
+        commands = [("SET", "rt:a", "1"), ("EVALSHA", "0" * 40, 0), ("GET", "rt:a"), ("INCR", "rt:n")]
+        set_ok, no_script, value, count = await round_trip(connection, commands)
+        assert (set_ok, value, count) == (b"OK", b"1", 1)
+        assert isinstance(no_script, NoScriptError)  # that command's own answer; the others still ran
+        assert await client.get("rt:n") == b"1"
+    finally:
+        await connection.disconnect()
+        await client.delete("rt:a", "rt:n")
+        await client.aclose()
+
+
+async def test_a_stalled_server_fails_the_round_trip_at_its_one_deadline_and_drops_the_connection(
+    settings: Settings,
+) -> None:
+    client = connect_redis(dataclasses.replace(settings.redis, socket_timeout_s=0.3))
+    assert isinstance(client, Redis)
+    connection = client.connection_pool.make_connection()  # type: ignore[no-untyped-call]
+    await connection.connect()
+    pauser = connect_redis(settings.redis)
+    await pauser.execute_command("CLIENT", "PAUSE", "1500", "ALL")
+    try:
+        started = time.monotonic()
+        with pytest.raises(RedisTimeoutError):
+            await round_trip(connection, [("GET", "rt:x")] * 50)
+        waited = time.monotonic() - started
+        # the reads arm no timer of their own: without the round trip's deadline they would wait out the pause
+        assert 0.3 <= waited < 1.2, waited
+        assert not connection.is_connected  # replies may still come: nobody reads them on that connection
+    finally:
+        await asyncio.sleep(max(0.0, 1.6 - (time.monotonic() - started)))
+        await connection.disconnect()
+        await pauser.aclose()
+        await client.aclose()
