@@ -103,8 +103,10 @@ async def get_many(redis: RedisClient, keys: Sequence[str]) -> list[bytes | str 
     """The values of `keys`, in order: one MGET on a server; on a cluster, where a MGET must stay in
     one slot, a GET per key in one pipeline per node (still one round trip per node, all at once)."""
     if not isinstance(redis, RedisCluster):
-        values: list[bytes | str | None] = await redis.mget(keys)
-        return values
+        (values,) = await _on_server(redis, [("MGET", *keys)])
+        if isinstance(values, Exception):  # an error reply (a wrong type, OOM...): the read's error
+            raise values
+        return values  # type: ignore[return-value]
     results = await execute_by_node(redis, [("GET", key) for key in keys], key_index=1)
     for result in results:
         if isinstance(result, Exception):
