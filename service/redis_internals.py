@@ -128,12 +128,15 @@ def topology_is_stale(cluster: RedisCluster) -> None:
 
 
 async def round_trip(connection: AbstractConnection, commands: Sequence[tuple[object, ...]]) -> list[object]:
-    """`commands` in one write on `connection` and their replies, each its value or its own error reply (a
-    ResponseError: NOSCRIPT, MOVED...), under the connection's retry policy; any other failure goes up.
+    """`commands` in one write on `connection` and their raw replies, each its value or its own error reply (a
+    ResponseError: NOSCRIPT, MOVED...); any other failure goes up, and drops the connection (redis-py's send and
+    read do), since replies may still be on the way.
 
-    What redis-py's pipeline does, but with one deadline (the socket timeout) for the whole round trip: its
-    pipeline arms and cancels a timer for every reply, a third of a heartbeat's Redis client CPU. A failure
-    drops the connection (read_response and send_packed_command do), since replies may still be on the way.
+    What redis-py's pipeline does, but with one deadline, the socket timeout, for the whole round trip (the
+    write, every reply, and on a cluster node the connect): its pipeline arms and cancels a timer for every
+    reply, a third of a heartbeat's Redis client CPU. A lost connection is tried again as the connection's retry
+    policy says (once on a server: a pooled connection gone stale); a deadline passed is not, so a stalled Redis
+    sends the turn to degraded mode after one socket timeout, not two.
     """
 
     async def once() -> list[object]:
@@ -142,15 +145,22 @@ async def round_trip(connection: AbstractConnection, commands: Sequence[tuple[ob
             replies: list[object] = []
             for _ in commands:
                 try:
-                    replies.append(await connection.read_response(timeout=math.inf))  # the deadline is the above
+                    reply = await connection.read_response(timeout=math.inf)  # the deadline is the one above
                 except ResponseError as exc:
-                    replies.append(exc)
+                    reply = exc
+                if reply is None and _closed(connection._writer):
+                    # read_response answers None, not an error, for a TimeoutError out of the socket (ETIMEDOUT)
+                    await connection.disconnect(nowait=True)
+                    raise RedisConnectionError(f"connection to {connection._host_error()} lost")
+                replies.append(reply)
             return replies
 
     try:
         replies: list[object] = await connection.retry.call_with_retry(once, lambda _: connection.disconnect())
-    except TimeoutError:  # the deadline's, as redis-py words it
-        raise RedisTimeoutError(f"Timeout reading from {connection._host_error()}") from None
+    except TimeoutError:
+        raise RedisTimeoutError(
+            f"{connection._host_error()} did not answer within {connection.socket_timeout} s"
+        ) from None
     return replies
 
 

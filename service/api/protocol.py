@@ -8,8 +8,9 @@ takes a request the route table answers without ASGI (`Routes.received_by`: a he
 its head ended in: it hands the headers and the body to the route's own handler (the same code and the
 same answers as its ASGI route) and writes the answer in one `transport.write`.
 
-Every other request, and one whose body goes on in a later chunk, is uvicorn's, unchanged: the body
-read so far goes into uvicorn's cycle, whose ASGI route reads the rest under the body's deadline (408).
+Every other request, one whose body goes on in a later chunk, and one whose body outgrows a heartbeat's
+limit, is uvicorn's, unchanged: the body read so far goes into uvicorn's cycle, whose ASGI route reads the
+rest under the body's deadline (408) and its limit (413).
 What a request in flight shares with uvicorn's protocol is kept as uvicorn keeps it: `self.cycle`
 (pipelined requests wait behind it, the shutdown and a lost connection reach it), the server's tasks
 (the shutdown waits for them), the default headers (the date, the drain's `Connection: close`), the
@@ -20,10 +21,12 @@ tests/api/test_protocol.py sends each request both ways and compares the answers
 import logging
 from typing import Any
 
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from service.api.http import Answer, Headers
 from service.api.http_limits import LimitedHttpToolsProtocol
+from service.api.ingest import ProgressIngest
 from service.api.routes import Received, Routes
 
 # uvicorn's answer when the application fails (or is cancelled at the end of a shutdown's grace), headers and all
@@ -54,17 +57,16 @@ class _Answering:
 
 
 def _routes_of(app: Any) -> Routes | None:
-    """The route table under uvicorn's wrappers (proxy headers), if the app is the service's."""
-    while not isinstance(app, Routes):
-        app = getattr(app, "app", None)
-        if app is None:
-            return None
-    return app
+    """The route table, if the app is the service's, under uvicorn's proxy headers at most: any other wrapper
+    (a middleware, uvicorn's message logger) sees every request, so they all take uvicorn's cycle."""
+    if isinstance(app, ProxyHeadersMiddleware):
+        app = app.app
+    return app if isinstance(app, Routes) else None
 
 
 class ServiceProtocol(LimitedHttpToolsProtocol):
     _received: Received | None = None  # the handler of the request whose body is arriving, answered here
-    _received_body = b""
+    _received_body = bytearray()  # its body so far (a new one per request)
     _keep_alive = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -78,7 +80,7 @@ class ServiceProtocol(LimitedHttpToolsProtocol):
         super().data_received(data)
         if self._received is not None:  # the body goes on in a later chunk: uvicorn's cycle after all
             if self.transport.is_closing():
-                self._received, self._received_body = None, b""
+                self._received, self._received_body = None, bytearray()
             else:
                 self._hand_over()
 
@@ -93,15 +95,17 @@ class ServiceProtocol(LimitedHttpToolsProtocol):
         ):
             received = routes.received_by(self.parser.get_method(), self.url)
             if received is not None:
-                self._received, self._received_body = received, b""
+                self._received, self._received_body = received, bytearray()
                 self._keep_alive = self.parser.should_keep_alive()
                 return
         super().begin_request()
 
     def on_body(self, body: bytes) -> None:
         if self._received is not None:
-            self._received_body += body
-            return
+            if len(self._received_body) + len(body) <= ProgressIngest.max_body_bytes:
+                self._received_body += body
+                return
+            self._hand_over()  # more than any heartbeat: uvicorn's cycle, whose route answers it (413)
         super().on_body(body)
 
     def on_message_complete(self) -> None:
@@ -109,7 +113,7 @@ class ServiceProtocol(LimitedHttpToolsProtocol):
         if received is None:
             super().on_message_complete()
             return
-        self._received, body, self._received_body = None, self._received_body, b""
+        self._received, body, self._received_body = None, bytes(self._received_body), bytearray()
         cycle = _Answering(self._keep_alive)
         self.cycle = cycle  # type: ignore[assignment]
         task = self.loop.create_task(self._answer(cycle, received, self.headers, body))
@@ -117,8 +121,8 @@ class ServiceProtocol(LimitedHttpToolsProtocol):
         self.tasks.add(task)
 
     def _hand_over(self) -> None:
-        body = self._received_body
-        self._received, self._received_body = None, b""
+        body = bytes(self._received_body)
+        self._received, self._received_body = None, bytearray()
         super().begin_request()  # the parser still holds this request's method, version and keep-alive
         if body:
             super().on_body(body)
