@@ -7,6 +7,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.supervisors import multiprocess
 
+from service.api import protocol
 from service.api.http_limits import LimitedHttpToolsProtocol
 
 
@@ -51,6 +52,11 @@ def test_what_the_heartbeats_protocol_shares_with_uvicorns_is_still_where_it_rea
     send = inspect.getsource(RequestResponseCycle.send)
     assert 'headers = self.default_headers + list(message.get("headers", []))' in send
     assert 'content.append(b"connection: close\\r\\n")' in send
+    # a failing handler's answer, which the protocol writes as uvicorn's cycle does
+    failed = inspect.getsource(RequestResponseCycle.send_500_response)
+    for name, value in protocol._INTERNAL_ERROR_HEAD:
+        assert f'(b"{name.decode()}", b"{value.decode()}")' in failed, name
+    assert f'b"{protocol._INTERNAL_ERROR_BODY.decode()}"' in failed
 
 
 def test_the_server_hooks_and_state_the_drain_uses_keep_their_shape() -> None:
