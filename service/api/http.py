@@ -53,10 +53,13 @@ def json_body(data: object) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
+def json_fields(body: bytes, headers: Sequence[tuple[bytes, bytes]]) -> Headers:
+    """The fields of a JSON answer, whichever way it is written: content-type, then `headers`, then content-length."""
+    return [(b"content-type", b"application/json"), *headers, (b"content-length", b"%d" % len(body))]
+
+
 async def send_json(send: Send, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]]) -> None:
-    """One answer: content-type, then `headers`, then content-length."""
-    headers = [(b"content-type", b"application/json"), *headers, (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": json_fields(body, headers)})
     await send({"type": "http.response.body", "body": body})
 
 

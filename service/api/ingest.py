@@ -68,17 +68,18 @@ class ProgressIngest:
 
     async def _asgi(self, kind: ContentKind, scope: Scope, receive: Receive) -> bytes:
         check_method(scope["method"], "POST")
-        return await self._handle(kind, scope["headers"], receive)
+        user_id, declared_length = identify(self.authenticator, scope["headers"])
+        body = await read_body(receive, declared_length, limit=self.max_body_bytes, timeout_s=self.body_read_timeout_s)
+        return await self._store(kind, user_id, body)
 
-    async def _handle(self, kind: ContentKind, headers: Headers, body: bytes | Receive) -> bytes:
-        """The 201's body once the heartbeat of a POST is stored; raises HttpError for any other answer. `body`:
-        the whole body, or the ASGI `receive` to read it from."""
+    async def _handle(self, kind: ContentKind, headers: Headers, body: bytes) -> bytes:
         user_id, declared_length = identify(self.authenticator, headers)
-        limit = self.max_body_bytes
-        if not isinstance(body, bytes):
-            body = await read_body(body, declared_length, limit=limit, timeout_s=self.body_read_timeout_s)
-        elif max(declared_length, len(body)) > limit:
-            raise too_large(limit)
+        if max(declared_length, len(body)) > self.max_body_bytes:
+            raise too_large(self.max_body_bytes)
+        return await self._store(kind, user_id, body)
+
+    async def _store(self, kind: ContentKind, user_id: int, body: bytes) -> bytes:
+        """The 201's body once the heartbeat `body` of `user_id` is stored; raises HttpError for any other answer."""
         heartbeat = parse_json(kind.body, body)
         content_id: int = getattr(heartbeat, kind.id_column)
         if self.catalog is not None:

@@ -24,7 +24,7 @@ from typing import Any
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
-from service.api.http import Answer, Headers
+from service.api.http import Answer, Headers, json_fields
 from service.api.http_limits import LimitedHttpToolsProtocol
 from service.api.ingest import ProgressIngest
 from service.api.routes import Received, Routes
@@ -139,8 +139,8 @@ class ServiceProtocol(LimitedHttpToolsProtocol):
             if answer is None:  # nothing to answer (a client gone mid-body: never a body that has all arrived)
                 self.transport.close()
                 return
-            status, content, extra = answer  # the fields as send_json sends them over ASGI
-            fields = [(b"content-type", b"application/json"), *extra, (b"content-length", b"%d" % len(content))]
+            status, content, extra = answer
+            fields = json_fields(content, extra)
         if self.flow.write_paused and not cycle.disconnected:
             await self.flow.drain()  # the client reads no answers: this one waits, and the next request behind it
         if cycle.disconnected:
