@@ -52,8 +52,9 @@ in µs since the epoch, UTC."""
 # One row per asked (user, content), in the order asked (a pair asked twice, twice): zipped with the buffered
 # values of the same pairs, no lookup by key. A user or content that does not exist reads as a NULL duration
 # (the column is NOT NULL): the flush drops a value for either, so it is not progress to show. The content's
-# duration comes along to judge a completion not flushed yet. The times come as int8 µs since the epoch (exact:
-# timestamptz keeps µs, and extract() is numeric from PostgreSQL 14 on): no datetime to build per field.
+# duration comes along to judge a completion not flushed yet. The times come as int8 µs since the epoch, exact
+# (timestamptz keeps µs; extract() is numeric from PostgreSQL 14 on, and before it a float8 whose error the
+# cast's rounding absorbs for any date this service writes): no datetime to build per field.
 _ROWS_SQL = """
 SELECT c.duration, p.position,
        (extract(epoch FROM p.updated_at) * 1000000)::int8, (extract(epoch FROM p.completed_at) * 1000000)::int8
