@@ -20,6 +20,7 @@ from service.config import Settings
 from service.progress.flush.budget import FlushBudget, Reservation
 from service.progress.ingest.buffer import WRITE_SCRIPT
 from service.progress.keys import FLUSH_BUDGET_KEY
+from service.redis_client import connect_redis
 from tests.helpers import (
     InsertLog,
     Servers,
@@ -58,7 +59,7 @@ async def test_reservations_follow_one_another_at_the_budgets_pace(redis: Redis)
 
 
 async def _reserve_without_sleeping(redis: Redis, budget: FlushBudget, rows: int) -> float:
-    reservation, wait_s = await budget._ask(rows, budget.max_wait_s)
+    reservation, wait_s = await budget._ask(rows, budget.max_wait_s, bounded=False)
     assert reservation is not None and not reservation.local
     return wait_s
 
@@ -176,3 +177,21 @@ async def _when(redis: Redis, condition: Callable[[int, int], bool], timeout_s: 
         assert time.monotonic() < deadline, await backlog(redis)
         await asyncio.sleep(0.01)
     return time.monotonic()
+
+
+async def test_a_requests_ask_of_a_stalled_redis_takes_no_longer_than_its_deadline(
+    settings: Settings, redis: Redis
+) -> None:
+    # degraded mode's ask (a heartbeat whose Redis write just failed): a stalled Redis must not take the request's
+    # whole deadline before its statement starts; the pod's own share answers instead
+    client = connect_redis(settings.redis)
+    budget = FlushBudget(client, rows_per_second=1000)
+    await budget.reserve(1)  # the script loaded, a connection made
+    await redis.execute_command("CLIENT", "PAUSE", "1500", "ALL")
+    started = time.monotonic()
+    reservation = await budget.reserve(10, max_wait_s=0.3)
+    waited = time.monotonic() - started
+    await asyncio.sleep(max(0.0, 1.6 - waited))  # the pause's end
+    await client.aclose()
+    assert reservation is not None and reservation.local, reservation
+    assert waited < 1.0, waited  # unbounded, the ask waits out the pause (1.5 s), and longer for a longer stall

@@ -116,7 +116,7 @@ class FlushBudget:
         longest_s = self.max_wait_s if max_wait_s is None else min(self.max_wait_s, max_wait_s)
         try:
             while True:
-                reservation, wait_s = await self._ask(rows, longest_s)
+                reservation, wait_s = await self._ask(rows, longest_s, bounded=max_wait_s is not None)
                 if reservation is None and max_wait_s is not None:
                     return None
                 stopped = True  # unless the wait ends: cancelled (the final flush's deadline, a request gone) too
@@ -142,12 +142,14 @@ class FlushBudget:
         with contextlib.suppress(*REDIS_FAILED):
             await self._script(keys=[FLUSH_BUDGET_KEY], args=self._args(-rows, self.max_wait_s))
 
-    async def _ask(self, rows: int, longest_s: float) -> tuple[Reservation | None, float]:
-        """(the reservation or None, seconds to wait: for it, or before asking again)."""
+    async def _ask(self, rows: int, longest_s: float, *, bounded: bool) -> tuple[Reservation | None, float]:
+        """(the reservation or None, seconds to wait: for it, or before asking again). `bounded`: a request's ask,
+        whose Redis call gets `longest_s` at most (a stalled Redis would take the request's deadline with it)."""
         if self._redis_retry_at is None or time.monotonic() >= self._redis_retry_at:
             try:
-                granted, wait_us = await self._script(keys=[FLUSH_BUDGET_KEY], args=self._args(rows, longest_s))
-            except REDIS_FAILED as exc:
+                async with asyncio.timeout(longest_s if bounded else None):
+                    granted, wait_us = await self._script(keys=[FLUSH_BUDGET_KEY], args=self._args(rows, longest_s))
+            except REDIS_FAILED as exc:  # TimeoutError (the bound above) among them: an OSError
                 if self._redis_retry_at is None:
                     log.warning(
                         "write budget: the fleet's budget cannot be reached (%s: %s); this pod keeps to its share, "
