@@ -1,6 +1,6 @@
 """Where a request's server CPU goes: `py-spy record` of `serve --workers 1` (the door on) under wrk, per kind of
-request: the top functions and files by self time. `python -m service` runs the service of the working directory:
-from an export of an older commit, this profiles the code before a change.
+request: the top functions and files by self time. The service is this checkout's (the harness runs `python -m
+service` from it): a copy of this script in an export of an older commit profiles the code before a change.
 
     .venv/bin/python bench/profile_request.py [--modes heartbeat,one,many] [--connections 64] [--duration 8]
     smallest: --modes heartbeat --duration 2 --warmup 1 --users 20 --contents 5
