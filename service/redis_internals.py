@@ -29,6 +29,9 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import HIREDIS_AVAILABLE
 
+if HIREDIS_AVAILABLE:
+    import hiredis
+
 
 def _closed(writer: asyncio.StreamWriter | None) -> bool:
     return writer is None or writer.transport is None or writer.transport.is_closing()
@@ -101,6 +104,11 @@ class _PackedByHiredis(AbstractConnection):
     def pack_command(self, *args: Any) -> list[bytes]:
         if not HIREDIS_AVAILABLE:  # no hiredis, or one older than redis-py supports: redis-py's own packing
             return super().pack_command(*args)
+        if type(args[0]) is str and " " not in args[0]:  # a one-word name (MGET, EVALSHA): hiredis alone, no
+            try:  # Python pass over the arguments; what it refuses (a bytearray, a bool) goes the long way
+                return [hiredis.pack_command(args)]
+            except TypeError:
+                pass
         packed: list[bytes] = _HIREDIS_PACKER.pack(*args)
         return packed
 

@@ -62,7 +62,8 @@ async def counted(servers: Servers, migrated: str, db: asyncpg.Pool, redis: Redi
     statements: list[str] = []
 
     async def log_statements(conn: asyncpg.Connection) -> None:
-        await conn.fetch("SELECT $1::bigint[]", [1])  # asyncpg's one-off type introspection, not ours
+        # asyncpg's one-off type introspection (of an array type, once per connection), not ours
+        await conn.fetch("SELECT $1::bigint[], '{1}'::int4[], '{1}'::float8[]", [1])
         conn.add_query_logger(lambda record: statements.append(record.query))
 
     async def no_reset(conn: asyncpg.Connection) -> None:

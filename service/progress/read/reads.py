@@ -17,9 +17,11 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
-from typing import Any, TypeAlias, TypeVar
+from itertools import islice
+from typing import TypeAlias, TypeVar
 
 import asyncpg
+import msgspec
 from redis.exceptions import RedisError
 
 from service.postgres import fetch_stateless
@@ -37,10 +39,10 @@ R = TypeVar("R")
 # Plain tuples, not NamedTuples: a read of 100 ids builds 100 of each, and a NamedTuple's __new__ costs
 # several times a tuple's. Times are whole microseconds since the epoch (exact: the rows and the buffer
 # both keep microseconds), so comparing them costs nothing and the answer's text is made from them once.
-StoredRow: TypeAlias = Sequence[Any]
-"""What Postgres knows of one asked (user, content), by position: the content's duration (s), None when the
-user or the content does not exist; then the progress row's position, updated_at and completed_at (µs since
-the epoch), or Nones when there is no row. An asyncpg Record, read as it comes."""
+StoredRows: TypeAlias = tuple[list[float | None], list[float | None], list[int | None], list[int | None]]
+"""What Postgres knows of the asked (user, content) pairs, a list per field, an entry per pair in their order: the
+content's duration (s), None when the user or the content does not exist; then the progress row's position,
+updated_at and completed_at (µs since the epoch), or Nones when there is no row."""
 Buffered: TypeAlias = tuple[float, int, float, int | None]
 """A buffered value as decode_value reads it: position, receive time (µs since the epoch), peak, and an offline
 item's completion floor (µs) or None."""
@@ -49,22 +51,24 @@ Progress: TypeAlias = tuple[int, float, int, int | None]
 in µs since the epoch, UTC."""
 
 
-# One row per asked (user, content), in the order asked (a pair asked twice, twice): zipped with the buffered
-# values of the same pairs, no lookup by key. A user or content that does not exist reads as a NULL duration
-# (the column is NOT NULL): the flush drops a value for either, so it is not progress to show. The content's
-# duration comes along to judge a completion not flushed yet. The times come as int8 µs since the epoch, exact
-# (timestamptz keeps µs; extract() is numeric from PostgreSQL 14 on, and before it a float8 whose error the
-# cast's rounding absorbs for any date this service writes): no datetime to build per field.
+# The rows of the asked (user, content) pairs as one row of four arrays, each in the order asked (a pair asked twice,
+# twice): zipped with the buffered values of the same pairs, no lookup by key, and four lists asyncpg decodes in C
+# rather than a Record per pair. A user or content that does not exist reads as a NULL duration (the column is NOT
+# NULL): the flush drops a value for either, so it is not progress to show. The content's duration comes along to
+# judge a completion not flushed yet. The times come as int8 µs since the epoch, exact (timestamptz keeps µs;
+# extract() is numeric from PostgreSQL 14 on, and before it a float8 whose error the cast's rounding absorbs for
+# any date this service writes): no datetime to build per field. The ids come as JSON arrays of digits ([1,2,3]).
 _ROWS_SQL = """
-SELECT c.duration, p.position,
-       (extract(epoch FROM p.updated_at) * 1000000)::int8, (extract(epoch FROM p.completed_at) * 1000000)::int8
-FROM unnest(string_to_array($1, ',')::bigint[], string_to_array($2, ',')::bigint[]) WITH ORDINALITY
-     AS q(user_id, content_id, at)
+SELECT array_agg(c.duration ORDER BY q.at), array_agg(p.position ORDER BY q.at),
+       array_agg((extract(epoch FROM p.updated_at) * 1000000)::int8 ORDER BY q.at),
+       array_agg((extract(epoch FROM p.completed_at) * 1000000)::int8 ORDER BY q.at)
+FROM unnest(string_to_array(btrim($1, '[]'), ',')::bigint[], string_to_array(btrim($2, '[]'), ',')::bigint[])
+     WITH ORDINALITY AS q(user_id, content_id, at)
 LEFT JOIN users_user u ON u.id = q.user_id
 LEFT JOIN {content_table} c ON c.id = q.content_id AND u.id IS NOT NULL
 LEFT JOIN {progress_table} p ON p.user_id = q.user_id AND p.{id_column} = q.content_id
-ORDER BY q.at
 """
+_IDS = msgspec.json.Encoder()  # a list of ints as [1,2,3]: one C call, where str() of each costs 100 ns
 
 
 def rows_sql(kind: ContentKind) -> str:
@@ -89,20 +93,28 @@ def from_ms(ms: float) -> datetime:
 
 async def fetch_rows(
     pool: asyncpg.Pool, asked: Mapping[ContentKind, tuple[Sequence[int], Sequence[int]]]
-) -> dict[ContentKind, list[StoredRow]]:
-    """Per type, what Postgres has of the pairs user_ids[i], content_ids[i] of its (user_ids, content_ids), a
-    StoredRow per pair in their order: one query per type, in turn on one connection (a sync holds one of the
-    pool's, a read's batch too), waited for MAX_WAIT_S at most."""
+) -> dict[ContentKind, StoredRows]:
+    """Per type, what Postgres has of the pairs user_ids[i], content_ids[i] of its (user_ids, content_ids), as
+    StoredRows: one query per type, in turn on one connection (a sync holds one of the pool's, a read's batch
+    too), waited for MAX_WAIT_S at most."""
     answers = await fetch_stateless(
         pool,
         # the ids as text, one parameter each: asyncpg encodes a bigint[] through a Python type check per element
         [
-            (rows_sql(kind), (",".join(map(str, user_ids)), ",".join(map(str, content_ids))))
+            (rows_sql(kind), (_IDS.encode(user_ids).decode(), _IDS.encode(content_ids).decode()))
             for kind, (user_ids, content_ids) in asked.items()
         ],
         timeout_s=MAX_WAIT_S,
     )
-    return dict(zip(asked, answers, strict=True))
+    return {kind: _stored(rows) for kind, rows in zip(asked, answers, strict=True)}
+
+
+def _stored(rows: list[asyncpg.Record]) -> StoredRows:
+    (row,) = rows  # an aggregate's one row; NULL arrays when no pair was asked
+    durations, positions, updated, completed = row
+    if durations is None:
+        return [], [], [], []
+    return durations, positions, updated, completed
 
 
 async def alongside(query: Awaitable[Q], read: Awaitable[R]) -> tuple[Q, R]:
@@ -140,22 +152,6 @@ def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | N
             floor_us = None if floor_ms is None else floor_ms * 1000
             decoded.append((value.position, round(value.received_ms * 1000), value.peak, floor_us))
     return decoded
-
-
-def freshest(content_id: int, buffered: Buffered | None, row: StoredRow, *, margin_s: float) -> Progress | None:
-    duration_s, position, updated_us, completed_us = row
-    if duration_s is None:
-        return None  # unknown content or user: nothing the flush would keep
-    if buffered is not None:
-        buffered_position, received_us, peak, floor_us = buffered
-        if completed_us is None and completes(peak, duration_s, margin_s):
-            # the time the flush will set
-            completed_us = received_us if floor_us is None or floor_us < received_us else floor_us
-        if updated_us is None or received_us > updated_us:
-            return content_id, buffered_position, received_us, completed_us
-    if updated_us is None:
-        return None
-    return content_id, position, updated_us, completed_us
 
 
 # a batch names at most 2,000 ids (20 reads of 100): one MGET of that many keys, one query of that many pairs
@@ -233,18 +229,31 @@ class ProgressReader:
         rows_by_kind, raw_values = await alongside(
             fetch_rows(self._pool, {kind: (user_ids, content_ids)}), get_many(self._redis, keys)
         )
-        rows = iter(rows_by_kind[kind])
         decoded = decode_values(raw_values)
         if len(self._layouts) > 1:  # per key, the value received later (the current one's on a tie, as a flush of
             # both leaves it: the upsert's strict `<`)
             now, old = decoded[: len(content_ids)], decoded[len(content_ids) :]
             decoded = [b if a is None or (b is not None and b[1] > a[1]) else a for a, b in zip(now, old, strict=True)]
-        buffered = iter(decoded)
+        margin_s = self._margin_s
+        # per pair, in order: the freshest of the buffered value and the row, as the next flush will leave it
+        pairs = zip(content_ids, decoded, *rows_by_kind[kind], strict=True)
         for lookup in lookups:
-            for content_id in lookup.content_ids:
-                progress = freshest(content_id, next(buffered), next(rows), margin_s=self._margin_s)
-                if progress is not None:
-                    lookup.found.append(progress)
+            found = lookup.found
+            for content_id, buffered, duration_s, position, updated_us, completed_us in islice(
+                pairs, len(lookup.content_ids)
+            ):
+                if duration_s is None:
+                    continue  # unknown content or user: nothing the flush would keep
+                if buffered is not None:
+                    buffered_position, received_us, peak, floor_us = buffered
+                    if completed_us is None and completes(peak, duration_s, margin_s):
+                        # the time the flush will set
+                        completed_us = received_us if floor_us is None or floor_us < received_us else floor_us
+                    if updated_us is None or received_us > updated_us:
+                        found.append((content_id, buffered_position, received_us, completed_us))
+                        continue
+                if updated_us is not None:
+                    found.append((content_id, position, updated_us, completed_us))
         return [None] * len(lookups)
 
     async def aclose(self) -> None:

@@ -268,6 +268,6 @@ class OfflineSync:
         return {
             (kind.name, content_id): updated_us
             for kind, ids in asked.items()
-            for content_id, (duration_s, _, updated_us, _) in zip(ids, rows[kind], strict=True)
+            for content_id, duration_s, updated_us in zip(ids, rows[kind][0], rows[kind][2], strict=True)
             if duration_s is not None
         }
