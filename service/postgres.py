@@ -47,15 +47,25 @@ async def fetch_stateless(
     behind (no SET, LISTEN, cursor or lock); the first that fails raises, and the rest do not run.
 
     The connection is waited for `timeout_s` at most (None: the pool's own deadline), then TimeoutError.
-    It goes back without the reset query: one round trip per statement, not one more. Any other use of
-    the pool, an error here included, still resets the session on release.
+    It goes back without the reset query (release_stateless): one round trip per statement, not one more.
+    Any other use of the pool, an error here included, still resets the session on release.
     """
-    async with pool.acquire(timeout=timeout_s) as conn:
+    conn = await pool.acquire(timeout=timeout_s)
+    try:
         answers: list[list[asyncpg.Record]] = [await conn.fetch(query, *args) for query, args in statements]
-        mark = getattr(conn, "took_no_session_state", None)  # a pool not made by create_db_pool: reset as usual
-        if mark is not None:
-            mark()
+    except BaseException:
+        await pool.release(conn)
+        raise
+    await release_stateless(pool, conn)
     return answers
+
+
+async def release_stateless(pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:
+    """`conn` back to `pool` without the reset query, after statements that left no session state behind."""
+    mark = getattr(conn, "took_no_session_state", None)  # a pool not made by create_db_pool: reset as usual
+    if mark is not None:
+        mark()
+    await pool.release(conn)
 
 
 class _DeadlinePool(asyncpg.Pool):  # type: ignore[misc]  # asyncpg ships no types here

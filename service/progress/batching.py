@@ -4,8 +4,8 @@ With `max_in_flight` (the reads), at most that many batches are out at once: wha
 meanwhile waits for one to come back, then goes in one batch of at most `max_batch` (group commit),
 so under load the batches grow instead of their number. A caller gets `overloaded(why)` rather than
 wait longer than `max_wait_s` for a batch to start (a store that stalls holds its batches, not the
-callers behind them), or at once past `max_waiting` waiting. Without it (the writes), every turn's
-batch goes at once.
+callers behind them), or at once past `max_waiting` waiting; `idle()` is called each time the last
+batch out comes back with nobody waiting. Without it (the writes), every turn's batch goes at once.
 """
 
 import asyncio
@@ -26,6 +26,7 @@ class TurnBatcher(Generic[T]):
         max_waiting: int = 0,
         max_wait_s: float = 0.0,
         overloaded: Callable[[str], BaseException] | None = None,
+        idle: Callable[[], None] | None = None,
     ) -> None:
         if max_in_flight and not (max_batch and max_waiting and max_wait_s and overloaded):
             raise ValueError("a limit of batches in flight needs max_batch, max_waiting, max_wait_s and overloaded")
@@ -36,6 +37,7 @@ class TurnBatcher(Generic[T]):
         self._max_waiting = max_waiting
         self._max_wait_s = max_wait_s
         self._overloaded = overloaded or (lambda why: interrupted())
+        self._idle = idle  # with max_in_flight: called when no batch is out and nobody waits
         # (item, its caller's future, when it came): oldest first
         self._queue: list[tuple[T, asyncio.Future[None], float]] = []
         self._sending: set[asyncio.Task[None]] = set()
@@ -69,6 +71,8 @@ class TurnBatcher(Generic[T]):
         if not self._queue and self._expiry is not None:  # nobody waits: no timer
             self._expiry.cancel()
             self._expiry = None
+        if self._idle is not None and not self._queue and not self._sending:
+            self._idle()
         elif self._queue and self._max_in_flight and self._expiry is None and not self._closed:
             self._expiry = asyncio.get_running_loop().call_at(self._queue[0][2] + self._max_wait_s, self._expire)
 

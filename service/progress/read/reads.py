@@ -24,7 +24,7 @@ import asyncpg
 import msgspec
 from redis.exceptions import RedisError
 
-from service.postgres import fetch_stateless
+from service.postgres import fetch_stateless, release_stateless
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.completion import completes
 from service.progress.content import CONTENT_KINDS, EPOCH, ContentKind
@@ -95,18 +95,17 @@ async def fetch_rows(
     pool: asyncpg.Pool, asked: Mapping[ContentKind, tuple[Sequence[int], Sequence[int]]]
 ) -> dict[ContentKind, StoredRows]:
     """Per type, what Postgres has of the pairs user_ids[i], content_ids[i] of its (user_ids, content_ids), as
-    StoredRows: one query per type, in turn on one connection (a sync holds one of the pool's, a read's batch
-    too), waited for MAX_WAIT_S at most."""
+    StoredRows: one query per type, in turn on one connection of the pool's, waited for MAX_WAIT_S at most."""
     answers = await fetch_stateless(
-        pool,
-        # the ids as text, one parameter each: asyncpg encodes a bigint[] through a Python type check per element
-        [
-            (rows_sql(kind), (_IDS.encode(user_ids).decode(), _IDS.encode(content_ids).decode()))
-            for kind, (user_ids, content_ids) in asked.items()
-        ],
+        pool, [rows_statement(kind, user_ids, content_ids) for kind, (user_ids, content_ids) in asked.items()],
         timeout_s=MAX_WAIT_S,
-    )
+    )  # fmt: skip
     return {kind: _stored(rows) for kind, rows in zip(asked, answers, strict=True)}
+
+
+def rows_statement(kind: ContentKind, user_ids: Sequence[int], content_ids: Sequence[int]) -> tuple[str, list[str]]:
+    # the ids as text, one parameter each: asyncpg encodes a bigint[] through a Python type check per element
+    return rows_sql(kind), [_IDS.encode(user_ids).decode(), _IDS.encode(content_ids).decode()]
 
 
 def _stored(rows: list[asyncpg.Record]) -> StoredRows:
@@ -178,7 +177,9 @@ class ProgressReader:
     """Freshest progress of one user for some ids of one content type; concurrent reads share round trips.
 
     Per content type, at most `batches_in_flight` batches are out at once (TurnBatcher's group commit): a type
-    whose table is locked (a migration's, say) holds its own reads only.
+    whose table is locked (a migration's, say) holds its own reads only. While reads keep coming, a type's
+    batches run on the Postgres connections its last ones used: one goes back to the pool when a batch fails,
+    and all of them when no batch is out and no read waits (TurnBatcher's `idle`).
     """
 
     def __init__(
@@ -195,6 +196,8 @@ class ProgressReader:
         self._layouts = [layout] if layout.previous is None else [layout, layout.previous]
         self._pool = pool
         self._margin_s = margin_s
+        self._spare: dict[ContentKind, list[asyncpg.Connection]] = {kind: [] for kind in CONTENT_KINDS}
+        self._releasing: set[asyncio.Task[None]] = set()
         self._batchers: dict[ContentKind, TurnBatcher[_Lookup]] = {
             kind: TurnBatcher(
                 partial(self._send, kind),
@@ -204,6 +207,7 @@ class ProgressReader:
                 max_waiting=MAX_WAITING_LOOKUPS,
                 max_wait_s=MAX_WAIT_S,
                 overloaded=lambda why: ReadsWaiting(f"the stores answer too slowly for the reads waiting: {why}"),
+                idle=partial(self._idle, kind),
             )
             for kind in CONTENT_KINDS
         }
@@ -226,9 +230,7 @@ class ProgressReader:
         for lookup in lookups:
             user_ids += [lookup.user_id] * len(lookup.content_ids)
             content_ids += lookup.content_ids
-        rows_by_kind, raw_values = await alongside(
-            fetch_rows(self._pool, {kind: (user_ids, content_ids)}), get_many(self._redis, keys)
-        )
+        rows, raw_values = await alongside(self._rows(kind, user_ids, content_ids), get_many(self._redis, keys))
         decoded = decode_values(raw_values)
         if len(self._layouts) > 1:  # per key, the value received later (the current one's on a tie, as a flush of
             # both leaves it: the upsert's strict `<`)
@@ -236,7 +238,7 @@ class ProgressReader:
             decoded = [b if a is None or (b is not None and b[1] > a[1]) else a for a, b in zip(now, old, strict=True)]
         margin_s = self._margin_s
         # per pair, in order: the freshest of the buffered value and the row, as the next flush will leave it
-        pairs = zip(content_ids, decoded, *rows_by_kind[kind], strict=True)
+        pairs = zip(content_ids, decoded, *rows, strict=True)
         for lookup in lookups:
             found = lookup.found
             for content_id, buffered, duration_s, position, updated_us, completed_us in islice(
@@ -256,5 +258,29 @@ class ProgressReader:
                     found.append((content_id, position, updated_us, completed_us))
         return [None] * len(lookups)
 
+    async def _rows(self, kind: ContentKind, user_ids: list[int], content_ids: list[int]) -> StoredRows:
+        """fetch_rows of one type, on a connection its last batch used, else one of the pool's (MAX_WAIT_S)."""
+        spare = self._spare[kind]
+        connection = spare.pop() if spare else await self._pool.acquire(timeout=MAX_WAIT_S)
+        try:
+            query, args = rows_statement(kind, user_ids, content_ids)
+            rows = await connection.fetch(query, *args)
+        except BaseException:
+            await self._pool.release(connection)  # with the reset query: a failed statement may leave state
+            raise
+        spare.append(connection)
+        return _stored(rows)
+
+    def _idle(self, kind: ContentKind) -> None:
+        """No batch of `kind` out, no read waiting: its connections go back to the pool."""
+        spare = self._spare[kind]
+        while spare:
+            task = asyncio.ensure_future(release_stateless(self._pool, spare.pop()))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
+
     async def aclose(self) -> None:
         await close_all(self._batchers.values())
+        for kind in CONTENT_KINDS:
+            self._idle(kind)
+        await asyncio.gather(*self._releasing, return_exceptions=True)
