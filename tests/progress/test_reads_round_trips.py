@@ -179,6 +179,36 @@ async def test_reads_that_come_while_two_batches_are_out_go_together_in_the_next
     assert (held, await calls(redis, "mget") - mgets, len(statements)) == (2, 4, 4)  # 1, 1, then 20 and 7
 
 
+async def test_the_batches_of_a_busy_type_keep_their_connection_and_give_it_back_when_none_waits(
+    counted: Counted, db: asyncpg.Pool
+) -> None:
+    """A batch out and 29 reads behind it: the next two batches run on the first one's connection (one acquire,
+    not three); once no read waits, the connection is back in the pool."""
+    await seed(db, users=30, contents=3)
+    reader = ProgressReader(counted.redis, counted.pool, margin_s=10, batches_in_flight=1)
+    acquired: list[float | None] = []
+    acquire = counted.pool.acquire
+
+    def counting_acquire(*, timeout: float | None = None) -> Any:
+        acquired.append(timeout)
+        return acquire(timeout=timeout)
+
+    counted.pool.acquire = counting_acquire  # type: ignore[method-assign]
+    try:
+        async with lessons_locked(db):
+            reads = await submitted(reader, range(1, 31))
+        assert [await read for read in reads] == [[]] * 30
+        _, statements = await counted.round_trips()
+        assert (acquired, len(statements)) == ([MAX_WAIT_S], 3)  # 1, then 20 and 9 on the same connection
+        await asyncio.sleep(0.05)  # the release, in a task of its own
+        assert counted.pool.get_idle_size() == counted.pool.get_size()
+        await reader.read(KINDS["lesson"], 1, [1])  # idle, then a read: a connection of the pool's again
+        assert len(acquired) == 2
+    finally:
+        counted.pool.acquire = acquire  # type: ignore[method-assign]
+        await reader.aclose()
+
+
 async def test_a_read_whose_client_left_while_it_waited_takes_no_place_in_a_batch(
     counted: Counted, db: asyncpg.Pool, redis: Redis
 ) -> None:
@@ -267,6 +297,8 @@ async def test_a_type_whose_table_is_locked_holds_and_fails_its_own_reads_only(
             audio = await asyncio.wait_for(reader.read(KINDS["audio"], 7, [1]), 1)  # not behind the lesson's batch
             assert not lesson.done()
             [failed] = await asyncio.gather(lesson, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        assert pool.get_idle_size() == pool.get_size()  # the failed batch's connection too: none stays out
     finally:
         await reader.aclose()
         await redis.aclose()
