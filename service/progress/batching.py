@@ -71,10 +71,10 @@ class TurnBatcher(Generic[T]):
         if not self._queue and self._expiry is not None:  # nobody waits: no timer
             self._expiry.cancel()
             self._expiry = None
-        if self._idle is not None and not self._queue and not self._sending:
-            self._idle()
         elif self._queue and self._max_in_flight and self._expiry is None and not self._closed:
             self._expiry = asyncio.get_running_loop().call_at(self._queue[0][2] + self._max_wait_s, self._expire)
+        if self._idle is not None and not self._queue and not self._sending:
+            self._idle()
 
     def _lane_free(self) -> bool:
         return not self._max_in_flight or len(self._sending) < self._max_in_flight
