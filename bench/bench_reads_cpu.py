@@ -3,11 +3,9 @@ and the bare ASGI floor (bench/baseline_app.py answering the same heartbeats) in
 
 `serve` on users x contents with a progress row for every pair (every read finds one), part of them buffered newer
 than their row (a heartbeat fill); then alternating rounds of wrk runs at 16 connections: heartbeat POST, GET one,
-GET 100 ids, sync of 500 items. The measured heartbeats and syncs go to contents of their own (as many again, known
-to the door too), so every round reads the same share buffered: they would otherwise buffer more of the read pairs
-each round (a sync round about half of them), and the rounds of a read would not measure the same thing. Per kind,
-the median over the rounds of its server CPU per request, of its ratio to the heartbeat of the same round, of req/s,
-p50 and p99. A profile of a kind: `py-spy record --pid` of `serve`.
+GET 100 ids, sync of 500 items; the measured heartbeats and syncs go to contents of their own (known to the door),
+so every round reads the same share buffered. Per kind, the medians over the rounds of server CPU per request, its
+ratio to the round's heartbeat, req/s, p50 and p99.
 
     .venv/bin/python bench/bench_reads_cpu.py [--rounds 5] [--duration 8] [--connections 16]
     smallest: --rounds 1 --duration 1 --warmup 1 --wait-idle 0 --users 200 --contents 20
@@ -40,11 +38,10 @@ def main(args: harness.Namespace) -> None:
         ) -> harness.WrkResult:
             harness.wait_until_idle(idle)
             ids = (1, args.contents) if fill or mode in ("one", "many") else (args.contents + 1, 2 * args.contents)
-            how = {"mode": mode, "expect": expect, "ids": ids, "connections": args.connections}
-            child = children[label]
+            child, how = children[label], {"mode": mode, "expect": expect, "ids": ids, "connections": args.connections}
             return harness.wrk(child.url, tokens, duration_s=seconds, pids=(child.pid,), timeout_s=30, **how)
 
-        load("heartbeat POST", "heartbeat", (201,), args.warmup * 2, fill=True)  # values newer than their rows
+        load("heartbeat POST", "heartbeat", (201,), args.warmup * 2, fill=True)  # read values newer than their rows
         for label, mode, expect, _ in KINDS:
             load(label, mode, expect, args.warmup)
         variants = {
