@@ -30,8 +30,7 @@ def main(args: harness.Namespace) -> None:
         asyncio.run(harness.seed(s.database_url, users=args.users, contents=2 * args.contents, rows=True))
         tokens = harness.tokens(s.work, args.users)
         service = s.service("service", CONTENT_CATALOG_ENABLED=None)  # the catalog on
-        floor = s.floor()
-        children = {label: floor if "floor" in label else service for label, *_ in KINDS}
+        children = {**{label: service for label, *_ in KINDS}, KINDS[0][0]: s.floor()}  # the floor's, its own
 
         def load(
             label: str, mode: str, expect: tuple[int, ...], seconds: float, idle: float = 0.0, fill: bool = False
