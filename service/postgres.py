@@ -32,7 +32,7 @@ class _PoolConnection(asyncpg.Connection):  # type: ignore[misc]  # asyncpg ship
 
 async def _reset_session(conn: asyncpg.Connection) -> None:
     # asyncpg has rolled back an open transaction before this runs; the reset query (advisory locks,
-    # LISTEN, cursors, SET) is a second round trip, skipped only after fetch_stateless
+    # LISTEN, cursors, SET) is a second round trip, skipped only after release_stateless
     if isinstance(conn, _PoolConnection) and conn._stateless_use:
         conn._stateless_use = False
         return
@@ -51,13 +51,21 @@ async def fetch_stateless(
     Any other use of the pool, an error here included, still resets the session on release.
     """
     conn = await pool.acquire(timeout=timeout_s)
+    answers = await fetch_on(pool, conn, statements)
+    await release_stateless(pool, conn)
+    return answers
+
+
+async def fetch_on(
+    pool: asyncpg.Pool, conn: asyncpg.Connection, statements: Sequence[tuple[str, Sequence[object]]]
+) -> list[list[asyncpg.Record]]:
+    """Each statement in turn on `conn`, one of `pool`'s; the first that fails raises, once `conn` is back in the
+    pool with the reset query (a failed statement may leave state behind). On success `conn` stays the caller's."""
     try:
-        answers: list[list[asyncpg.Record]] = [await conn.fetch(query, *args) for query, args in statements]
+        return [await conn.fetch(query, *args) for query, args in statements]
     except BaseException:
         await pool.release(conn)
         raise
-    await release_stateless(pool, conn)
-    return answers
 
 
 async def release_stateless(pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:

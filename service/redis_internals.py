@@ -97,18 +97,20 @@ class _PackedByHiredis(AbstractConnection):
 
     The asyncio client packs in Python and joins its whole buffer again for every argument: a read's
     100-key MGET spent a tenth of its CPU there, a sync's script call of 500 items more. For the str,
-    bytes, int and float arguments the service passes, the bytes are the same (tests/test_clients.py),
-    text in UTF-8 (the default; hiredis knows no other); a bool or None is a DataError either way.
+    bytes, int and float arguments the service passes, the bytes are the same (tests/test_redis_internals.py),
+    text in UTF-8 (the default; hiredis knows no other); a bool or None is a DataError either way. A command
+    whose name is letters alone (MGET, EVALSHA) goes to hiredis as it is: redis-py's serializer would only split its
+    name and copy its arguments in a Python pass first.
     """
 
     def pack_command(self, *args: Any) -> list[bytes]:
         if not HIREDIS_AVAILABLE:  # no hiredis, or one older than redis-py supports: redis-py's own packing
             return super().pack_command(*args)
-        if type(args[0]) is str and " " not in args[0]:  # a one-word name (MGET, EVALSHA): hiredis alone, no
-            try:  # Python pass over the arguments; what it refuses (a bytearray, a bool) goes the long way
+        if type(args[0]) is str and args[0].isalpha():  # a name of letters alone: nothing for redis-py to split
+            try:
                 return [hiredis.pack_command(args)]
-            except TypeError:
-                pass
+            except TypeError:  # a bytearray or memoryview, which the serializer makes bytes; a bool or None,
+                pass  # which it refuses as redis-py does (DataError)
         packed: list[bytes] = _HIREDIS_PACKER.pack(*args)
         return packed
 

@@ -2,7 +2,7 @@
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -11,9 +11,10 @@ import asyncpg
 import pytest
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.connection import Connection
+from redis.exceptions import RedisError
 
 from service.config import Settings
-from service.postgres import create_db_pool, fetch_stateless
+from service.postgres import _PoolConnection, _reset_session, create_db_pool, fetch_stateless
 from service.progress.content import CONTENT_KINDS
 from service.progress.ingest.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
 from service.progress.read.reads import (
@@ -26,7 +27,7 @@ from service.progress.read.reads import (
 )
 from service.progress.read.sync import OfflineItem, OfflineSync, SyncItem
 from service.redis_client import connect_redis
-from tests.helpers import Servers, seed
+from tests.helpers import Servers, seed, wait_for
 
 KINDS = {kind.name: kind for kind in CONTENT_KINDS}
 
@@ -180,7 +181,7 @@ async def test_reads_that_come_while_two_batches_are_out_go_together_in_the_next
 
 
 class CountingPool(asyncpg.Pool):  # type: ignore[misc]  # asyncpg ships no types here
-    """A real pool that counts its acquires."""
+    """A real pool, with the service's connection class and reset, that counts its acquires."""
 
     __slots__ = ("acquired",)
 
@@ -189,36 +190,80 @@ class CountingPool(asyncpg.Pool):  # type: ignore[misc]  # asyncpg ships no type
         return super().acquire(timeout=timeout)
 
 
-async def test_the_batches_of_a_busy_type_keep_their_connection_and_give_it_back_when_none_waits(
-    counted: Counted, migrated: str, db: asyncpg.Pool
-) -> None:
-    """A batch out and 29 reads behind it: the next two batches run on the first one's connection (one acquire,
-    not three); once no read waits, the connection is back in the pool."""
-    await seed(db, users=30, contents=3)
-    queries: list[str] = []
-
+@contextlib.asynccontextmanager
+async def counting_pool(database_url: str, queries: list[str]) -> AsyncIterator[CountingPool]:
     async def log_queries(conn: asyncpg.Connection) -> None:
         conn.add_query_logger(lambda record: queries.append(record.query))
 
     pool = await CountingPool(
-        migrated, min_size=1, max_size=2, max_queries=50_000, max_inactive_connection_lifetime=300.0, setup=None,
-        init=log_queries, reset=None, loop=None, connection_class=asyncpg.Connection, record_class=asyncpg.Record,
+        database_url, min_size=1, max_size=2, max_queries=50_000, max_inactive_connection_lifetime=300.0, setup=None,
+        init=log_queries, reset=_reset_session, loop=None, connection_class=_PoolConnection,
+        record_class=asyncpg.Record, server_settings={"lock_timeout": "300"},
     )  # fmt: skip
     pool.acquired = 0
-    reader = ProgressReader(counted.redis, pool, margin_s=10, batches_in_flight=1)
     try:
-        async with lessons_locked(db):
-            reads = await submitted(reader, range(1, 31))
-        assert [await read for read in reads] == [[]] * 30
-        await asyncio.sleep(0)  # the query logger runs in a call_soon after each statement
-        assert (pool.acquired, queries.count(rows_sql(KINDS["lesson"]))) == (1, 3)  # 1, then 20 and 9
-        await asyncio.sleep(0.05)  # the release, in a task of its own
-        assert pool.get_idle_size() == pool.get_size()
-        await reader.read(KINDS["lesson"], 1, [1])  # idle, then a read: a connection of the pool's again
-        assert pool.acquired == 2
+        yield pool
     finally:
-        await reader.aclose()
         await pool.close()
+
+
+def all_back(pool: asyncpg.Pool) -> Callable[[], Awaitable[bool]]:
+    async def condition() -> bool:
+        return bool(pool.get_idle_size() == pool.get_size())
+
+    return condition
+
+
+def resets(queries: list[str]) -> int:
+    return sum("RESET ALL" in query for query in queries)
+
+
+async def test_the_batches_of_a_busy_type_keep_their_connection_and_give_it_back_when_none_waits(
+    counted: Counted, migrated: str, db: asyncpg.Pool
+) -> None:
+    """A batch out and 29 reads behind it: the next two batches run on the first one's connection (one acquire,
+    not three); once no read waits, it is back in the pool, without the reset query (the reads leave no state)."""
+    await seed(db, users=30, contents=3)
+    queries: list[str] = []
+    async with counting_pool(migrated, queries) as pool:
+        reader = ProgressReader(counted.redis, pool, margin_s=10, batches_in_flight=1)
+        try:
+            async with lessons_locked(db):
+                reads = await submitted(reader, range(1, 31))
+            assert [await read for read in reads] == [[]] * 30
+            await wait_for(all_back(pool))
+            assert (pool.acquired, queries.count(rows_sql(KINDS["lesson"])), resets(queries)) == (1, 3, 0)
+            await reader.read(KINDS["lesson"], 1, [1])  # idle, then a read: a connection of the pool's again
+            assert pool.acquired == 2
+        finally:
+            await reader.aclose()
+
+
+async def test_a_failed_query_gives_its_connection_back_reset_and_a_failed_redis_read_once_none_waits(
+    counted: Counted, migrated: str, db: asyncpg.Pool
+) -> None:
+    await seed(db, users=3, contents=3)
+    queries: list[str] = []
+    async with counting_pool(migrated, queries) as pool:
+        reader = ProgressReader(counted.redis, pool, margin_s=10, batches_in_flight=1)
+        try:
+            async with lessons_locked(db):  # the query gives up at the pool's lock_timeout
+                with pytest.raises(asyncpg.LockNotAvailableError):
+                    await reader.read(KINDS["lesson"], 1, [1])
+            await wait_for(all_back(pool))
+            assert resets(queries) == 1  # the failed statement's session is reset before it is used again
+        finally:
+            await reader.aclose()
+        unreachable = connect_redis(Settings(redis_url="redis://127.0.0.1:1").redis)
+        reader = ProgressReader(unreachable, pool, margin_s=10, batches_in_flight=1)
+        try:
+            with pytest.raises(RedisError):  # Redis down, Postgres up: the query answered, the batch failed
+                await reader.read(KINDS["lesson"], 1, [1])
+            await wait_for(all_back(pool))
+            assert resets(queries) == 1  # back as the query left it, without a reset
+        finally:
+            await reader.aclose()
+            await unreachable.aclose()
 
 
 async def test_a_read_whose_client_left_while_it_waited_takes_no_place_in_a_batch(
@@ -309,8 +354,7 @@ async def test_a_type_whose_table_is_locked_holds_and_fails_its_own_reads_only(
             audio = await asyncio.wait_for(reader.read(KINDS["audio"], 7, [1]), 1)  # not behind the lesson's batch
             assert not lesson.done()
             [failed] = await asyncio.gather(lesson, return_exceptions=True)
-        await asyncio.sleep(0.05)
-        assert pool.get_idle_size() == pool.get_size()  # the failed batch's connection too: none stays out
+        await wait_for(all_back(pool))  # the failed batch's connection too: none stays out
     finally:
         await reader.aclose()
         await redis.aclose()

@@ -13,6 +13,7 @@ While the shard count changes, the MGET names each value key of both layouts, an
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -24,7 +25,7 @@ import asyncpg
 import msgspec
 from redis.exceptions import RedisError
 
-from service.postgres import fetch_stateless, release_stateless
+from service.postgres import fetch_on, fetch_stateless, release_stateless
 from service.progress.batching import TurnBatcher, close_all
 from service.progress.completion import completes
 from service.progress.content import CONTENT_KINDS, EPOCH, ContentKind
@@ -32,6 +33,7 @@ from service.progress.ingest.buffer import decode_value
 from service.progress.keys import STANDALONE, KeyLayout
 from service.redis_client import RedisClient, get_many
 
+log = logging.getLogger(__name__)
 _ONE_US = timedelta(microseconds=1)
 Q = TypeVar("Q")
 R = TypeVar("R")
@@ -39,7 +41,7 @@ R = TypeVar("R")
 # Plain tuples, not NamedTuples: a read of 100 ids builds 100 of each, and a NamedTuple's __new__ costs
 # several times a tuple's. Times are whole microseconds since the epoch (exact: the rows and the buffer
 # both keep microseconds), so comparing them costs nothing and the answer's text is made from them once.
-StoredRows: TypeAlias = tuple[list[float | None], list[float | None], list[int | None], list[int | None]]
+StoredRows: TypeAlias = tuple[list[int | None], list[float | None], list[int | None], list[int | None]]
 """What Postgres knows of the asked (user, content) pairs, a list per field, an entry per pair in their order: the
 content's duration (s), None when the user or the content does not exist; then the progress row's position,
 updated_at and completed_at (µs since the epoch), or Nones when there is no row."""
@@ -178,7 +180,7 @@ class ProgressReader:
 
     Per content type, at most `batches_in_flight` batches are out at once (TurnBatcher's group commit): a type
     whose table is locked (a migration's, say) holds its own reads only. While reads keep coming, a type's
-    batches run on the Postgres connections its last ones used: one goes back to the pool when a batch fails,
+    batches run on the Postgres connections its last ones used: one goes back to the pool when its query fails,
     and all of them when no batch is out and no read waits (TurnBatcher's `idle`).
     """
 
@@ -196,7 +198,7 @@ class ProgressReader:
         self._layouts = [layout] if layout.previous is None else [layout, layout.previous]
         self._pool = pool
         self._margin_s = margin_s
-        self._spare: dict[ContentKind, list[asyncpg.Connection]] = {kind: [] for kind in CONTENT_KINDS}
+        self._kept: dict[ContentKind, list[asyncpg.Connection]] = {kind: [] for kind in CONTENT_KINDS}
         self._releasing: set[asyncio.Task[None]] = set()
         self._batchers: dict[ContentKind, TurnBatcher[_Lookup]] = {
             kind: TurnBatcher(
@@ -207,7 +209,7 @@ class ProgressReader:
                 max_waiting=MAX_WAITING_LOOKUPS,
                 max_wait_s=MAX_WAIT_S,
                 overloaded=lambda why: ReadsWaiting(f"the stores answer too slowly for the reads waiting: {why}"),
-                idle=partial(self._idle, kind),
+                idle=partial(self._give_back, kind),
             )
             for kind in CONTENT_KINDS
         }
@@ -260,27 +262,29 @@ class ProgressReader:
 
     async def _rows(self, kind: ContentKind, user_ids: list[int], content_ids: list[int]) -> StoredRows:
         """fetch_rows of one type, on a connection its last batch used, else one of the pool's (MAX_WAIT_S)."""
-        spare = self._spare[kind]
-        connection = spare.pop() if spare else await self._pool.acquire(timeout=MAX_WAIT_S)
-        try:
-            query, args = rows_statement(kind, user_ids, content_ids)
-            rows = await connection.fetch(query, *args)
-        except BaseException:
-            await self._pool.release(connection)  # with the reset query: a failed statement may leave state
-            raise
-        spare.append(connection)
+        kept = self._kept[kind]
+        connection = kept.pop() if kept else await self._pool.acquire(timeout=MAX_WAIT_S)
+        (rows,) = await fetch_on(self._pool, connection, [rows_statement(kind, user_ids, content_ids)])
+        kept.append(connection)  # (a failed query gave it back to the pool, with the reset: fetch_on)
         return _stored(rows)
 
-    def _idle(self, kind: ContentKind) -> None:
-        """No batch of `kind` out, no read waiting: its connections go back to the pool."""
-        spare = self._spare[kind]
-        while spare:
-            task = asyncio.ensure_future(release_stateless(self._pool, spare.pop()))
+    def _give_back(self, kind: ContentKind) -> None:
+        """No batch of `kind` out, no read waiting (TurnBatcher's idle): its connections go back to the pool."""
+        kept = self._kept[kind]
+        while kept:
+            task = asyncio.ensure_future(release_stateless(self._pool, kept.pop()))
             self._releasing.add(task)
-            task.add_done_callback(self._releasing.discard)
+            task.add_done_callback(self._released)
+
+    def _released(self, task: "asyncio.Task[None]") -> None:
+        self._releasing.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.warning("a read connection did not go back to the pool: %s: %s", type(exc).__name__, exc)
 
     async def aclose(self) -> None:
-        await close_all(self._batchers.values())
-        for kind in CONTENT_KINDS:
-            self._idle(kind)
-        await asyncio.gather(*self._releasing, return_exceptions=True)
+        try:
+            await close_all(self._batchers.values())
+        finally:
+            for kind in CONTENT_KINDS:
+                self._give_back(kind)
+            await asyncio.gather(*self._releasing, return_exceptions=True)  # each logged by _released

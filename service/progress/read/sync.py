@@ -265,9 +265,10 @@ class OfflineSync:
             rows = await fetch_rows(self._pool, {kind: ([user_id] * len(ids), ids) for kind, ids in asked.items()})
         finally:
             self._connections.release()
-        return {
-            (kind.name, content_id): updated_us
-            for kind, ids in asked.items()
-            for content_id, duration_s, updated_us in zip(ids, rows[kind][0], rows[kind][2], strict=True)
-            if duration_s is not None
-        }
+        found: dict[tuple[str, int], int | None] = {}
+        for kind, ids in asked.items():
+            durations, _, updated, _ = rows[kind]
+            for content_id, duration_s, updated_us in zip(ids, durations, updated, strict=True):
+                if duration_s is not None:
+                    found[(kind.name, content_id)] = updated_us
+        return found
