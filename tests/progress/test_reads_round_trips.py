@@ -266,6 +266,30 @@ async def test_a_failed_query_gives_its_connection_back_reset_and_a_failed_redis
             await unreachable.aclose()
 
 
+async def test_a_kept_connection_that_postgres_ended_is_not_used_again(
+    counted: Counted, migrated: str, db: asyncpg.Pool, redis: Redis
+) -> None:
+    """A batch's query done and its MGET held (Redis paused); meanwhile Postgres ends the connection the type
+    keeps, and a read waits for the next batch: that batch runs on a new connection, not the ended one."""
+    await seed(db, users=3, contents=3)
+    async with counting_pool(migrated, []) as pool:
+        reader = ProgressReader(counted.redis, pool, margin_s=10, batches_in_flight=1)
+        try:
+            await reader.read(KINDS["lesson"], 1, [1])
+            await redis.execute_command("CLIENT", "PAUSE", "500", "ALL")
+            first = asyncio.create_task(reader.read(KINDS["lesson"], 1, [1]))
+            await asyncio.sleep(0.2)  # its query answered: the connection is kept, its MGET waits
+            ended = await db.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE query LIKE '%unnest(string_to_array%' AND pid <> pg_backend_pid()"
+            )
+            second = asyncio.create_task(reader.read(KINDS["lesson"], 2, [1]))  # the next batch
+            assert (ended, await first, await second) == (1, [], [])
+            assert pool.acquired == 3  # the first read's, the ended one's, then the new one
+        finally:
+            await reader.aclose()
+
+
 async def test_a_read_whose_client_left_while_it_waited_takes_no_place_in_a_batch(
     counted: Counted, db: asyncpg.Pool, redis: Redis
 ) -> None:

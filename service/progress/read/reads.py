@@ -263,10 +263,23 @@ class ProgressReader:
     async def _rows(self, kind: ContentKind, user_ids: list[int], content_ids: list[int]) -> StoredRows:
         """fetch_rows of one type, on a connection its last batch used, else one of the pool's (MAX_WAIT_S)."""
         kept = self._kept[kind]
-        connection = kept.pop() if kept else await self._pool.acquire(timeout=MAX_WAIT_S)
+        connection = kept.pop() if kept else None
+        if connection is None or not await self._still_open(connection):
+            connection = await self._pool.acquire(timeout=MAX_WAIT_S)
         (rows,) = await fetch_on(self._pool, connection, [rows_statement(kind, user_ids, content_ids)])
         kept.append(connection)  # (a failed query gave it back to the pool, with the reset: fetch_on)
         return _stored(rows)
+
+    async def _still_open(self, connection: asyncpg.Connection) -> bool:
+        """False for a kept connection that Postgres ended meanwhile (a restart, pg_terminate_backend): the pool's
+        acquire would make a new one, and so does the batch."""
+        try:
+            if not connection.is_closed():
+                return True
+        except asyncpg.InterfaceError:  # asyncpg gave it back to the pool when it saw it end
+            return False
+        await self._pool.release(connection)
+        return False
 
     def _give_back(self, kind: ContentKind) -> None:
         """No batch of `kind` out, no read waiting (TurnBatcher's idle): its connections go back to the pool."""
