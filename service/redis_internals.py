@@ -109,8 +109,8 @@ class _PackedByHiredis(AbstractConnection):
         if type(args[0]) is str and args[0].isalpha():  # a name of letters alone: nothing for redis-py to split
             try:
                 return [hiredis.pack_command(args)]
-            except TypeError:  # a bytearray or memoryview, which the serializer makes bytes; a bool or None,
-                pass  # which it refuses as redis-py does (DataError)
+            except TypeError:  # a bytearray, which the serializer makes bytes; a bool or None, which it
+                pass  # refuses as redis-py does (DataError)
         packed: list[bytes] = _HIREDIS_PACKER.pack(*args)
         return packed
 

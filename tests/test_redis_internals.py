@@ -54,7 +54,7 @@ def test_the_service_packs_commands_its_own_way() -> None:
 
 @given(st.lists(ARGUMENTS, max_size=8))
 def test_any_command_is_packed_as_redis_py_packs_it(args: list[Any]) -> None:
-    for command in ("EVALSHA", b"MGET", "CLIENT SETNAME"):
+    for command in ("EVALSHA", b"MGET", "CLIENT SETNAME", "CLIENT\tSETNAME"):
         for connection in CONNECTIONS:
             assert packed(connection, (command, *args)) == packed(connection, (command, *args), by_redis_py=True)
 

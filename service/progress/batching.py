@@ -30,7 +30,7 @@ class TurnBatcher(Generic[T]):
     ) -> None:
         if max_in_flight and not (max_batch and max_waiting and max_wait_s and overloaded):
             raise ValueError("a limit of batches in flight needs max_batch, max_waiting, max_wait_s and overloaded")
-        if idle and not max_in_flight:
+        if idle is not None and not max_in_flight:
             raise ValueError("idle is called only with a limit of batches in flight")
         self._send_batch = send  # returns, for each item in order, None (done) or the exception for that item alone
         self._interrupted = interrupted  # the error a caller gets if its batch never finished

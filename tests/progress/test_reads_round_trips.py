@@ -181,7 +181,7 @@ async def test_reads_that_come_while_two_batches_are_out_go_together_in_the_next
 
 
 class CountingPool(asyncpg.Pool):  # type: ignore[misc]  # asyncpg ships no types here
-    """A real pool, with the service's connection class and reset, that counts its acquires."""
+    """A real pool that counts its acquires."""
 
     __slots__ = ("acquired",)
 
@@ -191,14 +191,23 @@ class CountingPool(asyncpg.Pool):  # type: ignore[misc]  # asyncpg ships no type
 
 
 @contextlib.asynccontextmanager
-async def counting_pool(database_url: str, queries: list[str]) -> AsyncIterator[CountingPool]:
+async def counting_pool(
+    database_url: str, queries: list[str], pids: list[int] | None = None, lock_timeout_ms: int | None = None
+) -> AsyncIterator[CountingPool]:
+    """What create_db_pool makes (its connection class and reset), two connections, counting acquires and logging
+    every statement (the reset query included) into `queries`, each connection's backend into `pids`."""
+
     async def log_queries(conn: asyncpg.Connection) -> None:
         conn.add_query_logger(lambda record: queries.append(record.query))
+        if pids is not None:
+            pids.append(conn.get_server_pid())
+
+    timeouts = {} if lock_timeout_ms is None else {"lock_timeout": str(lock_timeout_ms)}
 
     pool = await CountingPool(
         database_url, min_size=1, max_size=2, max_queries=50_000, max_inactive_connection_lifetime=300.0, setup=None,
         init=log_queries, reset=_reset_session, loop=None, connection_class=_PoolConnection,
-        record_class=asyncpg.Record, server_settings={"lock_timeout": "300"},
+        record_class=asyncpg.Record, server_settings=timeouts,
     )  # fmt: skip
     pool.acquired = 0
     try:
@@ -239,28 +248,40 @@ async def test_the_batches_of_a_busy_type_keep_their_connection_and_give_it_back
             await reader.aclose()
 
 
-async def test_a_failed_query_gives_its_connection_back_reset_and_a_failed_redis_read_once_none_waits(
+async def test_a_failed_query_gives_its_connection_back_reset(
     counted: Counted, migrated: str, db: asyncpg.Pool
 ) -> None:
+    """The query gives up at the lock timeout: its connection goes back to the pool at once, with the reset query
+    (a failed statement may leave state behind)."""
     await seed(db, users=3, contents=3)
     queries: list[str] = []
-    async with counting_pool(migrated, queries) as pool:
+    async with counting_pool(migrated, queries, lock_timeout_ms=300) as pool:
         reader = ProgressReader(counted.redis, pool, margin_s=10, batches_in_flight=1)
         try:
-            async with lessons_locked(db):  # the query gives up at the pool's lock_timeout
+            async with lessons_locked(db):
                 with pytest.raises(asyncpg.LockNotAvailableError):
                     await reader.read(KINDS["lesson"], 1, [1])
             await wait_for(all_back(pool))
-            assert resets(queries) == 1  # the failed statement's session is reset before it is used again
+            assert resets(queries) == 1
         finally:
             await reader.aclose()
-        unreachable = connect_redis(Settings(redis_url="redis://127.0.0.1:1").redis)
+
+
+async def test_a_failed_redis_read_gives_its_connection_back_without_reset_once_none_waits(
+    migrated: str, db: asyncpg.Pool
+) -> None:
+    """Redis down, Postgres up: the query answered and the batch failed; the connection goes back as the query left
+    it, without the reset query."""
+    await seed(db, users=3, contents=3)
+    queries: list[str] = []
+    unreachable = connect_redis(Settings(redis_url="redis://127.0.0.1:1").redis)
+    async with counting_pool(migrated, queries) as pool:
         reader = ProgressReader(unreachable, pool, margin_s=10, batches_in_flight=1)
         try:
-            with pytest.raises(RedisError):  # Redis down, Postgres up: the query answered, the batch failed
+            with pytest.raises(RedisError):
                 await reader.read(KINDS["lesson"], 1, [1])
             await wait_for(all_back(pool))
-            assert resets(queries) == 1  # back as the query left it, without a reset
+            assert (queries.count(rows_sql(KINDS["lesson"])), resets(queries)) == (1, 0)
         finally:
             await reader.aclose()
             await unreachable.aclose()
@@ -269,23 +290,36 @@ async def test_a_failed_query_gives_its_connection_back_reset_and_a_failed_redis
 async def test_a_kept_connection_that_postgres_ended_is_not_used_again(
     counted: Counted, migrated: str, db: asyncpg.Pool, redis: Redis
 ) -> None:
-    """A batch's query done and its MGET held (Redis paused); meanwhile Postgres ends the connection the type
-    keeps, and a read waits for the next batch: that batch runs on a new connection, not the ended one."""
+    """A batch's query done and its MGET held (Redis paused); meanwhile Postgres ends the pool's backends, the one
+    the type keeps among them, and a read waits for the next batch: that batch runs on a new connection."""
     await seed(db, users=3, contents=3)
-    async with counting_pool(migrated, []) as pool:
+    pids: list[int] = []
+    async with counting_pool(migrated, [], pids) as pool:
         reader = ProgressReader(counted.redis, pool, margin_s=10, batches_in_flight=1)
         try:
             await reader.read(KINDS["lesson"], 1, [1])
-            await redis.execute_command("CLIENT", "PAUSE", "500", "ALL")
+            since = await db.fetchval("SELECT clock_timestamp()")
+            # 0.8 s: long enough for what follows, short enough for the second read's 1 s wait for its batch
+            await redis.execute_command("CLIENT", "PAUSE", "800", "ALL")
             first = asyncio.create_task(reader.read(KINDS["lesson"], 1, [1]))
-            await asyncio.sleep(0.2)  # its query answered: the connection is kept, its MGET waits
-            ended = await db.fetchval(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
-                " WHERE query LIKE '%unnest(string_to_array%' AND pid <> pg_backend_pid()"
-            )
-            second = asyncio.create_task(reader.read(KINDS["lesson"], 2, [1]))  # the next batch
-            assert (ended, await first, await second) == (1, [], [])
-            assert pool.acquired == 3  # the first read's, the ended one's, then the new one
+
+            async def first_query_answered() -> bool:  # its connection kept, its MGET held by the pause
+                return bool(
+                    await db.fetchval(
+                        "SELECT count(*) FROM pg_stat_activity WHERE pid = ANY($1) AND state = 'idle'"
+                        " AND state_change > $2 AND query LIKE '%unnest(string_to_array%'",
+                        pids,
+                        since,
+                    )
+                )
+
+            await wait_for(first_query_answered)
+            await db.execute("SELECT pg_terminate_backend(pid) FROM unnest($1::int[]) AS pid", pids)
+            second = asyncio.create_task(reader.read(KINDS["lesson"], 2, [1]))  # waits for the next batch
+            await asyncio.sleep(0.05)
+            assert not first.done()  # still held: `second` goes in the batch after it, on the kept connection
+            assert (await first, await second) == ([], [])
+            assert pool.acquired == 3  # the first read's, the ended one's, then a new one
         finally:
             await reader.aclose()
 

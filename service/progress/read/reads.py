@@ -155,6 +155,13 @@ def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | N
     return decoded
 
 
+def _ended(connection: asyncpg.Connection) -> bool:
+    try:
+        return bool(connection.is_closed())
+    except asyncpg.InterfaceError:  # asyncpg gave it back to the pool when it saw it end
+        return True
+
+
 # a batch names at most 2,000 ids (20 reads of 100): one MGET of that many keys, one query of that many pairs
 MAX_LOOKUPS_PER_BATCH = 20
 # reads of one type waiting for a batch to come back, past which a read is refused at once (ReadsWaiting)
@@ -180,8 +187,9 @@ class ProgressReader:
 
     Per content type, at most `batches_in_flight` batches are out at once (TurnBatcher's group commit): a type
     whose table is locked (a migration's, say) holds its own reads only. While reads keep coming, a type's
-    batches run on the Postgres connections its last ones used: one goes back to the pool when its query fails,
-    and all of them when no batch is out and no read waits (TurnBatcher's `idle`).
+    batches run on the Postgres connections its last ones used: one goes back to the pool when its query fails
+    or Postgres ended it, and all of them when no batch is out and no read waits (TurnBatcher's `idle`).
+    `batches_in_flight` is at least 1.
     """
 
     def __init__(
@@ -264,22 +272,14 @@ class ProgressReader:
         """fetch_rows of one type, on a connection its last batch used, else one of the pool's (MAX_WAIT_S)."""
         kept = self._kept[kind]
         connection = kept.pop() if kept else None
-        if connection is None or not await self._still_open(connection):
+        if connection is not None and _ended(connection):  # Postgres ended it meanwhile (a restart): a new one
+            await self._pool.release(connection)  # nothing if asyncpg gave it back already
+            connection = None
+        if connection is None:
             connection = await self._pool.acquire(timeout=MAX_WAIT_S)
         (rows,) = await fetch_on(self._pool, connection, [rows_statement(kind, user_ids, content_ids)])
         kept.append(connection)  # (a failed query gave it back to the pool, with the reset: fetch_on)
         return _stored(rows)
-
-    async def _still_open(self, connection: asyncpg.Connection) -> bool:
-        """False for a kept connection that Postgres ended meanwhile (a restart, pg_terminate_backend): the pool's
-        acquire would make a new one, and so does the batch."""
-        try:
-            if not connection.is_closed():
-                return True
-        except asyncpg.InterfaceError:  # asyncpg gave it back to the pool when it saw it end
-            return False
-        await self._pool.release(connection)
-        return False
 
     def _give_back(self, kind: ContentKind) -> None:
         """No batch of `kind` out, no read waiting (TurnBatcher's idle): its connections go back to the pool."""
@@ -287,12 +287,14 @@ class ProgressReader:
         while kept:
             task = asyncio.ensure_future(release_stateless(self._pool, kept.pop()))
             self._releasing.add(task)
-            task.add_done_callback(self._released)
+            task.add_done_callback(partial(self._released, kind))
 
-    def _released(self, task: "asyncio.Task[None]") -> None:
+    def _released(self, kind: ContentKind, task: asyncio.Task[None]) -> None:
         self._releasing.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
-            log.warning("a read connection did not go back to the pool: %s: %s", type(exc).__name__, exc)
+            log.warning(
+                "a %s read's connection did not go back to the pool: %s: %s", kind.name, type(exc).__name__, exc
+            )
 
     async def aclose(self) -> None:
         try:
