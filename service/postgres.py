@@ -6,6 +6,7 @@ from typing import Any
 import asyncpg
 
 from service.config import DatabaseSettings
+from service.stores import give_back
 
 
 def statement_timeouts(*, statement_timeout_s: float, lock_timeout_s: float) -> dict[str, str]:
@@ -64,16 +65,17 @@ async def fetch_on(
     try:
         return [await conn.fetch(query, *args) for query, args in statements]
     except BaseException:
-        await pool.release(conn)
+        await give_back(pool, conn)
         raise
 
 
 async def release_stateless(pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:
-    """`conn` back to `pool` without the reset query, after statements that left no session state behind."""
+    """`conn` back to `pool` without the reset query, after statements that left no session state behind; a
+    release that fails (the server ended the connection meanwhile) is logged, not the statements' (give_back)."""
     mark = getattr(conn, "took_no_session_state", None)  # a pool not made by create_db_pool: reset as usual
     if mark is not None:
         mark()
-    await pool.release(conn)
+    await give_back(pool, conn)
 
 
 class _DeadlinePool(asyncpg.Pool):  # type: ignore[misc]  # asyncpg ships no types here

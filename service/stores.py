@@ -67,7 +67,13 @@ async def pooled_connection(pool: asyncpg.Pool, *, timeout_s: float | None = Non
     try:
         yield conn
     finally:
-        try:
-            await pool.release(conn)
-        except POSTGRES_FAILED as exc:
-            log.info("a Postgres connection failed its reset and was closed (%s: %s)", type(exc).__name__, exc)
+        await give_back(pool, conn)
+
+
+async def give_back(pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:
+    """`conn` back to `pool`; a failure there is not the operation's (pooled_connection): asyncpg has taken the
+    connection back or closes it, and the failure is logged, not raised."""
+    try:
+        await pool.release(conn)
+    except POSTGRES_FAILED as exc:
+        log.info("a Postgres connection failed its reset and was closed (%s: %s)", type(exc).__name__, exc)

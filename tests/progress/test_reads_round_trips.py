@@ -14,7 +14,7 @@ from redis.asyncio.connection import Connection
 from redis.exceptions import RedisError
 
 from service.config import Settings
-from service.postgres import _PoolConnection, _reset_session, create_db_pool, fetch_stateless
+from service.postgres import _PoolConnection, _reset_session, create_db_pool, fetch_stateless, release_stateless
 from service.progress.content import CONTENT_KINDS
 from service.progress.ingest.buffer import WRITE_MANY_SCRIPT, WRITE_SCRIPT, PositionWriter
 from service.progress.read.reads import (
@@ -322,6 +322,23 @@ async def test_a_kept_connection_that_postgres_ended_is_not_used_again(
             assert pool.acquired == 3  # the first read's, the ended one's, then a new one
         finally:
             await reader.aclose()
+
+
+async def test_a_connection_the_server_ends_while_it_goes_back_is_not_a_failure(settings: Settings) -> None:
+    """The server's end is read in the turn between the release's first step and asyncpg's own, which takes the
+    connection back itself: the release raises nothing (the statements it follows answered), and none is lost."""
+    pool = await create_db_pool(settings.database, min_size=1)
+    try:
+        conn = await pool.acquire()
+        await conn.fetch("SELECT 1")
+        release = asyncio.ensure_future(release_stateless(pool, conn))
+        await asyncio.sleep(0)  # its first step: asyncpg's release, shielded in a task of its own, not run yet
+        conn._con._protocol.connection_lost(ConnectionResetError("the server's end"))
+        await release
+        assert await pool.fetchval("SELECT 1") == 1
+        assert pool.get_idle_size() == pool.get_size()
+    finally:
+        await pool.close()
 
 
 async def test_a_read_whose_client_left_while_it_waited_takes_no_place_in_a_batch(

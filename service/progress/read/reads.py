@@ -32,6 +32,7 @@ from service.progress.content import CONTENT_KINDS, EPOCH, ContentKind
 from service.progress.ingest.buffer import decode_value
 from service.progress.keys import STANDALONE, KeyLayout
 from service.redis_client import RedisClient, get_many
+from service.stores import give_back
 
 log = logging.getLogger(__name__)
 _ONE_US = timedelta(microseconds=1)
@@ -273,7 +274,7 @@ class ProgressReader:
         kept = self._kept[kind]
         connection = kept.pop() if kept else None
         if connection is not None and _ended(connection):  # Postgres ended it meanwhile (a restart): a new one
-            await self._pool.release(connection)  # nothing if asyncpg gave it back already
+            await give_back(self._pool, connection)  # nothing if asyncpg gave it back already
             connection = None
         if connection is None:
             connection = await self._pool.acquire(timeout=MAX_WAIT_S)
