@@ -2,10 +2,13 @@
 
 With `max_in_flight` (the reads), at most that many batches are out at once: what is submitted
 meanwhile waits for one to come back, then goes in one batch of at most `max_batch` (group commit),
-so under load the batches grow instead of their number. A caller gets `overloaded(why)` rather than
-wait longer than `max_wait_s` for a batch to start (a store that stalls holds its batches, not the
-callers behind them), or at once past `max_waiting` waiting; `idle()` is called each time the last
-batch out comes back with nobody waiting. Without it (the writes), every turn's batch goes at once.
+so under load the batches grow instead of their number. It goes as soon as the send that came back
+returns, before that batch's callers are answered: its round trip overlaps their answers, where the
+stores would otherwise wait for them and the event loop, after, for the stores. A caller gets
+`overloaded(why)` rather than wait longer than `max_wait_s` for a batch to start (a store that
+stalls holds its batches, not the callers behind them), or at once past `max_waiting` waiting;
+`idle()` is called each time the last batch out comes back with nobody waiting. Without it (the
+writes), every turn's batch goes at once.
 """
 
 import asyncio
@@ -81,10 +84,11 @@ class TurnBatcher(Generic[T]):
     def _lane_free(self) -> bool:
         return not self._max_in_flight or len(self._sending) < self._max_in_flight
 
-    def _sent(self, task: asyncio.Task[None]) -> None:
-        self._sending.discard(task)
-        if self._max_in_flight:
-            self._send_queued()  # what waited for this batch to come back
+    def _sent(self, task: asyncio.Task[None] | None) -> None:
+        if task in self._sending:  # once: when its send returned, or when it ended without (an error)
+            self._sending.discard(task)
+            if self._max_in_flight:
+                self._send_queued()  # what waited for this batch to come back
 
     def _expire(self) -> None:
         """Who waited max_wait_s (within a ms) and is still not in a batch gets overloaded(); the queue is oldest
@@ -106,6 +110,7 @@ class TurnBatcher(Generic[T]):
         error: BaseException | None = None
         try:
             results = await self._send_batch([item for item, _, _ in batch])
+            self._sent(asyncio.current_task())  # its lane to the next batch, before these callers run
             for (_, future, _), result in zip(batch, results, strict=True):
                 if future.done():  # its request was cancelled (client went away)
                     continue

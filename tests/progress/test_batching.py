@@ -112,3 +112,25 @@ async def test_a_send_that_fails_fails_each_caller_of_its_batch() -> None:
     batcher: TurnBatcher[int] = TurnBatcher(broken, interrupted=lambda: RuntimeError("interrupted"))
     results = await asyncio.gather(*(batcher.submit(i) for i in range(3)), return_exceptions=True)
     assert all(isinstance(r, ConnectionError) for r in results)
+
+
+async def test_the_next_batch_goes_before_the_callers_of_the_one_that_came_back_are_answered() -> None:
+    store = Store()
+    store.gate.clear()
+    batcher = _limited(store)
+    sent_when_answered: dict[int, list[list[int]]] = {}
+
+    async def caller(i: int) -> None:
+        await batcher.submit(i)
+        sent_when_answered[i] = list(store.batches)
+
+    first = asyncio.ensure_future(caller(0))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    second = asyncio.ensure_future(caller(2))
+    await asyncio.sleep(0)
+    assert store.batches == [[0]]  # the second waits for the lane
+    store.gate.set()
+    await asyncio.gather(first, second)
+    # the store had the next batch before the caller of the last one ran: its round trip overlaps their answers
+    assert sent_when_answered[0] == [[0], [2]]

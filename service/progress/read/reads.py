@@ -120,15 +120,15 @@ def _stored(rows: list[asyncpg.Record]) -> StoredRows:
 
 
 async def alongside(query: Awaitable[Q], read: Awaitable[R]) -> tuple[Q, R]:
-    """Both stores at once: the query in a task of its own, the Redis read in this one; both are awaited to
-    their end before an error goes up."""
-    fetch = asyncio.ensure_future(query)
+    """Both stores at once: the query, the slower, sent at once in this task, the Redis read in a task of its own
+    (it starts after what is ready in this turn); both are awaited to their end before an error goes up."""
+    values = asyncio.ensure_future(read)
     try:
-        values = await read
+        rows = await query
     finally:
-        with contextlib.suppress(Exception):  # its error goes up below, or after the read's
-            await fetch
-    return fetch.result(), values
+        with contextlib.suppress(Exception):  # its error goes up below, or after the query's
+            await values
+    return rows, values.result()
 
 
 def decode_values(raw_values: Sequence[bytes | str | None]) -> list[Buffered | None]:
