@@ -4,11 +4,12 @@ With `max_in_flight` (the reads), at most that many batches are out at once: wha
 meanwhile waits for one to come back, then goes in one batch of at most `max_batch` (group commit),
 so under load the batches grow instead of their number. It goes as soon as the send that came back
 returns, before that batch's callers are answered: its round trip overlaps their answers, where the
-stores would otherwise wait for them and the event loop, after, for the stores. A caller gets
-`overloaded(why)` rather than wait longer than `max_wait_s` for a batch to start (a store that
-stalls holds its batches, not the callers behind them), or at once past `max_waiting` waiting;
-`idle()` is called each time the last batch out comes back with nobody waiting. Without it (the
-writes), every turn's batch goes at once.
+stores would otherwise wait for them and the event loop, after, for the stores. With nobody waiting,
+the lane is freed once those callers have run. A caller gets `overloaded(why)` rather than wait
+longer than `max_wait_s` for a batch to start (a store that stalls holds its batches, not the
+callers behind them), or at once past `max_waiting` waiting; `idle()` is called each time the last
+batch out comes back, its callers answered, with nobody waiting. Without it (the writes), every
+turn's batch goes at once.
 """
 
 import asyncio
@@ -85,7 +86,8 @@ class TurnBatcher(Generic[T]):
         return not self._max_in_flight or len(self._sending) < self._max_in_flight
 
     def _sent(self, task: asyncio.Task[None] | None) -> None:
-        if task in self._sending:  # once: when its send returned, or when it ended without (an error)
+        if task in self._sending:  # once: early, when its send returned; else when the task ended (done or failed,
+            # or cancelled, even before it started)
             self._sending.discard(task)
             if self._max_in_flight:
                 self._send_queued()  # what waited for this batch to come back
@@ -110,7 +112,11 @@ class TurnBatcher(Generic[T]):
         error: BaseException | None = None
         try:
             results = await self._send_batch([item for item, _, _ in batch])
-            self._sent(asyncio.current_task())  # its lane to the next batch, before these callers run
+            if self._max_in_flight and self._queue:
+                # its lane to who waits, before these callers run; with none waiting the done callback frees it
+                # after them, so a caller that asks again at once keeps the lane (and the reads' connection: idle)
+                # (safe only with no await below: `aclose` and the set's reference to this task end here)
+                self._sent(asyncio.current_task())
             for (_, future, _), result in zip(batch, results, strict=True):
                 if future.done():  # its request was cancelled (client went away)
                     continue

@@ -118,11 +118,12 @@ async def test_the_next_batch_goes_before_the_callers_of_the_one_that_came_back_
     store = Store()
     store.gate.clear()
     batcher = _limited(store)
-    sent_when_answered: dict[int, list[list[int]]] = {}
+    sent_when_first_answered: list[list[int]] = []
 
     async def caller(i: int) -> None:
         await batcher.submit(i)
-        sent_when_answered[i] = list(store.batches)
+        if i == 0:
+            sent_when_first_answered.extend(store.batches)
 
     first = asyncio.ensure_future(caller(0))
     await asyncio.sleep(0)
@@ -133,4 +134,20 @@ async def test_the_next_batch_goes_before_the_callers_of_the_one_that_came_back_
     store.gate.set()
     await asyncio.gather(first, second)
     # the store had the next batch before the caller of the last one ran: its round trip overlaps their answers
-    assert sent_when_answered[0] == [[0], [2]]
+    assert sent_when_first_answered == [[0], [2]]
+
+
+async def test_with_nobody_waiting_the_lane_and_idle_wait_until_the_callers_have_run() -> None:
+    events: list[str] = []
+    batcher = _limited(Store(), idle=lambda: events.append("idle"))
+
+    async def reader() -> None:
+        await batcher.submit(0)
+        events.append("answered")
+        await batcher.submit(2)  # asks again the moment it is answered: its type's lane (and connection) stay
+        events.append("answered again")
+
+    await reader()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert events == ["answered", "answered again", "idle"]

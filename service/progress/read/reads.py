@@ -120,8 +120,9 @@ def _stored(rows: list[asyncpg.Record]) -> StoredRows:
 
 
 async def alongside(query: Awaitable[Q], read: Awaitable[R]) -> tuple[Q, R]:
-    """Both stores at once: the query, the slower, sent at once in this task, the Redis read in a task of its own
-    (it starts after what is ready in this turn); both are awaited to their end before an error goes up."""
+    """Both stores at once: the query, the slower, started first, in this task, the Redis read in a task of its own
+    (it starts after what is ready in this turn); both are awaited to their end before an error goes up (the
+    query's first when both fail)."""
     values = asyncio.ensure_future(read)
     try:
         rows = await query
