@@ -62,8 +62,11 @@ def _wait_until(ready: Callable[[], bool], *, timeout_s: float, what: str, log_p
         if ready():
             return
         time.sleep(0.05)
-    tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else "(no log)"
-    raise EmbeddedServerError(f"{what} did not become ready in {timeout_s:.0f}s; log {log_path}:\n{tail}")
+    raise EmbeddedServerError(f"{what} did not become ready in {timeout_s:.0f}s; log {log_path}:\n{_tail(log_path)}")
+
+
+def _tail(log_path: Path) -> str:
+    return log_path.read_text(errors="replace")[-2000:] if log_path.exists() else "(no log)"
 
 
 class _ChildServer:
@@ -86,7 +89,7 @@ class _ChildServer:
 
         def up() -> bool:
             if not self.is_running():
-                raise EmbeddedServerError(f"{self.name} exited at start; log {self.log_path}")
+                raise EmbeddedServerError(f"{self.name} exited at start; log {self.log_path}:\n{_tail(self.log_path)}")
             return ready()
 
         _wait_until(up, timeout_s=timeout_s, what=self.name, log_path=self.log_path)
