@@ -260,6 +260,7 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
     )
     ledger: dict[tuple[int, int], tuple[float, float]] = {}  # key -> (last acknowledged position, its time)
     statuses: Counter[int] = Counter()
+    refused: list[str] = []
     watch = RowsWatch(db)
 
     async def post(client: httpx.AsyncClient, key: tuple[int, int], position: float) -> None:
@@ -269,6 +270,8 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
         statuses[response.status_code] += 1
         if response.status_code == 201:
             ledger[key] = (position, time.monotonic())
+        else:
+            refused.append(f"{response.status_code} {response.json()['detail']}")
 
     witness = Redis(port=valkey_cluster.nodes[0].port, decode_responses=True)  # never the victim
 
@@ -342,7 +345,10 @@ async def test_a_master_killed_under_load_fails_over_and_loses_only_unreplicated
         f"{_degraded_writes() - degraded_before:.0f} written directly while the master was down, "
         f"{len(lost)} keys lost their last acknowledged position"
     )
-    assert statuses[201] == sum(statuses.values())  # degraded mode answered for the dead master's slots
+    # degraded mode answered for the dead master's slots; what it may refuse is a heartbeat whose row the flush
+    # holds at that moment (SKIP LOCKED, the documented 503: retried by the app's next heartbeat, never acknowledged)
+    assert all("locked by another session" in why for why in refused), refused
+    assert statuses[201] >= 0.99 * sum(statuses.values()), dict(statuses)
     assert _degraded_writes() > degraded_before
     assert watch.moved_back == []
     for key, (position, acked_at) in lost.items():
