@@ -76,4 +76,4 @@ async def give_back(pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:
     try:
         await pool.release(conn)
     except POSTGRES_FAILED as exc:
-        log.info("a Postgres connection failed its reset and was closed (%s: %s)", type(exc).__name__, exc)
+        log.info("a Postgres connection failed to go back to the pool and was closed (%s: %s)", type(exc).__name__, exc)

@@ -13,7 +13,6 @@ While the shard count changes, the MGET names each value key of both layouts, an
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -34,7 +33,6 @@ from service.progress.keys import STANDALONE, KeyLayout
 from service.redis_client import RedisClient, get_many
 from service.stores import give_back
 
-log = logging.getLogger(__name__)
 _ONE_US = timedelta(microseconds=1)
 Q = TypeVar("Q")
 R = TypeVar("R")
@@ -289,14 +287,7 @@ class ProgressReader:
         while kept:
             task = asyncio.ensure_future(release_stateless(self._pool, kept.pop()))
             self._releasing.add(task)
-            task.add_done_callback(partial(self._released, kind))
-
-    def _released(self, kind: ContentKind, task: asyncio.Task[None]) -> None:
-        self._releasing.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.warning(
-                "a %s read's connection did not go back to the pool: %s: %s", kind.name, type(exc).__name__, exc
-            )
+            task.add_done_callback(self._releasing.discard)  # a failed release is logged there (give_back)
 
     async def aclose(self) -> None:
         try:
@@ -304,4 +295,4 @@ class ProgressReader:
         finally:
             for kind in CONTENT_KINDS:
                 self._give_back(kind)
-            await asyncio.gather(*self._releasing, return_exceptions=True)  # each logged by _released
+            await asyncio.gather(*self._releasing)
