@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from service.dev import embedded
+from tests.helpers import wait_for
 from tests.monolith.worker import CREATE_TABLE_SQL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,10 +228,37 @@ def kwargs_of(row: asyncpg.Record) -> dict[str, Any]:
     return json.loads(value) if isinstance(value, str) else dict(value)
 
 
+def _send_markers(broker_url: str, marker: str) -> None:
+    from celery import Celery
+
+    app = Celery("drain", broker=broker_url, set_as_current=False)
+    try:
+        for queue in QUEUES.split(","):
+            app.send_task("apps.engagements.tasks.advance_user_journey", task_id=f"{marker}-{queue}", queue=queue)
+    finally:
+        app.close()
+
+
+async def _drain(broker: Broker, pool: asyncpg.Pool, timeout_s: float = 30) -> None:
+    """Wait until the worker has run everything already in its queues: what an earlier test published and did not
+    wait for (with no worker yet, it all runs at this worker's start). A marker goes last into each queue; the worker
+    runs a queue in order, so once both markers ran, nothing older can land after the caller's TRUNCATE."""
+    marker = f"drain-{time.monotonic_ns()}"
+    await asyncio.to_thread(_send_markers, broker.url, marker)
+    queues = len(QUEUES.split(","))
+    ran = "SELECT count(*) FROM monolith_task_execution WHERE starts_with(task_id, $1)"
+
+    async def drained() -> bool:
+        return await pool.fetchval(ran, marker) == queues
+
+    await wait_for(drained, timeout_s)
+
+
 @pytest.fixture
-async def executions(monolith_table: str, worker: subprocess.Popen[bytes]) -> AsyncIterator[Executions]:
+async def executions(monolith_table: str, broker: Broker, worker: subprocess.Popen[bytes]) -> AsyncIterator[Executions]:
     pool = await asyncpg.create_pool(monolith_table, min_size=1, max_size=2)
     assert pool is not None
+    await _drain(broker, pool)
     await pool.execute("TRUNCATE monolith_task_execution")
     try:
         yield Executions(pool)
